@@ -1,0 +1,439 @@
+"""The typed configuration schema.
+
+Every YAML file under `conf/` merges into one of these dataclasses, so a typo'd key or a wrong
+type fails when Hydra composes the config. Cross-field checks live in `__post_init__`, which runs
+when `OmegaConf.to_object` turns the composed config into these objects at the entry point:
+before any process group exists. Choices are `Enum`s because hydra-core 1.3 pins omegaconf below
+2.4, which rejects `typing.Literal`.
+
+To add your own model or data set: subclass `ModelConfig` / `DataConfig` here, point `_target_`
+at your class, register it in `register_configs()` and add a YAML file under `conf/model/` or
+`conf/data/` (see the README).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from hydra_ddp.errors import UserError
+
+
+def _require(ok: bool, key: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
+
+
+# --------------------------------------------------------------------------------------------
+# ddp/: how the model is wrapped
+# --------------------------------------------------------------------------------------------
+
+
+class CommHook(Enum):
+    """DDP communication hooks from torch.distributed.algorithms.ddp_comm_hooks."""
+
+    none = "none"
+    fp16_compress = "fp16_compress"  # all-reduce gradients in fp16, halving the bytes sent
+    bf16_compress = "bf16_compress"  # same in bf16 (NCCL >= 2.10); wider range than fp16
+    powersgd = "powersgd"  # low-rank gradient compression (Vogels et al., 2019)
+
+
+@dataclass
+class DDPConfig:
+    """DistributedDataParallel constructor options. device_ids/output_device are not here:
+    they follow from LOCAL_RANK on CUDA and stay unset on CPU."""
+
+    # False: do not wrap the model at all (single-process debugging); see ddp=none.
+    enabled: bool = True
+    # Re-broadcast rank 0's buffers (e.g. BatchNorm stats) at every forward.
+    broadcast_buffers: bool = True
+    # Gradient bucket size in MiB: bigger buckets mean fewer, larger all-reduces.
+    bucket_cap_mb: float = 25.0
+    # Search the autograd graph each step for parameters that got no gradient. Needed when some
+    # parameters are unused in a forward pass; costs a graph traversal per step.
+    find_unused_parameters: bool = False
+    # Let .grad tensors alias the communication buckets: saves one copy and the memory of it.
+    gradient_as_bucket_view: bool = False
+    # Promise the set of used parameters and the graph never change between steps, which lets
+    # DDP skip per-step bookkeeping and allows reentrant checkpointing.
+    static_graph: bool = False
+    # Verify parameter shapes across ranks and broadcast rank 0's weights at construction.
+    init_sync: bool = True
+    # Gradient compression applied to the all-reduce.
+    comm_hook: CommHook = CommHook.none
+    # PowerSGD: rank of the low-rank approximation (higher = more accurate, more bytes).
+    powersgd_rank: int = 2
+    # PowerSGD: plain all-reduce for this many steps before compression starts.
+    powersgd_start_iter: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
+        _require(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
+        _require(self.powersgd_start_iter >= 1, "ddp.powersgd_start_iter", ">= 1",
+                 self.powersgd_start_iter)
+
+
+# --------------------------------------------------------------------------------------------
+# sampler/: which rows each rank sees
+# --------------------------------------------------------------------------------------------
+
+
+class SamplerPolicy(Enum):
+    # Every rank holds the whole data set and takes indices[rank::world_size] of a shared
+    # per-epoch permutation (DistributedSampler's semantics, without its O(N) index list).
+    strided = "strided"
+    # Every rank loads only its own part of the data and samples only from it.
+    sharded = "sharded"
+
+
+class ShardBy(Enum):
+    rows = "rows"  # contiguous row ranges of the data set
+    files = "files"  # whole shard files (data sets stored as several files)
+
+
+@dataclass
+class SamplerConfig:
+    policy: SamplerPolicy = SamplerPolicy.strided
+    # Reshuffle every epoch (a new permutation per epoch, same on all ranks for strided).
+    shuffle: bool = True
+    # Seed of the shuffle; null: use trainer.seed.
+    seed: Optional[int] = None
+    # strided: drop the tail so every rank gets the same number of distinct rows (otherwise
+    # rows are repeated to pad, as DistributedSampler does). Both: drop a final partial batch.
+    drop_last: bool = False
+    # sharded: how the data set is split between ranks.
+    shard_by: ShardBy = ShardBy.rows
+    # sharded: hand each rank a different part every epoch, so no rank trains on one fixed
+    # subset. With data.in_memory=true this re-reads a part from disk at each epoch start.
+    rotate: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# data/: where rows come from
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    # The class that loads this data set (see hydra_ddp.data.DataSource).
+    _target_: str = MISSING
+    # true: rows are read into RAM; false: memory-mapped from disk (on-disk data sets only).
+    in_memory: bool = True
+
+
+@dataclass
+class DigitsConfig(DataConfig):
+    """scikit-learn's 8x8 handwritten digits (1,797 images, shipped inside the package)."""
+
+    _target_: str = "hydra_ddp.data.Digits"
+    # Fractions of the rows held out for validation and test; the split is fixed by split_seed.
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+    split_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_fractions("data", self.val_fraction, self.test_fraction)
+
+
+@dataclass
+class TextConfig(DataConfig):
+    """Character-level corpus from CPython's own pydoc_data.topics (about 465k characters)."""
+
+    _target_: str = "hydra_ddp.data.CharText"
+    # Characters of context per sample; the model predicts each next character.
+    block_size: int = 128
+    # Contiguous tail fractions of the corpus held out for validation and test.
+    val_fraction: float = 0.05
+    test_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0, "data.block_size", "> 0", self.block_size)
+        _check_fractions("data", self.val_fraction, self.test_fraction)
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    """A generated classification set on disk, written by scripts/make_synthetic.py."""
+
+    _target_: str = "hydra_ddp.data.SyntheticArrays"
+    # Directory holding manifest.json and the shard files (relative to where you launch).
+    path: str = "data/synthetic"
+
+
+def _check_fractions(prefix: str, val: float, test: float) -> None:
+    _require(0 < val < 1, f"{prefix}.val_fraction", "in (0, 1)", val)
+    _require(0 < test < 1, f"{prefix}.test_fraction", "in (0, 1)", test)
+    _require(val + test < 1, f"{prefix}.val_fraction + {prefix}.test_fraction", "< 1",
+             val + test)
+
+
+# --------------------------------------------------------------------------------------------
+# model/
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    # The nn.Module class; it is built as cls(cfg, spec) with spec a hydra_ddp.data.DataSpec.
+    _target_: str = MISSING
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    _target_: str = "hydra_ddp.models.MLP"
+    hidden: int = 256  # width of each hidden layer
+    depth: int = 2  # number of hidden layers
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.hidden > 0, "model.hidden", "> 0", self.hidden)
+        _require(self.depth >= 1, "model.depth", ">= 1", self.depth)
+        _require(0 <= self.dropout < 1, "model.dropout", "in [0, 1)", self.dropout)
+
+
+@dataclass
+class CNNConfig(ModelConfig):
+    _target_: str = "hydra_ddp.models.CNN"
+    channels: int = 32  # channels of the first conv layer; the second has twice as many
+    hidden: int = 128  # width of the classifier's hidden layer
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.channels > 0, "model.channels", "> 0", self.channels)
+        _require(self.hidden > 0, "model.hidden", "> 0", self.hidden)
+        _require(0 <= self.dropout < 1, "model.dropout", "in [0, 1)", self.dropout)
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """A small GPT-style decoder; the context length is data.block_size."""
+
+    _target_: str = "hydra_ddp.models.GPT"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128  # must be divisible by n_head
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.n_layer >= 1, "model.n_layer", ">= 1", self.n_layer)
+        _require(self.n_head >= 1, "model.n_head", ">= 1", self.n_head)
+        _require(self.n_embd > 0 and self.n_embd % self.n_head == 0, "model.n_embd",
+                 f"> 0 and divisible by model.n_head={self.n_head}", self.n_embd)
+        _require(0 <= self.dropout < 1, "model.dropout", "in [0, 1)", self.dropout)
+
+
+# --------------------------------------------------------------------------------------------
+# optim/
+# --------------------------------------------------------------------------------------------
+
+
+class OptimizerName(Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Schedule(Enum):
+    cosine = "cosine"  # linear warmup, then cosine decay to lr * min_lr_ratio
+    constant = "constant"  # linear warmup, then constant
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW only
+    momentum: float = 0.9  # SGD only
+    nesterov: bool = False  # SGD only
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 20  # optimizer steps of linear warmup from 0
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", "> 0", self.lr)
+        _require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas",
+                 "two numbers in [0, 1)", self.betas)
+        _require(self.momentum >= 0, "optim.momentum", ">= 0", self.momentum)
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", ">= 0", self.warmup_steps)
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
+                 self.min_lr_ratio)
+
+
+# --------------------------------------------------------------------------------------------
+# logger/
+# --------------------------------------------------------------------------------------------
+
+
+class LoggerBackend(Enum):
+    wandb = "wandb"
+    none = "none"  # per-rank JSON-lines files only
+
+
+class Layout(Enum):
+    """The three layouts W&B documents for distributed training."""
+
+    gather = "gather"  # rank 0 gathers every rank's stats into one run, keys rank{r}/<stat>
+    group = "group"  # one run per rank, grouped by job
+    shared = "shared"  # all ranks write one run (W&B shared mode; online only)
+
+
+class WandbMode(Enum):
+    auto = "auto"  # online if logged in or WANDB_API_KEY is set, else offline
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class LoggerConfig:
+    backend: LoggerBackend = LoggerBackend.wandb
+    layout: Layout = Layout.gather
+    mode: WandbMode = WandbMode.auto
+    project: str = "hydra-ddp"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # null: the job's name (its overrides in a sweep)
+    group: Optional[str] = None  # null: one group per sweep (or per job)
+    tags: List[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# trainer: the loop; dist: the process group
+# --------------------------------------------------------------------------------------------
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast the forward pass to bfloat16 (no loss scaling needed)
+    fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
+
+
+class NanPolicy(Enum):
+    stop = "stop"  # stop the run with an error naming the step and the rank
+    skip = "skip"  # drop that step's update on every rank and carry on
+
+
+@dataclass
+class TrainerConfig:
+    # Optimizer steps to run; -1: run `epochs` full epochs instead.
+    max_steps: int = -1
+    # Passes over the training set (used when max_steps is -1).
+    epochs: int = 10
+    # Samples per rank per micro-step; the global batch is batch_size * world_size * grad_accum.
+    batch_size: int = 64
+    # Micro-steps per optimizer step; gradients are only all-reduced on the last one.
+    grad_accum: int = 1
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    grad_clip: float = 1.0
+    precision: Precision = Precision.fp32
+    # Seeds model init, dropout and (unless sampler.seed is set) the shuffle.
+    seed: int = 0
+    # Optimizer steps between per-rank stats (console, JSON lines, W&B).
+    log_interval: int = 10
+    # Optimizer steps between evaluations on the validation set; 0: at the end only.
+    eval_interval: int = 0
+    # Optimizer steps between checkpoints; 0: at the end only.
+    ckpt_interval: int = 0
+    # Checkpoints kept in <output dir>/checkpoints (oldest deleted first).
+    keep_ckpts: int = 2
+    # auto: continue from the newest checkpoint in the output dir if there is one;
+    # never: always start fresh; or a path to a checkpoint file.
+    resume: str = "auto"
+    # What a NaN/inf loss does.
+    nan_policy: NanPolicy = NanPolicy.stop
+    # DataLoader worker processes per rank (0: load in the training process).
+    num_workers: int = 0
+    # Show a progress bar on rank 0.
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps == -1 or self.max_steps > 0, "trainer.max_steps",
+                 "> 0, or -1 to run trainer.epochs", self.max_steps)
+        _require(self.epochs > 0, "trainer.epochs", "> 0", self.epochs)
+        _require(self.batch_size > 0, "trainer.batch_size", "> 0 (samples per rank)",
+                 self.batch_size)
+        _require(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
+        _require(self.grad_clip >= 0, "trainer.grad_clip", ">= 0 (0 disables)", self.grad_clip)
+        _require(self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval)
+        _require(self.eval_interval >= 0, "trainer.eval_interval", ">= 0 (steps; 0: at the end)",
+                 self.eval_interval)
+        _require(self.ckpt_interval >= 0, "trainer.ckpt_interval", ">= 0 (steps; 0: at the end)",
+                 self.ckpt_interval)
+        _require(self.keep_ckpts >= 1, "trainer.keep_ckpts", ">= 1", self.keep_ckpts)
+        _require(self.num_workers >= 0, "trainer.num_workers", ">= 0", self.num_workers)
+        _require(bool(self.resume), "trainer.resume", "auto, never or a checkpoint path",
+                 self.resume)
+
+
+class Backend(Enum):
+    auto = "auto"  # nccl on CUDA, gloo on CPU
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Device(Enum):
+    auto = "auto"  # cuda:LOCAL_RANK when CUDA is available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class DistConfig:
+    backend: Backend = Backend.auto
+    device: Device = Device.auto
+    # Seconds a collective (and the process-group start) may wait for a peer before failing.
+    timeout_s: float = 300.0
+    # Workers this command starts itself on this machine (torch's elastic agent). Ignored when
+    # the command already runs under a launcher (torchrun, SLURM/submitit).
+    nproc_per_node: int = 1
+    # Self-launch only: restarts of the whole worker group after a worker fails.
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, "dist.timeout_s", "> 0 (seconds)", self.timeout_s)
+        _require(self.nproc_per_node >= 1, "dist.nproc_per_node", ">= 1", self.nproc_per_node)
+        _require(self.max_restarts >= 0, "dist.max_restarts", ">= 0", self.max_restarts)
+
+
+@dataclass
+class TrainConfig:
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    data: DataConfig = MISSING
+    model: ModelConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self) -> None:
+        if self.precision_needs_cuda and self.dist.device == Device.cpu:
+            raise UserError("trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "
+                            "use trainer.precision=bf16 or fp32")
+
+    @property
+    def precision_needs_cuda(self) -> bool:
+        return self.trainer.precision == Precision.fp16
+
+    @property
+    def sampler_seed(self) -> int:
+        return self.trainer.seed if self.sampler.seed is None else self.sampler.seed
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore; conf/*.yaml files extend these entries."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, name, node in [
+        ("data", "digits", DigitsConfig),
+        ("data", "text", TextConfig),
+        ("data", "synthetic", SyntheticConfig),
+        ("model", "mlp", MLPConfig),
+        ("model", "cnn", CNNConfig),
+        ("model", "gpt", GPTConfig),
+    ]:
+        cs.store(group=f"schema/{group}", name=name, node=node, package=group)

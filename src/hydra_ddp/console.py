@@ -1,0 +1,97 @@
+"""What a person sees on the terminal: rank 0's config tree, progress bar and final summary.
+
+Other ranks stay quiet on the console (their logs still go to their own files) so N ranks do
+not print N copies of every line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console as RichConsole
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.tree import Tree
+
+from hydra_ddp.dist import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+class Console:
+    def __init__(self, env: DistEnv, enabled: bool = True):
+        self.env, self.enabled = env, enabled
+        self.rich = RichConsole(stderr=True)
+
+    def quiet_other_ranks(self) -> None:
+        """Raise the console handlers of non-zero ranks to WARNING; file handlers keep all."""
+        if self.env.is_main:
+            return
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(
+                    handler, logging.FileHandler):
+                handler.setLevel(logging.WARNING)
+
+    def info_main(self, msg: str, *args: Any) -> None:
+        if self.env.is_main:
+            log.info(msg, *args)
+
+    def show_config(self, config: dict[str, Any]) -> None:
+        if not self.env.is_main:
+            return
+        tree = Tree("[bold]config[/]")
+        for key, value in config.items():
+            _add(tree, key, value)
+        self.rich.print(tree)
+
+    def progress(self, total: int, done: int) -> "_Bar":
+        return _Bar(self.rich, total, done, self.enabled and self.env.is_main)
+
+    def show_summary(self, summary: dict[str, Any], output_dir: Path) -> None:
+        if not self.env.is_main:
+            return
+        keys = ["world_size", "steps", "train_loss", "val_loss", "val_acc", "test_loss",
+                "test_acc", "samples_per_s", "tokens_per_s", "wall_time_s"]
+        parts = [f"{k} {_short(summary[k])}" for k in keys if k in summary]
+        log.info("done | %s | %s", " | ".join(parts), output_dir / "summary.json")
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _add(tree: Tree, key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        branch = tree.add(f"[bold]{key}[/]")
+        for k, v in value.items():
+            _add(branch, k, v)
+    else:
+        tree.add(f"{key}: {value}")
+
+
+class _Bar:
+    """A rich progress bar on a terminal; nothing (the log lines suffice) elsewhere."""
+
+    def __init__(self, rich: RichConsole, total: int, done: int, enabled: bool):
+        self.progress = None
+        if enabled and sys.stderr.isatty():
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.description}"), TimeElapsedColumn(),
+                                     TimeRemainingColumn(), console=rich, transient=False)
+            self.task = self.progress.add_task("", total=total, completed=done)
+            self.progress.start()
+
+    def advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+    def describe(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, description=text)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()

@@ -1,0 +1,266 @@
+"""The distributed environment: the only module that reads RANK, LOCAL_RANK and WORLD_SIZE.
+
+A `DistEnv` is built once per process from what the launcher (torchrun, torch's elastic agent,
+SLURM through submitit) put in the environment, and passed explicitly to everything else. With
+none of those variables set the job runs as one process with no process group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from hydra_ddp.config import Backend, CommHook, DDPConfig, Device, DistConfig
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. Cheap to build; no process group needed."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one process that writes shared files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is up (world_size > 1 and init_process_group ran)."""
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def under_launcher() -> bool:
+    """True when torchrun, torch's elastic agent or SLURM/submitit started this process."""
+    return "RANK" in os.environ or _submitit_tasks() > 1
+
+
+def export_submitit_env() -> None:
+    """Inside a submitit task with several tasks, export RANK/WORLD_SIZE/... the way torchrun
+    does, from SLURM's variables (or submitit's local ones), so the rest of the code sees one
+    kind of environment."""
+    if "RANK" in os.environ or _submitit_tasks() <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def _submitit_tasks() -> int:
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return 0
+    try:
+        from submitit import JobEnvironment
+
+        return JobEnvironment().num_tasks
+    except Exception:  # not inside a submitit job after all
+        return 0
+
+
+def env_from_environ(cfg: DistConfig) -> DistEnv:
+    """Read the launcher's variables and pick this rank's device."""
+    present = [k for k in _LAUNCHER_VARS if k in os.environ]
+    if not present:
+        return DistEnv(device=_pick_device(cfg, local_rank=0))
+    missing = [k for k in _LAUNCHER_VARS if k not in os.environ]
+    if missing:
+        raise UserError(
+            f"the environment sets {', '.join(present)} but not {', '.join(missing)}: start the "
+            "job with torchrun (or set all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+            "MASTER_PORT)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world,
+                   local_world_size=local_world, device=_pick_device(cfg, local_rank))
+
+
+def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    want_cuda = cfg.device == Device.cuda or (cfg.device == Device.auto
+                                               and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("dist.device=cuda but CUDA is not available here: use dist.device=cpu "
+                        "or auto")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(
+            f"local rank {local_rank} has no GPU: this node has {count} visible GPU(s) but more "
+            "processes per node were started; set --nproc_per_node (or dist.nproc_per_node) to "
+            f"at most {count}, or use dist.device=cpu")
+    return torch.device("cuda", local_rank)
+
+
+def backend_for(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend == Backend.auto:
+        return "nccl" if device.type == "cuda" else "gloo"
+    if cfg.backend == Backend.nccl and device.type != "cuda":
+        raise UserError("dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
+                        "dist.backend=gloo (or auto)")
+    return cfg.backend.value
+
+
+def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
+    """Start the process group (if world_size > 1). The device is set first so NCCL binds each
+    rank to its own GPU rather than every rank to GPU 0."""
+    if env.world_size == 1:
+        return
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    backend = backend_for(cfg, env.device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
+    try:
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    except (RuntimeError, dist.DistStoreError) as e:  # type: ignore[attr-defined]
+        raise UserError(
+            f"rank {env.rank} could not join the process group at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within "
+            f"dist.timeout_s={cfg.timeout_s:g}s ({str(e).splitlines()[0]}): check that every "
+            "rank was started and can reach the master, or raise dist.timeout_s") from e
+    log.info("process group up: backend=%s rank=%d/%d device=%s", backend, env.rank,
+             env.world_size, env.device)
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Hydra resolvers: one output directory per job, whatever started the ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _launcher_rank() -> int:
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
+        return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def job_dir(default: str) -> str:
+    """hydra.run.dir for this process.
+
+    With `@hydra.main` under torchrun every rank composes its own config, seconds apart on
+    several nodes, so each would resolve `${now:}` to its own timestamp. Here rank 0's choice is
+    agreed through the store torchrun's agent already runs for the job (compare_set, so a
+    restarted worker group gets the directory of the first attempt and can resume from it).
+    Without an agent store the launcher's job id names the directory.
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return _agree_through_store(default)
+        return os.path.join("outputs", "torchrun", os.environ["TORCHELASTIC_RUN_ID"])
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+        return os.path.join("outputs", "slurm",
+                            f"{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_STEP_ID', 0)}")
+    return default
+
+
+def _agree_through_store(default: str) -> str:
+    key = f"hydra_ddp/job_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=300))
+    if _launcher_rank() == 0:
+        # compare_set writes only if the key is absent and returns what the key holds.
+        return store.compare_set(key, "", default).decode()
+    return store.get(key).decode()
+
+
+def hydra_subdir(default: str) -> str | None:
+    """hydra.output_subdir: only global rank 0 writes the .hydra/ dump."""
+    return default if _launcher_rank() == 0 else None
+
+
+def log_name(default: str) -> str:
+    """Log file stem: one file per rank whenever a launcher started several ranks."""
+    return f"{default}_rank{_launcher_rank()}" if under_launcher() else default
+
+
+def register_resolvers() -> None:
+    for name, fn in [("ddp_job_dir", job_dir), ("ddp_hydra_subdir", hydra_subdir),
+                     ("ddp_log_name", log_name)]:
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn, use_cache=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrapping the model
+# --------------------------------------------------------------------------------------------
+
+
+def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn.Module:
+    """Move the model to this rank's device and wrap it in DDP as the ddp/ config says.
+
+    device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
+    would name a GPU that does not exist.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = model.to(env.device)
+    if not cfg.enabled:
+        if env.world_size > 1:
+            raise UserError(f"ddp=none (ddp.enabled=false) with {env.world_size} processes would "
+                            "let every rank train its own diverging copy: use ddp=default, or "
+                            "run one process")
+        return model
+    if not env.distributed:
+        return model
+    on_cuda = env.device.type == "cuda"
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same per-forward meaning;
+    # the sync at construction is init_sync's job); older releases know only the old name.
+    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in
+                  inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
+    ddp = DDP(model,
+              device_ids=[env.device.index] if on_cuda else None,
+              output_device=env.device.index if on_cuda else None,
+              **{buffers_kw: cfg.broadcast_buffers},
+              bucket_cap_mb=cfg.bucket_cap_mb,
+              find_unused_parameters=cfg.find_unused_parameters,
+              gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+              static_graph=cfg.static_graph,
+              init_sync=cfg.init_sync)
+    _register_comm_hook(ddp, cfg)
+    return ddp
+
+
+def _register_comm_hook(ddp: torch.nn.Module, cfg: DDPConfig) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if cfg.comm_hook == CommHook.fp16_compress:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif cfg.comm_hook == CommHook.bf16_compress:
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif cfg.comm_hook == CommHook.powersgd:
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=cfg.powersgd_rank,
+                                            start_powerSGD_iter=cfg.powersgd_start_iter)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside a DDP wrapper (what checkpoints and evaluation use)."""
+    return getattr(model, "module", model)

@@ -1,0 +1,156 @@
+"""Starting workers, and reporting on sweeps of DDP jobs.
+
+`spawn` is `python -m hydra_ddp.train dist.nproc_per_node=N`: the Hydra job that composed and
+validated the config starts N workers with torch's elastic agent (the machinery behind
+torchrun) and hands each the finished config object, so workers never re-compose, re-sweep or
+re-resolve `${now:}`. `SweepReport` is a Hydra callback that lists, at the end of a multirun,
+which jobs failed and where their logs are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from hydra_ddp.config import TrainConfig
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+_sweep_failed = False
+
+
+def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
+    """Run the job on `cfg.dist.nproc_per_node` local workers; return rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # What torchrun does too: N workers each running a full-size OpenMP pool on the same
+        # cores spend their time fighting over them (10x slower on a 2-core CPU job).
+        os.environ["OMP_NUM_THREADS"] = "1"
+    errors = Path(run.output_dir) / "errors"
+    for old in errors.glob("rank*.txt"):
+        old.unlink()
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.dist.nproc_per_node,
+        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
+        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+        max_restarts=cfg.dist.max_restarts, monitor_interval=0.2, start_method="spawn",
+    )
+    log.info("starting %d workers (max_restarts=%d); logs: %s", cfg.dist.nproc_per_node,
+             cfg.dist.max_restarts, Path(run.output_dir) / "train_rank*.log")
+    try:
+        results = elastic_launch(config, worker)(cfg, run)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        why = _first_error(errors, rank) or f"exit code {failure.exitcode}"
+        raise UserError(f"worker rank {rank} failed: {why} (log: "
+                        f"{Path(run.output_dir) / f'train_rank{rank}.log'})") from None
+    return results[0]
+
+
+def _first_error(errors: Path, rank: int) -> str | None:
+    path = errors / f"rank{rank}.txt"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def worker(cfg: TrainConfig, run: Any) -> dict[str, Any]:
+    """One worker started by `spawn`: log setup, then the same `train` torchrun ranks run."""
+    from hydra_ddp.dist import env_from_environ
+    from hydra_ddp.train import train
+
+    rank = int(os.environ.get("RANK", 0))
+    _setup_worker_logging(Path(run.output_dir), rank)
+    try:
+        return train(cfg, env_from_environ(cfg.dist), run)
+    except UserError as e:
+        log.error("error: %s", e)
+        errors = Path(run.output_dir) / "errors"
+        errors.mkdir(exist_ok=True)
+        (errors / f"rank{rank}.txt").write_text(str(e) + "\n")
+        # A clean exit code rather than a traceback from every worker.
+        sys.exit(2)
+    except Exception:
+        log.exception("rank %d failed", rank)
+        raise
+
+
+def _setup_worker_logging(output_dir: Path, rank: int) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    console = logging.StreamHandler(sys.stderr)
+    # Only rank 0 talks on the console; every rank keeps its full log in its own file.
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    file = logging.FileHandler(output_dir / f"train_rank{rank}.log")
+    for handler in (console, file):
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        root.addHandler(handler)
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps
+# --------------------------------------------------------------------------------------------
+
+
+def record_failure(output_dir: Path, message: str) -> None:
+    """Mark a job of a sweep as failed, for SweepReport to find."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / "failure.json").write_text(json.dumps({"error": message}) + "\n")
+
+
+def sweep_failed() -> bool:
+    """True when the sweep that just ran in this process had a failing job."""
+    return _sweep_failed
+
+
+class SweepReport(Callback):
+    """At the end of a multirun, list every job with its status, objective and log, and write
+    the list to <sweep dir>/sweep_report.json. It reads the job directories, so it works for
+    launchers that run jobs in other processes (submitit) as well as in this one."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _sweep_failed
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = []
+        for job_dir in sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()):
+            failure, summary = job_dir / "failure.json", job_dir / "summary.json"
+            if failure.is_file():
+                status, detail = "FAILED", json.loads(failure.read_text())["error"]
+            elif summary.is_file():
+                status, detail = "ok", json.loads(summary.read_text()).get("objective")
+            else:
+                status, detail = "FAILED", "no summary.json (the job died)"
+            logs = sorted(str(p) for p in job_dir.glob("*.log"))
+            jobs.append({"job": job_dir.name, "status": status, "detail": detail, "logs": logs})
+        (sweep_dir / "sweep_report.json").write_text(json.dumps(jobs, indent=2) + "\n")
+        failed = [j for j in jobs if j["status"] != "ok"]
+        _sweep_failed = bool(failed)
+        log.info("sweep done: %d job(s), %d failed; report: %s", len(jobs), len(failed),
+                 sweep_dir / "sweep_report.json")
+        for j in jobs:
+            line = f"  {j['status']:6s} {j['job']}: {j['detail']}"
+            if j["status"] != "ok":
+                line += f" (logs: {', '.join(j['logs']) or j['job']})"
+            (log.error if j["status"] != "ok" else log.info)(line)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        # A job that raised past train.py's own handling (a bug) still gets marked.
+        from hydra.core.utils import JobStatus
+
+        if job_return.status == JobStatus.FAILED and job_return.hydra_cfg is not None:
+            output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
+            record_failure(output_dir, repr(job_return._return_value))
