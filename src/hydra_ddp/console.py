@@ -50,6 +50,19 @@ class Console:
     def progress(self, total: int, done: int) -> "_Bar":
         return _Bar(self.rich, total, done, self.enabled and self.env.is_main)
 
+    def log_step(self, step: int, total: int, stats: dict[str, float], agg: dict[str, float],
+                 unit: str) -> None:
+        """One line per log interval (nanoGPT-style), with the slowest rank when there are
+        several, so a straggler shows on the console too."""
+        line = (f"step {step}/{total} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
+                f"{unit}/s {stats[f'{unit}_per_s']:.0f} (rank 0) | "
+                f"step {1000 * stats['step_time']:.1f} ms | data wait "
+                f"{1000 * stats['data_wait']:.2f} ms")
+        if self.env.world_size > 1 and "step_time_max" in agg:
+            line += (f" | slowest rank {int(agg['slowest_rank'])} "
+                     f"({1000 * agg['step_time_max']:.1f} ms)")
+        log.info(line)
+
     def show_summary(self, summary: dict[str, Any], output_dir: Path) -> None:
         if not self.env.is_main:
             return
@@ -76,13 +89,17 @@ class _Bar:
     """A rich progress bar on a terminal; nothing (the log lines suffice) elsewhere."""
 
     def __init__(self, rich: RichConsole, total: int, done: int, enabled: bool):
-        self.progress = None
+        self.progress: Progress | None = None
         if enabled and sys.stderr.isatty():
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.description}"), TimeElapsedColumn(),
                                      TimeRemainingColumn(), console=rich, transient=False)
             self.task = self.progress.add_task("", total=total, completed=done)
             self.progress.start()
+
+    @property
+    def visible(self) -> bool:
+        return self.progress is not None
 
     def advance(self) -> None:
         if self.progress is not None:

@@ -346,8 +346,9 @@ class Tracker:
                                "every rank must log the same keys at every interval")
         return {r: row[1:] for r, row in enumerate(rows)}
 
-    def log(self, step: int, stats: Dict[str, float]) -> None:
-        """Record this rank's stats for ``step``. Collective: call on every rank, same keys."""
+    def log(self, step: int, stats: Dict[str, float]) -> Dict[str, float]:
+        """Record this rank's stats for ``step``. Collective: call on every rank, same keys.
+        Returns the cross-rank aggregates on rank 0 (empty elsewhere)."""
         if self._closed:
             raise RuntimeError("Tracker.log called after close()")
         keys = sorted(stats)
@@ -363,7 +364,7 @@ class Tracker:
             self._append(self._agg, {"step": step, "time": now, **agg})
 
         if self._run is None:
-            return
+            return agg
         row: Dict[str, float] = {STEP_METRIC: step}
         if self._layout == Layout.gather:
             for r, vals in table.items():
@@ -374,6 +375,7 @@ class Tracker:
             row.update({f"rank{self._env.rank}/{k}": v for k, v in zip(keys, values)})
         row.update({f"agg/{k}": v for k, v in agg.items()})
         self._run.log(row)
+        return agg
 
     def log_eval(self, step: int, metrics: Dict[str, float]) -> None:
         """Record evaluation metrics keyed like ``val/acc`` or ``test/loss`` (rank 0 only)."""

@@ -163,8 +163,10 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 stats.update(memory_stats(env.device), samples_seen=pos.samples_seen,
                              data_rows=train_data.rows_held, data_bytes=train_data.bytes_held,
                              epoch=pos.epoch)
-                tracker.log(pos.step, stats)
+                agg = tracker.log(pos.step, stats)
                 progress.describe(f"loss {stats['loss']:.4f}")
+                if env.is_main and not progress.visible:
+                    console.log_step(pos.step, total_steps, stats, agg, unit)
             if tcfg.eval_interval and pos.step % tcfg.eval_interval == 0 \
                     and pos.step < total_steps:
                 last_eval = evaluate(raw_model, evals[Split.val], env, source.spec.task, autocast)

@@ -1,0 +1,106 @@
+"""Shared helpers: run the commands a user types, in a subprocess, in a scratch directory.
+
+Every run happens in `tmp_path` (Hydra's outputs/ and multirun/ land there), with W&B isolated
+under it and forced offline, and with a timeout so a hang fails the test instead of CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+# Small and quick: enough steps to see the loss fall, few enough for a 2-core CI box.
+FAST = ["logger=none", "trainer.progress=false"]
+
+
+def user_env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
+    """The environment of a user with no W&B account: offline, nothing read from $HOME."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env.update(
+        NETRC=str(tmp / "no-netrc"),
+        WANDB_CONFIG_DIR=str(tmp / "wandb-config"),
+        WANDB_CACHE_DIR=str(tmp / "wandb-cache"),
+        WANDB_DATA_DIR=str(tmp / "wandb-data"),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run(cmd: list[str], cwd: Path, *, env: Optional[dict[str, str]] = None,
+        timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run a command as a user would; a hang past `timeout` fails the test."""
+    return subprocess.run(cmd, cwd=cwd, env=env or user_env(cwd), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun(cwd: Path, *overrides: str, nproc: int = 2, env: Optional[dict[str, str]] = None,
+             timeout: float = 180, extra_args: tuple[str, ...] = ()
+             ) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc_per_node=N -m hydra_ddp.train overrides...`"""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", *extra_args, "-m", "hydra_ddp.train", *overrides]
+    return run(cmd, cwd, env=env, timeout=timeout)
+
+
+def python_train(cwd: Path, *overrides: str, env: Optional[dict[str, str]] = None,
+                 timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """`python -m hydra_ddp.train overrides...` (single process, or self-launch / multirun)."""
+    return run([sys.executable, "-m", "hydra_ddp.train", *overrides], cwd, env=env,
+               timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+        f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def job_dirs(root: Path) -> list[Path]:
+    """Every job output dir under root (a dir holding summary.json or .hydra/)."""
+    found = {p.parent for p in root.rglob("summary.json") if p.parent.name != "stats"}
+    found |= {p.parent for p in root.rglob(".hydra")}
+    return sorted(found)
+
+
+def only_job_dir(root: Path) -> Path:
+    dirs = job_dirs(root / "outputs")
+    assert len(dirs) == 1, f"expected one job dir, found {dirs}"
+    return dirs[0]
+
+
+def summary(job_dir: Path) -> dict:
+    return json.loads((job_dir / "summary.json").read_text())
+
+
+@pytest.fixture
+def synthetic(tmp_path: Path):
+    """A factory writing a small synthetic data set under tmp_path with make_synthetic.py."""
+
+    def make(name: str = "syn", *args: str) -> Path:
+        out = tmp_path / name
+        ok(run([sys.executable, str(REPO / "scripts" / "make_synthetic.py"), "--out", str(out),
+                *args], tmp_path))
+        return out
+
+    return make
