@@ -12,6 +12,8 @@ import logging
 import os
 import pickle
 import re
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from hydra_ddp.errors import UserError
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
+_TMP = re.compile(r"^\.step_\d{8}\.pt\.(\d+)\.tmp$")
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -36,6 +39,7 @@ def save(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path:
     """
     folder = checkpoint_dir(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(folder)
     final = folder / f"step_{step:08d}.pt"
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -57,45 +61,115 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _remove_stale_tmp(folder: Path) -> None:
+    """Delete temporary files left by writers that were killed mid-write (their pid is gone).
+    Only global rank 0 ever writes here, so a live pid other than ours is not expected."""
+    for p in folder.iterdir():
+        m = _TMP.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def _complete(folder: Path) -> list[tuple[int, Path]]:
     if not folder.is_dir():
         return []
     return [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
 
 
+def is_complete(path: Path) -> bool:
+    """Cheap check that a file is a whole torch.save archive: a zip whose end-of-archive
+    record is present (a truncated or partly copied file has none). Reads only its tail."""
+    try:
+        return path.is_file() and zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
 def latest(output_dir: Path) -> Path | None:
-    """The newest complete checkpoint in the job's output dir, if any."""
-    found = sorted(_complete(checkpoint_dir(output_dir)))
-    return found[-1][1] if found else None
+    """The newest complete checkpoint in the job's output dir, if any. A step file that is
+    not a whole archive (e.g. truncated by a copy or a full disk) is skipped with a warning."""
+    for _, path in sorted(_complete(checkpoint_dir(output_dir)), reverse=True):
+        if is_complete(path):
+            return path
+        log.warning("skipping %s: not a complete checkpoint (truncated or corrupt)", path)
+    return None
 
 
 def resolve_resume(resume: str, output_dir: Path) -> Path | None:
-    """trainer.resume -> the file to load (None: start fresh)."""
+    """trainer.resume -> the file to load (None: start fresh).
+
+    auto: the newest complete checkpoint in this job's output dir, or a fresh start when it
+    has none; never: a fresh start; a file: that checkpoint; a directory: the newest
+    checkpoint in it (a job's output dir or its checkpoints/ folder).
+    """
     if resume == "never":
         return None
     if resume == "auto":
         return latest(output_dir)
     path = Path(resume)
+    if path.is_dir():
+        found = latest(path.parent if path.name == "checkpoints" else path)
+        if found is None:
+            raise UserError(f"trainer.resume={resume}: the directory holds no complete "
+                            "checkpoint (checkpoints/step_*.pt); give a checkpoint file, or "
+                            "trainer.resume=never to start fresh")
+        return found
     if not path.is_file():
         raise UserError(f"trainer.resume={resume}: no such file; give a checkpoint path, "
                         "trainer.resume=auto (newest in the output dir) or never")
     return path
 
 
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    """The gist of a library error: its first line, cut at the first sentence if long."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    if len(text) > limit and ". " in text:
+        text = text[:text.index(". ") + 1]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
     """Read a checkpoint safely; every failure is one clear line naming the file."""
+    path = Path(path)
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"{path} is empty (a checkpoint whose write never completed?): point "
+                        "trainer.resume at another one, or trainer.resume=never")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UserError(f"refusing to load {path}: it holds objects that would run code when "
-                        "unpickled (torch.load weights_only=True rejected it); only load "
-                        "checkpoints you trust, re-saved as plain tensors") from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable checkpoint ({str(e).splitlines()[0]}): it "
-                        "may be truncated or corrupt; point trainer.resume at another one, or "
+        # weights_only names a forbidden global ("unsupported GLOBAL posix.system") when the
+        # file asks to import and call code; any other unpickling failure means bad bytes.
+        banned = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln.upper()),
+                      None)
+        if banned is not None:
+            raise UserError(f"refusing to load {path}: it holds objects that would run code "
+                            f"when unpickled ({banned}); torch.load(weights_only=True) rejected "
+                            "it. Only load checkpoints you trust, re-saved as plain tensors"
+                            ) from e
+        raise UserError(f"{path} is not a readable checkpoint (not a torch.save archive, or "
+                        "corrupt): point trainer.resume at another one, or "
+                        "trainer.resume=never") from e
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
+        raise UserError(f"{path} is not a readable checkpoint ({_first_line(e)}): it may be "
+                        "truncated or corrupt; point trainer.resume at another one, or "
                         "trainer.resume=never") from e
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise UserError(f"{path} is not a hydra-ddp checkpoint (no model/step entries)")
+        raise UserError(f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
+                        "a file from <output dir>/checkpoints/, or trainer.resume=never")
     return state
 
 

@@ -131,10 +131,17 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
     try:
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    except (RuntimeError, dist.DistStoreError) as e:  # type: ignore[attr-defined]
+    except RuntimeError as e:  # DistStoreError, DistNetworkError are RuntimeErrors too
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise UserError(
+                f"rank {env.rank} cannot host the process group on {where}: port "
+                f"{os.environ.get('MASTER_PORT')} is already in use on this machine (another "
+                "job?); pick a free MASTER_PORT (torchrun --master-port), or let one be chosen "
+                "(torchrun --standalone, or python -m hydra_ddp.train dist.nproc_per_node=N)"
+                ) from e
         raise UserError(
-            f"rank {env.rank} could not join the process group at "
-            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within "
+            f"rank {env.rank} could not join the process group at {where} within "
             f"dist.timeout_s={cfg.timeout_s:g}s ({str(e).splitlines()[0]}): check that every "
             "rank was started and can reach the master, or raise dist.timeout_s") from e
     log.info("process group up: backend=%s rank=%d/%d device=%s", backend, env.rank,
@@ -250,6 +257,10 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn
 def _register_comm_hook(ddp: torch.nn.Module, cfg: DDPConfig) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    if cfg.comm_hook == CommHook.bf16_compress and dist.get_backend() != "nccl":
+        raise UserError("ddp=bf16_compress (ddp.comm_hook=bf16_compress) needs CUDA with NCCL "
+                        f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
+                        "ddp=fp16_compress or ddp=powersgd there")
     if cfg.comm_hook == CommHook.fp16_compress:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif cfg.comm_hook == CommHook.bf16_compress:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import uuid
@@ -19,15 +20,17 @@ from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig
+from hydra_ddp.dist import _launcher_rank
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
 
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 _sweep_failed = False
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
@@ -51,6 +54,12 @@ def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
     )
     log.info("starting %d workers (max_restarts=%d); logs: %s", cfg.dist.nproc_per_node,
              cfg.dist.max_restarts, Path(run.output_dir) / "train_rank*.log")
+    # The workers' process group gets a fresh store from worker rank 0 at every attempt instead
+    # of the agent's store, which outlives restarts: on that one a restarted rank can read the
+    # previous attempt's addresses and hang (pytorch/pytorch#135712, still so in torch 2.13).
+    # The job dir is decided here already, so nothing needs the agent's store.
+    saved = os.environ.get(_NO_SHARED_STORE)
+    os.environ[_NO_SHARED_STORE] = "1"
     try:
         results = elastic_launch(config, worker)(cfg, run)
     except ChildFailedError as e:
@@ -58,6 +67,11 @@ def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
         why = _first_error(errors, rank) or f"exit code {failure.exitcode}"
         raise UserError(f"worker rank {rank} failed: {why} (log: "
                         f"{Path(run.output_dir) / f'train_rank{rank}.log'})") from None
+    finally:
+        if saved is None:
+            os.environ.pop(_NO_SHARED_STORE, None)
+        else:
+            os.environ[_NO_SHARED_STORE] = saved
     return results[0]
 
 
@@ -120,14 +134,27 @@ def sweep_failed() -> bool:
 class SweepReport(Callback):
     """At the end of a multirun, list every job with its status, objective and log, and write
     the list to <sweep dir>/sweep_report.json. It reads the job directories, so it works for
-    launchers that run jobs in other processes (submitit) as well as in this one."""
+    launchers that run jobs in other processes (submitit) as well as in this one.
+
+    Each job's rank 0 leaves what Hydra got back from the job (the objective a sweeper such as
+    Optuna's optimises) in <job dir>/job_return.json; the report shows it as `objective`."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # A sweep rerun into the same sweep dir must not report the previous run's outcome.
+        if _is_multirun(config) and _launcher_rank() == 0:
+            output_dir = Path(config.hydra.runtime.output_dir)
+            for name in ("failure.json", _JOB_RETURN):
+                (output_dir / name).unlink(missing_ok=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global _sweep_failed
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = []
-        for job_dir in sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()):
+        job_dirs = [p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()]
+        for job_dir in sorted(job_dirs, key=_job_order):
             failure, summary = job_dir / "failure.json", job_dir / "summary.json"
+            returned = _read_json(job_dir / _JOB_RETURN) or {}
+            objective = returned.get("return_value")
             if failure.is_file():
                 status, detail = "FAILED", json.loads(failure.read_text())["error"]
             elif summary.is_file():
@@ -135,7 +162,8 @@ class SweepReport(Callback):
             else:
                 status, detail = "FAILED", "no summary.json (the job died)"
             logs = sorted(str(p) for p in job_dir.glob("*.log"))
-            jobs.append({"job": job_dir.name, "status": status, "detail": detail, "logs": logs})
+            jobs.append({"job": job_dir.name, "status": status, "objective": objective,
+                         "detail": detail, "dir": str(job_dir), "logs": logs})
         (sweep_dir / "sweep_report.json").write_text(json.dumps(jobs, indent=2) + "\n")
         failed = [j for j in jobs if j["status"] != "ok"]
         _sweep_failed = bool(failed)
@@ -148,9 +176,44 @@ class SweepReport(Callback):
             (log.error if j["status"] != "ok" else log.info)(line)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        # A job that raised past train.py's own handling (a bug) still gets marked.
         from hydra.core.utils import JobStatus
 
-        if job_return.status == JobStatus.FAILED and job_return.hydra_cfg is not None:
-            output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
+        if job_return.hydra_cfg is None or _launcher_rank() != 0:
+            return  # under submitit every task of a job gets here: rank 0 speaks for the job
+        output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
+        if job_return.status == JobStatus.FAILED:
+            # A job that raised past train.py's own handling (a bug) still gets marked.
             record_failure(output_dir, repr(job_return._return_value))
+        if _is_multirun(job_return.hydra_cfg):
+            value = job_return._return_value if job_return.status == JobStatus.COMPLETED \
+                else None
+            number = float(value) if isinstance(value, (int, float)) else None
+            (output_dir / _JOB_RETURN).write_text(json.dumps({
+                "status": job_return.status.name,
+                "return_type": type(value).__name__,
+                # JSON has no NaN: a failed job's NaN objective is written as null.
+                "return_value": number if number is not None and math.isfinite(number)
+                else None,
+            }) + "\n")
+
+
+_JOB_RETURN = "job_return.json"
+
+
+def _is_multirun(config: DictConfig) -> bool:
+    from hydra.types import RunMode
+
+    return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
+
+
+def _job_order(job_dir: Path) -> tuple[int, str]:
+    """Jobs in launch order: `10_...` after `9_...` (the subdir starts with the job number)."""
+    head = job_dir.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else sys.maxsize, job_dir.name)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

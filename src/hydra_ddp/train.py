@@ -257,11 +257,15 @@ def _non_finite(step: int, loss_sum: torch.Tensor, env: DistEnv, policy: NanPoli
         ranks = [r for r, f in enumerate(gathered) if f.item() > 0]
     else:
         ranks = [0] if flags.item() > 0 else []
-    where = f"rank(s) {ranks}" if ranks else "no rank's loss (the gradients overflowed)"
+    if ranks:
+        what = f"non-finite loss at step {step} on rank(s) {', '.join(map(str, ranks))}"
+    else:
+        what = (f"non-finite gradients at step {step} on every rank (the loss was finite on all "
+                "ranks; the averaged gradient overflowed)")
     if policy == NanPolicy.stop:
-        raise UserError(f"non-finite loss at step {step} on {where}; lower optim.lr, enable "
-                        "trainer.grad_clip, or set trainer.nan_policy=skip to drop such steps")
-    log.warning("skipping step %d: non-finite loss on %s", step, where)
+        raise UserError(f"{what}: lower optim.lr, enable trainer.grad_clip, check the data those "
+                        "ranks read, or set trainer.nan_policy=skip to drop such steps")
+    log.warning("skipping step %d (trainer.nan_policy=skip): %s", step, what)
 
 
 def _save(pos: Position, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
@@ -290,9 +294,18 @@ def _restore(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sch
              scaler: torch.amp.GradScaler, env: DistEnv) -> Position:
     state = checkpoint.load(path)
     checkpoint.load_model_state(model, state, path)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    try:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        pos = Position(step=int(state["step"]), epoch=int(state["epoch"]),
+                       batch_in_epoch=int(state["batch_in_epoch"]),
+                       samples_seen=int(state.get("samples_seen", 0)))
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"{path} does not match this job's optimizer/scheduler setup "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                        "resume with the optim.* config it was trained with, or "
+                        "trainer.resume=never") from e
     if state.get("world_size") != env.world_size:
         log.warning("%s was written by %s ranks, this job has %d: the rest of its epoch is "
                     "partitioned differently", path, state.get("world_size"), env.world_size)
@@ -301,9 +314,7 @@ def _restore(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sch
         torch.set_rng_state(rngs[env.rank]["torch"].cpu())
         if env.device.type == "cuda" and "cuda" in rngs[env.rank]:
             torch.cuda.set_rng_state(rngs[env.rank]["cuda"].cpu(), env.device)
-    return Position(step=state["step"], epoch=state["epoch"],
-                    batch_in_epoch=state["batch_in_epoch"],
-                    samples_seen=state.get("samples_seen", 0))
+    return pos
 
 
 def _summary(cfg: TrainConfig, env: DistEnv, pos: Position, start_step: int, wall: float,
