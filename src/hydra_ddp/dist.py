@@ -35,6 +35,9 @@ class DistEnv:
     world_size: int = 1
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
+    # A launcher (torchrun, the elastic agent, SLURM) started this process: it gets a process
+    # group and a DDP wrap even when it is the only rank, so one GPU runs the same code as 64.
+    launched: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -43,8 +46,8 @@ class DistEnv:
 
     @property
     def distributed(self) -> bool:
-        """True when a process group is up (world_size > 1 and init_process_group ran)."""
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        """True when a process group is up (init_process_group ran)."""
+        return dist.is_available() and dist.is_initialized()
 
 
 def under_launcher() -> bool:
@@ -90,7 +93,8 @@ def env_from_environ(cfg: DistConfig) -> DistEnv:
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world,
-                   local_world_size=local_world, device=_pick_device(cfg, local_rank))
+                   local_world_size=local_world, device=_pick_device(cfg, local_rank),
+                   launched=True)
 
 
 def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
@@ -120,9 +124,9 @@ def backend_for(cfg: DistConfig, device: torch.device) -> str:
 
 
 def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
-    """Start the process group (if world_size > 1). The device is set first so NCCL binds each
-    rank to its own GPU rather than every rank to GPU 0."""
-    if env.world_size == 1:
+    """Start the process group when a launcher started this process. The device is set first
+    so NCCL binds each rank to its own GPU rather than every rank to GPU 0."""
+    if not env.launched:
         return
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
