@@ -159,3 +159,40 @@ def test_runs_never_share_an_output_dir(tmp_path: Path) -> None:
     for _ in range(2):
         ok(torchrun(tmp_path, *FAST, "trainer.max_steps=5"))
     assert len(job_dirs(tmp_path / "outputs")) == 2
+
+
+def _wandb_files(job: Path) -> list[Path]:
+    return sorted(job.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_wandb_gather_layout_through_the_entry(tmp_path: Path) -> None:
+    """`torchrun ... -m hydra_ddp.train` with no account: one offline run holding both ranks'
+    stats, the resolved config as the run config, and a clean finish."""
+    import wandb_records
+
+    ok(torchrun(tmp_path, "trainer.progress=false", "trainer.max_steps=30",
+                "trainer.log_interval=10"))
+    job = only_job_dir(tmp_path)
+    files = _wandb_files(job)
+    assert len(files) == 1, files
+    rows = wandb_records.history_rows(files[0])
+    keys = set().union(*rows)
+    for rank in (0, 1):
+        assert {f"rank{rank}/loss", f"rank{rank}/step_time", f"rank{rank}/data_wait",
+                f"rank{rank}/rss_mb", f"rank{rank}/grad_norm"} <= keys, sorted(keys)
+    assert {"agg/step_time_max", "agg/slowest_rank", "test/acc"} <= keys
+    info = wandb_records.run_info(files[0])
+    assert info["config"]["trainer"]["max_steps"] == 30
+    assert wandb_records.exit_code(files[0]) == 0
+
+
+def test_wandb_group_layout_one_run_per_rank(tmp_path: Path) -> None:
+    import wandb_records
+
+    ok(torchrun(tmp_path, "trainer.progress=false", "trainer.max_steps=10",
+                "logger.layout=group"))
+    files = _wandb_files(only_job_dir(tmp_path))
+    assert len(files) == 2, files
+    infos = [wandb_records.run_info(f) for f in files]
+    assert sorted(i["job_type"] for i in infos) == ["rank0", "rank1"]
+    assert len({i["group"] for i in infos}) == 1
