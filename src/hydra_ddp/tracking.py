@@ -275,6 +275,8 @@ class Tracker:
             "reinit": "finish_previous",
             # One rank talking is enough; the others' runs still record everything.
             "silent": not env.is_main,
+            # No sparkline wall of every key at the end: the job prints its own summary.
+            "quiet": True,
         }
         kwargs: Dict[str, Any] = {}
         if self._layout == Layout.group:
@@ -417,6 +419,9 @@ class Tracker:
                 run.finish(exit_code=1 if failed else 0)
             except Exception:  # closing must not mask the error that made us close
                 logger.exception("could not finish W&B run %s", run.id)
+            if self._wandb_mode == "offline" and self._env.is_main:
+                logger.info("W&B offline run saved; upload it later with `wandb sync %s`",
+                            Path(run.dir).parent)
         for attr in ("_own", "_agg", "_eval"):
             handle = getattr(self, attr)
             setattr(self, attr, None)
