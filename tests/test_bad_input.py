@@ -130,6 +130,7 @@ class Case:
     env: dict[str, Optional[str]] = field(default_factory=dict)
     exit_code: Optional[int] = None  # None: any non-zero
     skip_if_cuda: bool = False
+    slow: bool = False
 
 
 # {name} in an override or env value is replaced by world[name] (a path) or the busy port.
@@ -199,11 +200,12 @@ CASES = [
          ["is a checkpoint of a different model", "size mismatch", "trainer.resume=never"],
          exit_code=2),
     # Distributed setup.
+    # These two start 2 workers that fail after the process group is up (~15-40 s each).
     Case("unused_params_without_find_unused",
          ["model._target_=unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
-         ["worker rank 0 failed", "got no gradient", "ddp=unused_params"], exit_code=2),
+         ["worker rank", "got no gradient", "ddp=unused_params"], exit_code=2, slow=True),
     Case("ddp_none_with_two_ranks", ["ddp=none", "dist.nproc_per_node=2"],
-         ["ddp=none", "diverging copy"], exit_code=2),
+         ["worker rank", "ddp=none", "diverging copy"], exit_code=2, slow=True),
     Case("rendezvous_port_in_use", ["dist.timeout_s=20"],
          ["port {port} is already in use", "MASTER_PORT"],
          env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -217,7 +219,8 @@ def _fill(text: str, world: dict[str, Path], port: int) -> str:
     return text.format(port=port, **{k: str(v) for k, v in world.items()})
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow)
+                                  for c in CASES])
 def test_bad_input_fails_cleanly(case: Case, cwd: Path, world: dict[str, Path],
                                  busy_port: int) -> None:
     if case.skip_if_cuda and torch.cuda.is_available():
@@ -237,10 +240,11 @@ def test_bad_input_fails_cleanly(case: Case, cwd: Path, world: dict[str, Path],
         assert _fill(want, world, busy_port) in out, f"missing {want!r}\n{report}"
     assert "Traceback" not in out, report
     assert "frame #" not in out, report  # no C++ stack dump either
+    # One line per process at most: the job's, plus each worker's when workers were started.
     errors = [ln for ln in out.splitlines() if "error:" in ln]
-    assert len(errors) <= 1, f"one error line expected\n{report}"  # not one per rank
-    if errors:
-        assert len(errors[0]) < 700, f"error line too long\n{report}"
+    procs = 3 if "dist.nproc_per_node=2" in overrides else 1
+    assert len(errors) <= procs, f"too many error lines\n{report}"
+    assert all(len(ln) < 800 for ln in errors), f"error line too long\n{report}"
     assert _snapshot(cwd / PREV) == before, "the earlier run's outputs were touched"
     assert not world["marker"].exists(), "the malicious checkpoint was unpickled"
 
@@ -274,6 +278,7 @@ def test_more_processes_per_node_than_gpus(monkeypatch: pytest.MonkeyPatch) -> N
     assert _pick_device(DistConfig(device=Device.cpu), local_rank=5) == torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_torchrun_worker_error_is_ours_in_one_line(tmp_path: Path) -> None:
     """Under torchrun each failing rank prints our one-line error; torchrun then adds its own
     ChildFailedError report, which we cannot suppress: none of its frames may be ours."""

@@ -332,10 +332,14 @@ class TrainData:
     def _make_loader(self) -> DataLoader:
         # batch_size=None: the sampler yields whole index arrays and the dataset gathers a
         # batch in one call, so the DataLoader only adds workers and pinning when asked for.
+        # Its own generator: without one, every iter() draws a seed from the global RNG, so a
+        # run resumed mid-epoch (one extra iter() after the RNG state is restored) would get
+        # other dropout masks than the uninterrupted run.
         return DataLoader(self.dataset, sampler=self.sampler, batch_size=None,
                           num_workers=self.num_workers,
                           pin_memory=self.env.device.type == "cuda",
-                          persistent_workers=self.num_workers > 0)
+                          persistent_workers=self.num_workers > 0,
+                          generator=torch.Generator())
 
     @property
     def steps_per_epoch(self) -> int:

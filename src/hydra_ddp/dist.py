@@ -132,8 +132,11 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
         torch.cuda.set_device(env.device)
     backend = backend_for(cfg, env.device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
+    kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
     try:
+        store = _attempt_store(timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     except RuntimeError as e:  # DistStoreError, DistNetworkError are RuntimeErrors too
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -150,6 +153,35 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
             "rank was started and can reach the master, or raise dist.timeout_s") from e
     log.info("process group up: backend=%s rank=%d/%d device=%s", backend, env.rank,
              env.world_size, env.device)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's shared agent store, a store private to this attempt of the worker group.
+
+    torchrun (TORCHELASTIC_USE_AGENT_STORE=True) hands every attempt the same store, and
+    init_process_group's env:// rendezvous uses the same key names each time, so after
+    `--max-restarts` restarts the group a new rank can read the dead attempt's addresses and
+    fail to connect (pytorch/pytorch#135712, still so in torch 2.13). A prefix naming the
+    attempt keeps each attempt's keys apart.
+    """
+    # Several agents (nodes) do not agree on the restart count (only the agent whose worker
+    # failed counts one), so the prefix would split the group: there the documented
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a fresh store instead.
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
+        return None
+    attempt = "/".join(os.environ.get(k, "") for k in
+                       ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE"))
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hydra_ddp/pg/{attempt}/", client)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """True for the error a collective raises when another rank died mid-job."""
+    return isinstance(e, RuntimeError) and any(
+        s in str(e) for s in ("Connection reset by peer", "Connection closed by peer",
+                              "Broken pipe", "NCCL communicator was aborted"))
 
 
 def destroy_process_group() -> None:

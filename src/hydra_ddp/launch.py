@@ -60,19 +60,35 @@ def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
     # The job dir is decided here already, so nothing needs the agent's store.
     saved = os.environ.get(_NO_SHARED_STORE)
     os.environ[_NO_SHARED_STORE] = "1"
+    # The agent logs a failed worker with a traceback of its own polling code: noise next to
+    # the worker's own error (already in its log, and reported below).
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_drop_traceback)
     try:
         results = elastic_launch(config, worker)(cfg, run)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        why = _first_error(errors, rank) or f"exit code {failure.exitcode}"
+        # Name the lowest rank that said why it stopped (the agent may record only the rank
+        # that exited first, or a rank it terminated itself); else the lowest failed rank.
+        said = sorted(int(p.stem[len("rank"):]) for p in errors.glob("rank*.txt")
+                      if p.stem[len("rank"):].isdigit())
+        rank = said[0] if said else min(e.failures)
+        failure = e.failures.get(rank)
+        why = _first_error(errors, rank) or (f"exit code {failure.exitcode}" if failure
+                                             else "it stopped")
         raise UserError(f"worker rank {rank} failed: {why} (log: "
                         f"{Path(run.output_dir) / f'train_rank{rank}.log'})") from None
     finally:
+        agent_log.removeFilter(_drop_traceback)
         if saved is None:
             os.environ.pop(_NO_SHARED_STORE, None)
         else:
             os.environ[_NO_SHARED_STORE] = saved
     return results[0]
+
+
+def _drop_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _first_error(errors: Path, rank: int) -> str | None:
@@ -148,7 +164,8 @@ class SweepReport(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global _sweep_failed
-        sweep_dir = Path(config.hydra.sweep.dir)
+        # Absolute, so the paths in the report and on the console work from anywhere.
+        sweep_dir = Path(config.hydra.sweep.dir).absolute()
         jobs = []
         job_dirs = [p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()]
         for job_dir in sorted(job_dirs, key=_job_order):

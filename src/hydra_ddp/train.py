@@ -34,8 +34,8 @@ from hydra_ddp.config import NanPolicy, Precision, TrainConfig, register_configs
 from hydra_ddp.console import Console
 from hydra_ddp.data import EvalData, Split, Task, TrainData, build_source, check_sampling
 from hydra_ddp.dist import (DistEnv, destroy_process_group, env_from_environ,
-                            export_submitit_env, init_process_group, register_resolvers, unwrap,
-                            under_launcher, wrap_model)
+                            export_submitit_env, init_process_group, lost_peer,
+                            register_resolvers, under_launcher, unwrap, wrap_model)
 from hydra_ddp.errors import UserError
 from hydra_ddp.metrics import all_reduce_sum, evaluate, memory_stats
 from hydra_ddp.models import build_model, loss_and_correct
@@ -192,9 +192,17 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         console.show_summary(summary, run.output_dir)
         tracker.close()
         return summary
-    except BaseException:
+    except BaseException as e:
         if tracker is not None:
             tracker.close(failed=True)
+        if lost_peer(e):
+            # Every survivor of a dead rank gets the same collective traceback, which says
+            # nothing about the cause: one line instead.
+            raise UserError(
+                f"rank {env.rank} lost contact with another rank "
+                f"({str(e).splitlines()[0].split('. ')[0][:200]}): that rank most likely died, "
+                "see its log for why; with torchrun --max-restarts=K (or dist.max_restarts=K) "
+                "the group restarts and resumes from the newest checkpoint") from e
         raise
     finally:
         destroy_process_group()

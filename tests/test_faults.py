@@ -1,0 +1,347 @@
+"""Faults: killed runs, elastic restarts, checkpoint writes cut short, missing peers, NaNs and
+secrets. Real torchrun, real gloo, real subprocesses and real SIGKILLs; nothing is mocked.
+
+The kill tests compare against one uninterrupted 2-rank run of the same config (40 steps,
+14 steps per epoch, checkpoints every 10 steps, dropout on so restoring every rank's RNG state
+matters): a run killed at any point and resumed, by hand or by torchrun's restart, must end
+with the same parameters (allclose 1e-6) and the same summary metrics.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from conftest import (FAST, REPO, job_dirs, ok, only_job_dir, python_train, run, summary,
+                      torchrun, user_env)
+from hydra_ddp import checkpoint
+from hydra_ddp.errors import UserError
+
+pytestmark = pytest.mark.timeout(600)
+
+# 2 ranks x 48 rows of digits' 1257 training rows: 14 steps per epoch, so the checkpoints at
+# steps 10, 20 and 30 all sit mid-epoch (epoch 0 batch 10, epoch 1 batch 6, epoch 2 batch 2).
+# The 1024-wide MLP makes a step take tens of ms, so the kill lands well before step 40.
+RUN = [*FAST, "trainer.max_steps=40", "trainer.ckpt_interval=10", "trainer.log_interval=10",
+       "trainer.batch_size=48", "model.hidden=1024", "model.depth=3", "model.dropout=0.2"]
+SAME = ["steps", "epochs", "train_loss", "val_loss", "val_acc", "test_loss", "test_acc",
+        "objective", "world_size", "rows_held_per_rank"]
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, a key's shape
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _torchrun_cmd(*overrides: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            *extra, "-m", "hydra_ddp.train", *overrides]
+
+
+def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    """Start a job in the background, its output in cwd/launcher.log."""
+    with open(cwd / "launcher.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=cwd, env=user_env(cwd), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(pred: Callable[[], object], proc: subprocess.Popen, timeout: float,
+              what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = pred()
+        if found:
+            return found
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}")
+        time.sleep(0.01)
+    _kill_tree(proc)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it (workers run in their own sessions,
+    so killing the launcher's process group alone would not reach them)."""
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+def _checkpoint(cwd: Path, at_least: int = 10) -> Callable[[], list[str]]:
+    """A probe for a complete checkpoint of step >= at_least in any job dir under cwd."""
+    def probe() -> list[str]:
+        found = glob.glob(str(cwd / "outputs" / "*" / "*" / "checkpoints" / "step_*.pt"))
+        return [p for p in found if int(Path(p).stem.split("_")[1]) >= at_least]
+    return probe
+
+
+def _last_by_step(path: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows}  # a resumed run appends: the last record wins
+
+
+def _assert_same_result(job: Path, base: Path, resumed_from: int) -> float:
+    """Same final parameters, position, logged losses and summary; returns the max abs diff."""
+    a = checkpoint.load(checkpoint.latest(job))
+    b = checkpoint.load(checkpoint.latest(base))
+    assert a["step"] == b["step"] == 40
+    for key in ("epoch", "batch_in_epoch", "samples_seen"):
+        assert a[key] == b[key], key
+    assert a["model"].keys() == b["model"].keys()
+    worst = 0.0
+    for k in b["model"]:
+        diff = (a["model"][k] - b["model"][k]).abs().max().item()
+        worst = max(worst, diff)
+        assert torch.allclose(a["model"][k], b["model"][k], atol=1e-6, rtol=0), f"{k}: {diff}"
+    sa, sb = summary(job), summary(base)
+    for key in SAME:
+        assert sa[key] == pytest.approx(sb[key], rel=1e-6, abs=1e-9), key
+    assert sa["steps_this_run"] == 40 - resumed_from
+    # Every step logged after the resume point saw the same loss as the uninterrupted run:
+    # the resumed epochs fed exactly the remaining samples, in the same order.
+    for rank in (0, 1):
+        la = _last_by_step(job / "stats" / f"rank{rank}.jsonl")
+        lb = _last_by_step(base / "stats" / f"rank{rank}.jsonl")
+        for step in range(resumed_from + 10, 41, 10):
+            assert la[step]["loss"] == pytest.approx(lb[step]["loss"], rel=1e-6), (rank, step)
+    print(f"\nresumed from step {resumed_from}: max |param diff| vs uninterrupted = {worst:.3g}")
+    return worst
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    ok(torchrun(cwd, *RUN, timeout=300))
+    return only_job_dir(cwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Resume after a crash, and torchrun's elastic restarts
+# --------------------------------------------------------------------------------------------
+
+
+def test_killed_run_resumes_to_the_same_parameters(tmp_path: Path, uninterrupted: Path) -> None:
+    proc = _start(_torchrun_cmd(*RUN), tmp_path)
+    # Past an epoch boundary this time (step 20 is epoch 1, batch 6): the resumed epoch's
+    # shuffle must be the one the uninterrupted run drew.
+    found = _wait_for(_checkpoint(tmp_path, 20), proc, 240, "checkpoint step_00000020.pt")
+    _kill_tree(proc)  # the whole job at once: a node losing power
+    job = Path(found[0]).parents[1]
+    assert not (job / "summary.json").exists(), "the kill came after the run finished"
+    newest = checkpoint.latest(job)
+    resumed_from = checkpoint.load(newest)["step"]
+    assert 20 <= resumed_from < 40, "the kill must land mid-run"
+
+    # Re-run the same command in the same output dir (trainer.resume=auto is the default).
+    proc2 = ok(torchrun(tmp_path, *RUN, f"hydra.run.dir={job}", timeout=300))
+    out = proc2.stdout + proc2.stderr
+    assert f"resumed from {newest} at step {resumed_from}" in out, out[-3000:]
+    assert job_dirs(tmp_path / "outputs") == [job]
+    _assert_same_result(job, uninterrupted, resumed_from)
+
+
+def test_torchrun_restarts_a_killed_worker_and_finishes(tmp_path: Path,
+                                                        uninterrupted: Path) -> None:
+    proc = _start(_torchrun_cmd(*RUN, extra=("--max-restarts=1",)), tmp_path)
+    _wait_for(_checkpoint(tmp_path), proc, 240, "the first checkpoint")
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if p.environ().get("LOCAL_RANK") == "1"]
+    assert len(workers) == 1, workers
+    workers[0].send_signal(signal.SIGKILL)  # one worker dies mid-epoch
+    job = only_job_dir(tmp_path)
+    assert not (job / "summary.json").exists(), "the kill came after the run finished"
+    try:
+        rc = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail("torchrun did not finish after the restart (hang?)")
+    out = (tmp_path / "launcher.log").read_text()
+    assert rc == 0, out[-6000:]
+    # The restarted workers agreed on the first attempt's output dir (the ddp_job_dir
+    # resolver's compare_set on torchrun's store) and resumed from its newest checkpoint.
+    assert job_dirs(tmp_path / "outputs") == [job]
+    assert "resumed from" in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "resumed from" in ln)
+    resumed_from = int(line.split(" at step ")[1].split()[0])
+    assert 10 <= resumed_from < 40
+    _assert_same_result(job, uninterrupted, resumed_from)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint writes cut short
+# --------------------------------------------------------------------------------------------
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from hydra_ddp import checkpoint
+    out = Path(sys.argv[1])
+    checkpoint.save({"model": {"w": torch.arange(4.0)}, "step": 10}, out, 10, keep=5)
+    print("ready", flush=True)
+    big = {f"t{i}": torch.ones(1 << 20) for i in range(64)}  # 256 MiB: slow enough to catch
+    checkpoint.save({"model": big, "step": 20}, out, 20, keep=5)
+    print("finished", flush=True)
+""")
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    folder = out / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], cwd=tmp_path,
+                            env=user_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120
+        tmp: Optional[Path] = None
+        while time.monotonic() < deadline and tmp is None:
+            tmp = next((p for p in folder.glob(".step_00000020.pt.*.tmp")
+                        if p.stat().st_size > (1 << 20)), None)
+        assert tmp is not None, "the writer never got going"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert not (folder / "step_00000020.pt").exists(), "killed too late: the write completed"
+    assert tmp.exists(), "a killed writer leaves only its temporary file"
+
+    # The previous checkpoint is still the newest complete one, and it loads.
+    assert checkpoint.latest(out) == folder / "step_00000010.pt"
+    assert checkpoint.resolve_resume("auto", out) == folder / "step_00000010.pt"
+    assert checkpoint.load(checkpoint.latest(out))["step"] == 10
+
+    # A step file cut short some other way (a copy, a full disk) is skipped too.
+    whole = (folder / "step_00000010.pt").read_bytes()
+    (folder / "step_00000030.pt").write_bytes(whole[: len(whole) // 2])
+    assert checkpoint.latest(out) == folder / "step_00000010.pt"
+    with pytest.raises(UserError, match="not a readable checkpoint"):
+        checkpoint.load(folder / "step_00000030.pt")
+
+    # The next save clears the dead writer's temporary file and becomes the newest.
+    checkpoint.save({"model": {"w": torch.zeros(1)}, "step": 40}, out, 40, keep=5)
+    assert not tmp.exists()
+    assert checkpoint.latest(out) == folder / "step_00000040.pt"
+
+
+# --------------------------------------------------------------------------------------------
+# No hangs
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
+    """Rank 0 of 2, and rank 1 never starts: one line naming dist.timeout_s, no hang."""
+    env = user_env(tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    t0 = time.monotonic()
+    proc = python_train(tmp_path, *FAST, "trainer.max_steps=5", "dist.timeout_s=5", env=env,
+                        timeout=120)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "could not join the process group" in out and "dist.timeout_s=5s" in out, out[-3000:]
+    assert "Traceback" not in out
+    assert 5 <= elapsed < 5 + 60, elapsed  # the timeout, plus start-up on a busy machine
+    errors = [ln for ln in out.splitlines() if "error:" in ln]
+    assert len(errors) == 1, errors
+
+
+# --------------------------------------------------------------------------------------------
+# NaN / inf
+# --------------------------------------------------------------------------------------------
+
+
+def _poisoned_data(synthetic, rows: slice) -> Path:
+    """Two training shards; rows of shard 1 (rank 1's under shard_by=files) set to NaN."""
+    data = synthetic("nan", "--rows", "256", "--shards", "2", "--features", "8",
+                     "--eval-rows", "32")
+    x = np.load(data / "train_00001.x.npy", mmap_mode="r+")
+    x[rows] = np.nan
+    x.flush()
+    del x
+    return data
+
+
+NAN_RUN = [*FAST, "data=synthetic", "sampler=sharded", "sampler.shard_by=files",
+           "trainer.batch_size=16", "trainer.log_interval=2", "dist.nproc_per_node=2"]
+
+
+def test_nan_loss_stops_naming_the_step_and_rank(tmp_path: Path, synthetic) -> None:
+    data = _poisoned_data(synthetic, slice(None))
+    proc = python_train(tmp_path, *NAN_RUN, f"data.path={data}", "trainer.max_steps=10",
+                        timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert "non-finite loss at step 1 on rank(s) 1:" in out, out[-4000:]
+    assert "trainer.nan_policy=skip" in out
+    assert not list(tmp_path.glob("outputs/*/*/summary.json"))
+
+
+def test_nan_policy_skip_drops_those_steps_and_finishes(tmp_path: Path, synthetic) -> None:
+    data = _poisoned_data(synthetic, slice(0, 3))
+    proc = ok(python_train(tmp_path, *NAN_RUN, f"data.path={data}", "trainer.max_steps=16",
+                           "trainer.nan_policy=skip", timeout=240))
+    out = proc.stdout + proc.stderr
+    skipped = [ln for ln in out.splitlines() if "skipping step" in ln]
+    assert skipped and all("on rank(s) 1" in ln for ln in skipped), out[-4000:]
+    assert len(skipped) < 16
+    job = only_job_dir(tmp_path)
+    assert summary(job)["steps"] == 16
+    state = checkpoint.load(checkpoint.latest(job))
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_exploding_lr_stops_with_overflowed_gradients(tmp_path: Path) -> None:
+    proc = python_train(tmp_path, *FAST, "trainer.max_steps=20", "optim.lr=1e10",
+                        "optim.warmup_steps=0", "trainer.grad_clip=0", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "non-finite" in out and "at step " in out and "lower optim.lr" in out, out[-3000:]
+    assert "Traceback" not in out
+
+
+# --------------------------------------------------------------------------------------------
+# Secrets
+# --------------------------------------------------------------------------------------------
+
+
+def test_wandb_api_key_is_never_written(tmp_path: Path) -> None:
+    """A key in the environment, W&B offline, one W&B run per rank: nothing the job writes
+    (logs, .hydra/ dumps, stats, W&B files and config) nor prints contains it."""
+    env = user_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
+    proc = ok(run(_torchrun_cmd("logger=wandb", "logger.mode=offline", "logger.layout=group",
+                                "trainer.progress=false", "trainer.max_steps=4",
+                                "trainer.log_interval=2", "model.hidden=32"),
+                  tmp_path, env=env, timeout=300))
+    job = only_job_dir(tmp_path)
+    assert (job / ".hydra" / "config.yaml").is_file()
+    assert len(list(job.glob("wandb/offline-run-*"))) == 2, "expected one W&B run per rank"
+    assert FAKE_KEY not in proc.stdout + proc.stderr
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) > 10
+    leaks = [str(p) for p in written if FAKE_KEY.encode() in p.read_bytes()]
+    assert not leaks, f"the API key was written to {leaks}"

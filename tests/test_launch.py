@@ -1,0 +1,483 @@
+"""Launch anywhere: every way of starting train.py runs one 2-rank DDP job end to end.
+
+    a. torchrun --nproc_per_node=2 -m hydra_ddp.train ...
+    b. python -m hydra_ddp.train dist.nproc_per_node=2 ...          (the job starts its workers)
+    c. python -m hydra_ddp.train -m dist.nproc_per_node=2 a=1,2 ...  (a sweep of DDP jobs)
+    d. two torchrun agents ("nodes") meeting through c10d rendezvous on localhost
+    e. hydra/launcher=submitit_local with 2 tasks (the SLURM code path without SLURM)
+
+Each finds one output dir per job with one .hydra/ and summary.json (world_size 2). The fast
+in-process tests at the bottom pin down the Hydra resolvers that make this work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import (FAST, REPO, job_dirs, ok, only_job_dir, python_train, run, summary,
+                      torchrun, user_env)
+
+import wandb_records  # noqa: E402  (a test helper next to conftest.py)
+
+TINY = [*FAST, "trainer.max_steps=20"]
+
+
+def assert_one_ddp_job(job: Path, world_size: int = 2) -> dict:
+    """One job's dir: one .hydra/ dump, summary.json from a `world_size`-rank job, and one log
+    file per rank."""
+    s = summary(job)
+    assert s["world_size"] == world_size, s
+    assert s["steps"] == 20, s
+    assert len(s["rows_held_per_rank"]) == world_size, s
+    assert (job / ".hydra" / "config.yaml").is_file()
+    for rank in range(world_size):
+        assert (job / f"train_rank{rank}.log").is_file(), sorted(p.name for p in job.iterdir())
+    return s
+
+
+def hydra_dumps(root: Path) -> list[Path]:
+    return sorted(root.rglob(".hydra"))
+
+
+def sweep_dir(root: Path) -> Path:
+    dirs = [p.parent for p in (root / "multirun").rglob("multirun.yaml")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+# a, b: one node
+# --------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_ranks_one_job_dir(tmp_path: Path) -> None:
+    ok(torchrun(tmp_path, *TINY, nproc=2, timeout=150))
+    job = only_job_dir(tmp_path)
+    assert_one_ddp_job(job)
+    assert len(hydra_dumps(tmp_path)) == 1
+    # Per-rank log files only: no two processes append to one train.log.
+    assert not (job / "train.log").exists()
+    # rank 0's timestamp names the dir (agreed through torchrun's agent store).
+    assert job.parent.parent.name == "outputs" and job.name.count("-") == 2, job
+
+
+def test_self_launch_two_workers_one_job_dir(tmp_path: Path) -> None:
+    proc = ok(python_train(tmp_path, "dist.nproc_per_node=2", *TINY, timeout=150))
+    job = only_job_dir(tmp_path)
+    assert_one_ddp_job(job)
+    assert len(hydra_dumps(tmp_path)) == 1
+    # The launching process logs to train.log, its workers to train_rank<r>.log.
+    assert (job / "train.log").is_file()
+    assert "starting 2 workers" in proc.stdout + proc.stderr
+
+
+def test_launch_single_node_script_builds_the_torchrun_command(tmp_path: Path) -> None:
+    script = REPO / "scripts" / "launch_single_node.sh"
+    env = user_env(tmp_path, DRY_RUN="1", PYTHON=sys.executable)
+    out = ok(run(["bash", str(script), "-n", "2", "model=cnn", "optim.lr=1e-3"], tmp_path,
+                 env=env, timeout=60)).stdout
+    assert "-m torch.distributed.run --standalone --nproc_per_node=2 -m hydra_ddp.train " \
+           "model=cnn optim.lr=1e-3" in out, out
+    # No -n: one rank per visible GPU, and 1 (with a note) where there is none.
+    env_cpu = {**env, "CUDA_VISIBLE_DEVICES": ""}
+    proc = ok(run(["bash", str(script), "trainer.epochs=1"], tmp_path, env=env_cpu,
+                  timeout=60))
+    assert "--nproc_per_node=1 -m hydra_ddp.train trainer.epochs=1" in proc.stdout
+    assert "no GPU visible" in proc.stderr
+    bad = run(["bash", str(script), "-n", "two"], tmp_path, env=env, timeout=60)
+    assert bad.returncode == 2 and "positive integer" in bad.stderr
+
+
+def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
+    """The sbatch script under fake `srun`/`scontrol`: the command each node would run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = user_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                   SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-node-[07-08]",
+                   SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="32",
+                   SLURM_SUBMIT_DIR=str(tmp_path))
+    script = str(REPO / "scripts" / "slurm_example.sbatch")
+    out = ok(run(["bash", script, "model=cnn"], tmp_path, env=env, timeout=60)).stdout
+    for part in ("srun --kill-on-bad-exit=1", "--nnodes=2", "--nproc_per_node=4",
+                 "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-node-07:29500", "--rdzv-id=4242",
+                 "--max-restarts=0", "-m hydra_ddp.train model=cnn"):
+        assert part in out, (part, out)
+
+
+# --------------------------------------------------------------------------------------------
+# c: sweeps
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A 3-job sweep of 2-rank jobs with W&B (offline) in one process:
+    #0 optim.lr=1e30 fails inside the workers (non-finite loss at step 2),
+    #1 optim.lr=0.001 trains (after a failed job in the same process),
+    #2 optim.lr=-1 fails validation in the launching process, before any worker starts."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    proc = python_train(tmp, "-m", "dist.nproc_per_node=2", "logger=wandb",
+                        "trainer.progress=false", "trainer.max_steps=20",
+                        "optim.lr=1e30,0.001,-1", env=user_env(tmp, WANDB_MODE="offline"),
+                        timeout=240)
+    return tmp, proc
+
+
+def _report(root: Path) -> dict[str, dict]:
+    report = json.loads((sweep_dir(root) / "sweep_report.json").read_text())
+    return {j["job"].split("_", 1)[0]: j for j in report}
+
+
+def test_sweep_failing_jobs_do_not_stop_it(sweep) -> None:
+    root, proc = sweep
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = _report(root)
+    assert [jobs[n]["status"] for n in ("0", "1", "2")] == ["FAILED", "ok", "FAILED"], jobs
+    assert "non-finite" in jobs["0"]["detail"]
+    assert "optim.lr" in jobs["2"]["detail"]
+    # One dir per job, each with one .hydra/; the good one also holds summary.json.
+    dirs = job_dirs(sweep_dir(root))
+    assert len(dirs) == 3 and len(hydra_dumps(root)) == 3, dirs
+    good = Path(jobs["1"]["dir"])
+    assert_one_ddp_job(good)
+    # The end of the sweep names each failed job and where its logs are.
+    out = proc.stdout + proc.stderr
+    assert "sweep done: 3 job(s), 2 failed" in out
+    for n in ("0", "2"):
+        line = next(ln for ln in out.splitlines() if f"FAILED {jobs[n]['job']}" in ln)
+        assert "logs:" in line, line
+    assert re.search(r"train_rank[01]\.log", jobs["0"]["detail"])  # the worker's own log
+    assert any(p.endswith("train.log") for p in jobs["2"]["logs"])
+
+
+def test_sweep_objective_is_rank0_validation_loss(sweep) -> None:
+    """What Hydra got back from each job (a sweeper's objective) came from the workers."""
+    root, _ = sweep
+    jobs = _report(root)
+    good = jobs["1"]
+    returned = json.loads((Path(good["dir"]) / "job_return.json").read_text())
+    assert returned["status"] == "COMPLETED" and returned["return_type"] == "float"
+    assert isinstance(good["objective"], float) and math.isfinite(good["objective"])
+    assert good["objective"] == pytest.approx(summary(Path(good["dir"]))["val_loss"], abs=0)
+    # Failed jobs return NaN (a failed trial for Optuna), reported as null.
+    assert jobs["0"]["objective"] is None and jobs["2"]["objective"] is None
+
+
+def test_sweep_each_job_is_its_own_wandb_run_in_one_group(sweep) -> None:
+    root, _ = sweep
+    jobs = _report(root)
+    infos = {}
+    for n in ("0", "1"):  # job 2 never started a worker, so it has no run
+        runs = sorted(Path(jobs[n]["dir"]).glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(runs) == 1, (n, runs)
+        infos[n] = (wandb_records.run_info(runs[0]), wandb_records.exit_code(runs[0]))
+    assert not list(Path(jobs["2"]["dir"]).glob("wandb"))
+    (fail, fail_exit), (good, good_exit) = infos["0"], infos["1"]
+    assert fail["id"] != good["id"] and fail["name"] != good["name"]
+    sweep_name = "-".join(sweep_dir(root).parts[-2:])
+    assert fail["group"] == good["group"] == f"sweep-{sweep_name}"
+    assert good_exit == 0 and fail_exit != 0
+
+
+# --------------------------------------------------------------------------------------------
+# d: two "nodes"
+# --------------------------------------------------------------------------------------------
+
+
+def _agent(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:  # only the processes this test started
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * len(procs):
+        tails = "\n".join(f"--- {log.name} (exit {c})\n{log.read_text()[-4000:]}"
+                          for log, c in zip(logs, codes))
+        pytest.fail(f"agents exited {codes}\n{tails}")
+
+
+def _two_agents(tmp: Path, env: dict[str, str], *args: str,
+                overrides: tuple[str, ...] = ()) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
+           f"--rdzv-id=two-nodes-{tmp.name}", *args, "-m", "hydra_ddp.train", *TINY,
+           *overrides]
+    logs = [tmp / "node0.log", tmp / "node1.log"]
+    first = _agent(cmd, tmp, env, logs[0])
+    time.sleep(2)
+    second = _agent(cmd, tmp, env, logs[1])
+    _wait_all([first, second], logs, timeout=150)
+
+
+def test_two_agents_c10d_rendezvous_one_job_dir(tmp_path: Path) -> None:
+    """Two torchrun agents ("nodes") with the same --rdzv-id, started 2 s apart, form one
+    2-rank job; both ranks write into the dir rank 0 chose."""
+    _two_agents(tmp_path, user_env(tmp_path))
+    job = only_job_dir(tmp_path)
+    assert_one_ddp_job(job)
+    assert len(hydra_dumps(tmp_path)) == 1
+    assert [p for p in tmp_path.rglob("summary.json") if p.parent.name != "stats"] == \
+        [job / "summary.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# e: SLURM's code path through submitit's local executor
+# --------------------------------------------------------------------------------------------
+
+
+def test_submitit_local_two_tasks_one_job(tmp_path: Path) -> None:
+    ok(python_train(tmp_path, "-m", "hydra/launcher=submitit_local",
+                    "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", *TINY,
+                    timeout=150))
+    sweep = sweep_dir(tmp_path)
+    dirs = job_dirs(sweep)
+    assert len(dirs) == 1, dirs
+    s = assert_one_ddp_job(dirs[0])
+    assert len(hydra_dumps(tmp_path)) == 1
+    report = json.loads((sweep / "sweep_report.json").read_text())
+    assert [j["status"] for j in report] == ["ok"]
+    # Task 0 is rank 0: its return value is the job's objective.
+    assert report[0]["objective"] == pytest.approx(s["objective"], abs=0)
+    # Both tasks ran the job (task k = rank k), each logging to its own file.
+    for rank in (0, 1):
+        text = (dirs[0] / f"train_rank{rank}.log").read_text()
+        assert f"rank={rank}/2" in text, text
+
+
+@pytest.mark.parametrize("preset,tasks,gpus", [("slurm", 8, 8), ("slurm_cpu", 4, None),
+                                               ("local", 2, None)])
+def test_launcher_presets_compose(preset: str, tasks: int, gpus: int | None) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from hydra_ddp.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"hydra/launcher={preset}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.tasks_per_node == tasks and launcher.gpus_per_node == gpus
+    assert launcher._target_.endswith("LocalLauncher" if preset == "local" else "SlurmLauncher")
+    if preset == "slurm":  # one task per GPU follows gpus_per_node
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=["hydra/launcher=slurm",
+                                              "hydra.launcher.gpus_per_node=4"],
+                          return_hydra_config=True)
+        assert cfg.hydra.launcher.tasks_per_node == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Restarts (slow: a worker dies, the whole group starts again)
+# --------------------------------------------------------------------------------------------
+
+# Rank 1 dies in the first attempt once it gets to the process group (after Hydra made the dir
+# and while rank 0 waits in init_process_group); the agent then restarts both.
+FAIL_ONCE = """\
+import os
+if os.environ.get("HYDRA_DDP_TEST_FAIL_ONCE"):
+    import time
+    import torch.distributed as _dist
+    _init = _dist.init_process_group
+    def _init_or_die(*args, **kwargs):
+        if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            time.sleep(3)
+            os._exit(7)
+        return _init(*args, **kwargs)
+    _dist.init_process_group = _init_or_die
+"""
+
+
+def _fail_once_env(tmp: Path, **extra: str) -> dict[str, str]:
+    inject = tmp / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FAIL_ONCE)
+    env = user_env(tmp, HYDRA_DDP_TEST_FAIL_ONCE="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(inject), env["PYTHONPATH"]])
+    return env
+
+
+@pytest.mark.slow
+def test_self_launch_restart_reuses_the_job(tmp_path: Path) -> None:
+    proc = ok(python_train(tmp_path, "dist.nproc_per_node=2", "dist.max_restarts=1",
+                           "dist.timeout_s=60", *TINY, env=_fail_once_env(tmp_path),
+                           timeout=200))
+    assert "exitcode: 7" in proc.stdout + proc.stderr  # the first attempt did fail
+    assert_one_ddp_job(only_job_dir(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["agent", "per_attempt"])
+def test_torchrun_restart_reuses_the_job_dir(tmp_path: Path, store: str) -> None:
+    """torchrun --max-restarts: the restarted group writes into the first attempt's dir.
+
+    agent: torch's default, the agent's store outlives the restart and still holds rank 0's
+    timestamped dir. per_attempt: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (what docs/scaling_out.md
+    advises with restarts, see torch#135712): no store outlives an attempt, so the dir is named
+    by the run id, which does."""
+    extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store == "per_attempt" else {}
+    proc = ok(torchrun(tmp_path, *TINY, "dist.timeout_s=60", nproc=2,
+                       env=_fail_once_env(tmp_path, **extra), timeout=200,
+                       extra_args=("--max-restarts=1",)))
+    assert "exitcode: 7" in proc.stdout + proc.stderr  # the first attempt did fail
+    job = only_job_dir(tmp_path)
+    if store == "per_attempt":
+        assert job.parent.name == "torchrun", job
+    else:
+        assert job.parent.parent.name == "outputs" and job.name.count("-") == 2, job
+    assert_one_ddp_job(job)
+
+
+@pytest.mark.slow
+def test_two_agents_restart_with_a_store_per_attempt(tmp_path: Path) -> None:
+    """Several nodes with --max-restarts, as docs/scaling_out.md says to run them. The agents'
+    restart counts differ here (only the failed rank's agent counts a restart), so nothing may
+    depend on them agreeing."""
+    env = _fail_once_env(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    _two_agents(tmp_path, env, "--max-restarts=1", overrides=("dist.timeout_s=60",))
+    logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+    assert "exitcode: 7" in logs
+    job = only_job_dir(tmp_path)
+    assert job.parent.name == "torchrun", job
+    assert_one_ddp_job(job)
+
+
+# --------------------------------------------------------------------------------------------
+# The resolvers, in process
+# --------------------------------------------------------------------------------------------
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env() -> Iterator[None]:
+    """No launcher variables for the test; the environment as it was afterwards."""
+    from hydra_ddp import dist as hdist
+
+    saved = dict(os.environ)
+    for key in list(os.environ):
+        if key.startswith(("TORCHELASTIC_", "SLURM_", "SUBMITIT_")) or key in _LAUNCH_VARS:
+            del os.environ[key]
+    hdist.job_dir.cache_clear()
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    hdist.job_dir.cache_clear()
+
+
+def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) -> None:
+    import torch.distributed as dist
+
+    from hydra_ddp.dist import job_dir
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.environ.update(TORCHELASTIC_RUN_ID="run-a", TORCHELASTIC_USE_AGENT_STORE="True",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+
+    def resolve(rank: int, default: str) -> str:
+        os.environ["RANK"] = str(rank)
+        job_dir.cache_clear()  # a fresh worker process
+        return job_dir(default)
+
+    # Rank 0's choice wins whatever the other ranks' clocks say (rank 1 would wait for it).
+    assert resolve(0, "outputs/d/10-00-00") == "outputs/d/10-00-00"
+    assert resolve(1, "outputs/d/10-00-02") == "outputs/d/10-00-00"
+    # A restarted worker group (new timestamps) keeps the first attempt's dir.
+    assert resolve(0, "outputs/d/10-05-00") == "outputs/d/10-00-00"
+    assert resolve(1, "outputs/d/10-05-01") == "outputs/d/10-00-00"
+    # Another run on the same store gets its own.
+    os.environ["TORCHELASTIC_RUN_ID"] = "run-b"
+    assert resolve(0, "outputs/d/11-00-00") == "outputs/d/11-00-00"
+
+
+def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
+    from hydra_ddp.dist import job_dir
+
+    assert job_dir("outputs/d/t") == "outputs/d/t"
+    job_dir.cache_clear()
+    os.environ.update(TORCHELASTIC_RUN_ID="4242", TORCHELASTIC_USE_AGENT_STORE="False",
+                      RANK="3")
+    assert job_dir("outputs/d/t") == os.path.join("outputs", "torchrun", "4242")
+
+
+@pytest.mark.parametrize("env,rank", [
+    ({}, 0),
+    ({"RANK": "1"}, 1),
+    ({"SLURM_PROCID": "3"}, 3),
+    ({"SUBMITIT_LOCAL_GLOBALID": "1"}, 1),
+    ({"RANK": "0", "SLURM_PROCID": "5"}, 0),  # torchrun inside an srun task: RANK wins
+])
+def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
+    from hydra_ddp.dist import hydra_subdir
+
+    os.environ.update(env)
+    assert hydra_subdir(".hydra") == (".hydra" if rank == 0 else None)
+
+
+@pytest.mark.parametrize("env,name", [
+    ({}, "train"),
+    ({"RANK": "1"}, "train_rank1"),
+    ({"RANK": "0"}, "train_rank0"),
+    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2",
+      "SUBMITIT_LOCAL_GLOBALID": "1"}, "train_rank1"),
+    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "1",
+      "SUBMITIT_LOCAL_GLOBALID": "0"}, "train"),
+])
+def test_each_rank_logs_to_its_own_file(clean_env, env: dict, name: str) -> None:
+    from hydra_ddp.dist import log_name
+
+    os.environ.update(env)
+    assert log_name("train") == name
+
+
+def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
+    from hydra_ddp.config import Device, DistConfig
+    from hydra_ddp.dist import env_from_environ, export_submitit_env, under_launcher
+
+    os.environ.update(SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_NTASKS="2",
+                      SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0",
+                      SUBMITIT_LOCAL_GLOBALID="1", SUBMITIT_LOCAL_LOCALID="1",
+                      SUBMITIT_LOCAL_JOB_ID="12345")
+    assert under_launcher()
+    export_submitit_env()
+    assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
+    assert os.environ["LOCAL_RANK"] == "1" and os.environ["LOCAL_WORLD_SIZE"] == "2"
+    assert os.environ["MASTER_ADDR"] == socket.gethostname()
+    assert 20000 <= int(os.environ["MASTER_PORT"]) <= 60000
+    env = env_from_environ(DistConfig(device=Device.cpu))
+    assert (env.rank, env.world_size, env.local_rank) == (1, 2, 1)
+    # Idempotent: a second call (e.g. a requeued task) leaves the variables alone.
+    export_submitit_env()
+    assert os.environ["RANK"] == "1"
