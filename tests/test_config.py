@@ -8,7 +8,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
 
 from hydra_ddp import config as C
 from hydra_ddp.dist import register_resolvers

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import (FAST, REPO, job_dirs, ok, only_job_dir, python_train, run, summary,
+from conftest import (FAST, job_dirs, ok, only_job_dir, python_train, run, summary,
                       torchrun, user_env)
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError

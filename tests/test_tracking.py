@@ -8,7 +8,6 @@ changes the outcome, and W&B never goes online.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wandb_records  # noqa: E402  (a test helper next to this file)
+from conftest import user_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_tracking_worker.py"
@@ -30,24 +30,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
     """A subprocess environment with W&B isolated under ``tmp`` and forced offline."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    src = str(REPO / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    env.update(
-        NETRC=str(tmp / "no-netrc"),  # absent: no login from ~/.netrc
-        WANDB_MODE="offline",
-        WANDB_CONFIG_DIR=str(tmp / "wandb-config"),
-        WANDB_CACHE_DIR=str(tmp / "wandb-cache"),
-        WANDB_DATA_DIR=str(tmp / "wandb-data"),
-        WANDB_ARTIFACT_DIR=str(tmp / "wandb-artifacts"),
-        OMP_NUM_THREADS="1",
-    )
-    for key, value in extra.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
+    return user_env(tmp, **{"WANDB_MODE": "offline",
+                            "WANDB_ARTIFACT_DIR": str(tmp / "wandb-artifacts"), **extra})
 
 
 def _torchrun(tmp: Path, out: Path, *args: str, env: Optional[dict[str, str]] = None,
