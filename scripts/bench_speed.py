@@ -1,7 +1,9 @@
 """Benchmark: hydra_ddp's training loop against a hand-written minimal DDP loop.
 
-    python scripts/bench_speed.py                      # 5 interleaved repeats, 2 ranks, 40 epochs
-    python scripts/bench_speed.py --repeats 7 --no-wandb --out /tmp/speed.json
+    python scripts/bench_speed.py                      # 10 interleaved repeats, 2 ranks, 40 epochs
+    python scripts/bench_speed.py --repeats 15 --no-wandb --out /tmp/speed.json
+    python scripts/bench_speed.py --alt patched=/tmp/copy/src   # also time a patched checkout
+    python scripts/bench_speed.py --step-costs         # where ours' extra per-step time goes
 
 Every job is started the way a user starts it, with torchrun, from a scratch directory under
 /tmp (so Hydra's outputs land there):
@@ -18,19 +20,27 @@ One repeat runs each variant once; the order rotates from repeat to repeat, so s
 shared machine hit every variant alike. Ratios are taken within a repeat and their median is
 reported (plus the ratio of the medians).
 
-What is measured (same definition for both loops, all wall-clock on rank 0):
+What is measured (same definition for both loops, wall-clock stamps taken on rank 0):
 
-* steady-state samples/s: global samples trained in steps skip+1 .. last (skip=20), divided by
-  the time between the end of step `skip` and the end of the last step. Minimal: time.time()
-  right after opt.step(). Ours: the `time` field of stats/rank0.jsonl at those steps, which
-  is stamped right after that step's stats were logged, so ours pays its logging inside the
-  window. Samples: minimal counts them; ours reads samples_seen (per rank) x world size.
+* steady samples/s: global samples trained in steps skip+1 .. last (skip=20), divided by the
+  time between the end of step `skip` and the end of the last step. Minimal: time.time()
+  right after opt.step() (end: right after the loop). Ours: the `time` field of
+  stats/rank0.jsonl at those steps, stamped right after that step's stats were logged, so
+  ours pays its logging inside the window. Samples: minimal counts them; ours reads
+  samples_seen (per rank) x world size.
+* window-median samples/s: the median over the 10-step windows after step `skip` of each
+  window's samples/s (stamps every 10 steps, as above). Less sensitive to a burst of load
+  from other processes inside one run.
 * loop samples/s: all samples / (loop end - loop start), startup excluded, first steps
   included. Ours: summary.json samples_per_s; minimal: the same from its own stamps.
+* CPU ms per 1k samples: user+system CPU time of all the job's worker processes (every
+  thread, gloo's included; from psutil) between the moments the harness sees step `skip`
+  and the last step reported (it polls every 10 ms), per 1000 global samples trained in
+  between. A cost, not a speed: it does not count time a rank waits for a core or a peer.
 * time to first step: from time.time() just before the torchrun subprocess is started to the
-  moment rank 0 finished its first optimizer step. Minimal: its printed stamp. Ours: the
-  first line of stats/rank0.jsonl in the ours-startup job (log_interval=1, so the line is
-  written right after step 1 and its stats all_gather).
+  moment rank 0 finished its first optimizer step. Minimal: its stamp. Ours: the first line
+  of stats/rank0.jsonl in the ours-startup job (log_interval=1, so the line is written right
+  after step 1 and its stats all_gather).
 """
 
 from __future__ import annotations
@@ -43,15 +53,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = REPO / "scripts" / "minimal_ddp.py"
 VARIANTS = ("minimal", "ours", "ours-startup", "wandb", "wandb-startup")
 
 
-def user_env(scratch: Path, wandb: bool) -> dict[str, str]:
+def user_env(scratch: Path, wandb: bool, src: str | None = None) -> dict[str, str]:
     """A user's environment with no W&B login: offline, nothing read from $HOME."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
@@ -61,6 +74,8 @@ def user_env(scratch: Path, wandb: bool) -> dict[str, str]:
                WANDB_DATA_DIR=str(scratch / "wandb-data"), PYTHONUNBUFFERED="1")
     if wandb:
         env["WANDB_MODE"] = "offline"
+    if src:  # another checkout's hydra_ddp (and, through train.py's config_path, its conf/)
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
     return env
 
 
@@ -71,7 +86,7 @@ def command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
         return torchrun + [str(MINIMAL), "--epochs", str(args.epochs), "--skip", str(args.skip)]
     cmd = torchrun + ["-m", "hydra_ddp.train", "trainer.progress=false",
                       f"hydra.run.dir={run_dir}"]
-    cmd.append("logger=none" if variant.startswith("ours") else "logger=wandb")
+    cmd.append("logger=wandb" if variant.startswith("wandb") else "logger=none")
     if variant.endswith("startup"):
         cmd += ["trainer.log_interval=1", f"trainer.max_steps={args.startup_steps}"]
     else:
@@ -79,46 +94,142 @@ def command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     return cmd + args.extra
 
 
+class Monitor(threading.Thread):
+    """Records the workers' CPU time whenever rank 0 reports progress.
+
+    Ours: each new line of stats/rank0.jsonl (polled every 10 ms). Minimal: the lines it
+    prints after step `skip` and at the end (read from its stdout).
+    """
+
+    def __init__(self, proc: subprocess.Popen, stats_file: Path | None):
+        super().__init__(daemon=True)
+        self.proc, self.stats_file = proc, stats_file
+        self.cpu_at: dict = {}  # step (int) or "skip"/"end" -> CPU seconds of the workers
+        self.stdout: list[str] = []
+        self._workers: dict[int, psutil.Process] = {}
+        self._cpu_done: dict[int, float] = {}
+
+    def cpu(self) -> float:
+        try:
+            for k in psutil.Process(self.proc.pid).children(recursive=True):
+                self._workers.setdefault(k.pid, k)
+        except psutil.NoSuchProcess:
+            pass
+        total = 0.0
+        for pid, k in self._workers.items():
+            try:
+                t = k.cpu_times()
+                self._cpu_done[pid] = t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+            total += self._cpu_done.get(pid, 0.0)
+        return total
+
+    def run(self) -> None:
+        if self.stats_file is None:  # minimal: progress lines come on stdout
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith("MINIMAL_DDP_SKIP"):
+                    self.cpu_at["skip"] = self.cpu()
+                elif line.startswith("MINIMAL_DDP "):
+                    self.cpu_at["end"] = self.cpu()
+                self.stdout.append(line)
+            return
+        seen = 0
+        while True:
+            done = self.proc.poll() is not None
+            if self.stats_file.exists():
+                lines = self.stats_file.read_text().splitlines()
+                if len(lines) > seen:
+                    cpu = self.cpu()
+                    for line in lines[seen:]:
+                        try:
+                            self.cpu_at[json.loads(line)["step"]] = cpu
+                        except ValueError:  # a line being written: read it next time
+                            break
+                        seen += 1
+            if done:
+                return
+            time.sleep(0.01)
+
+
 def run_one(variant: str, args: argparse.Namespace, scratch: Path, rep: int) -> dict:
     run_dir = scratch / "runs" / f"{variant}-{rep}"
     cmd = command(variant, args, run_dir)
-    env = user_env(scratch, wandb=variant.startswith("wandb"))
-    t_launch = time.time()
-    proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True,
-                          timeout=args.timeout)
-    t_exit = time.time()
-    if proc.returncode != 0:
-        raise SystemExit(f"{variant} failed (rc {proc.returncode}): {' '.join(cmd)}\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    out = {"variant": variant, "repeat": rep, "command_s": t_exit - t_launch}
-    if variant == "minimal":
-        line = next(l for l in proc.stdout.splitlines() if l.startswith("MINIMAL_DDP "))
+    env = user_env(scratch, wandb=variant.startswith("wandb"), src=args.alt.get(variant))
+    minimal = variant == "minimal"
+    for attempt in range(args.retries + 1):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        errlog = scratch / f"stderr-{variant}-{rep}-{attempt}.log"
+        with open(errlog, "w") as err:
+            t_launch = time.time()
+            proc = subprocess.Popen(cmd, cwd=scratch, env=env, text=True, stderr=err,
+                                    stdout=subprocess.PIPE if minimal else subprocess.DEVNULL)
+            mon = Monitor(proc, None if minimal else run_dir / "stats" / "rank0.jsonl")
+            mon.start()
+            try:
+                rc = proc.wait(timeout=args.timeout)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                mon.join()
+            t_exit = time.time()
+        if rc == 0:
+            errlog.unlink()
+            break
+        complete = (any(l.startswith("MINIMAL_DDP ") for l in mon.stdout) if minimal
+                    else (run_dir / "summary.json").exists())
+        if complete:  # the results were written: the job died tearing down (see the docs)
+            print(f"  ! {variant} repeat {rep} exited rc {rc} after writing its results; "
+                  f"kept (stderr in {errlog})", flush=True)
+            break
+        print(f"  ! {variant} repeat {rep} failed (rc {rc}); stderr in {errlog}", flush=True)
+    else:
+        raise SystemExit(f"{variant} failed {args.retries + 1} times; see {scratch}")
+    out = {"variant": variant, "repeat": rep, "command_s": t_exit - t_launch,
+           "attempts": attempt + 1, "rc": rc}
+    if minimal:
+        line = next(l for l in mon.stdout if l.startswith("MINIMAL_DDP "))
         m = json.loads(line.split(" ", 1)[1])
         world = m["world_size"]
+        marks = {s: (t, n) for s, t, n in m["every10"]}  # step -> (time, samples per rank)
+        marks[m["steps"]] = (m["loop_end"], m["samples_per_rank"])
+        cpu = (mon.cpu_at.get("skip"), mon.cpu_at.get("end"))
         out["first_step_s"] = m["first_step"] - t_launch
-        out["steady_sps"] = ((m["samples_per_rank"] - m["skip_samples"]) * world
-                             / (m["loop_end"] - m["skip_step"]))
         out["loop_sps"] = m["samples_per_rank"] * world / (m["loop_end"] - m["loop_start"])
-        out["steps"] = m["steps"]
-        return out
-    lines = [json.loads(l) for l in (run_dir / "stats" / "rank0.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    world = summary["world_size"]
-    out["steps"] = lines[-1]["step"]
-    if variant.endswith("startup"):
-        assert lines[0]["step"] == 1, lines[0]
-        out["first_step_s"] = lines[0]["time"] - t_launch
     else:
-        at = {l["step"]: l for l in lines}
-        if args.skip not in at:
-            raise SystemExit(f"no stats line at step {args.skip}: --skip must be a multiple of "
-                             "trainer.log_interval")
-        a, b = at[args.skip], lines[-1]
-        out["steady_sps"] = (b["samples_seen"] - a["samples_seen"]) * world / (b["time"] - a["time"])
+        lines = [json.loads(l)
+                 for l in (run_dir / "stats" / "rank0.jsonl").read_text().splitlines()]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        world = summary["world_size"]
+        if variant.endswith("startup"):
+            assert lines[0]["step"] == 1, lines[0]
+            out["first_step_s"] = lines[0]["time"] - t_launch
+            out["steps"] = lines[-1]["step"]
+            _cleanup(args, run_dir)
+            return out
+        marks = {l["step"]: (l["time"], l["samples_seen"]) for l in lines}
+        cpu = (mon.cpu_at.get(args.skip), mon.cpu_at.get(lines[-1]["step"]))
         out["loop_sps"] = summary["samples_per_s"]
+    steps = sorted(s for s in marks if s >= args.skip)
+    if not steps or steps[0] != args.skip:
+        raise SystemExit(f"{variant}: no stamp at step {args.skip} (--skip must be a multiple "
+                         "of trainer.log_interval)")
+    (t0, n0), (t1, n1) = marks[args.skip], marks[steps[-1]]
+    out["steps"] = steps[-1]
+    out["steady_sps"] = (n1 - n0) * world / (t1 - t0)
+    windows = [(marks[b][1] - marks[a][1]) * world / (marks[b][0] - marks[a][0])
+               for a, b in zip(steps, steps[1:])]
+    out["window_median_sps"] = statistics.median(windows)
+    if None not in cpu:
+        out["cpu_ms_per_1k"] = (cpu[1] - cpu[0]) * 1e6 / ((n1 - n0) * world)
+    _cleanup(args, run_dir)
+    return out
+
+
+def _cleanup(args: argparse.Namespace, run_dir: Path) -> None:
     if not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return out
 
 
 def median(rows: list[dict], variant: str, key: str) -> float:
@@ -136,9 +247,117 @@ def paired(rows: list[dict], num: str, den: str, key: str, diff: bool = False) -
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# --step-costs: one process, no DDP, CPU time of the loop body with one piece taken out at a time
+# --------------------------------------------------------------------------------------------
+
+
+def step_costs(rounds: int) -> None:
+    """Replicates train.py's per-step work for model=mlp on one 64-row batch (fp32,
+    grad_accum 1, grad_clip 1.0) and the minimal loop's, and times them in one thread,
+    interleaved, with one piece of ours removed at a time. Keep in step with train.py."""
+    import contextlib
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from hydra_ddp.config import MLPConfig, OptimConfig
+    from hydra_ddp.data import DataSpec, Task
+    from hydra_ddp.models import MLP, loss_and_correct
+    from hydra_ddp.optim import build_optimizer, build_scheduler
+    from hydra_ddp.train import _Window
+
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1
+    spec = DataSpec(Task.classification, num_classes=10, in_features=64)
+    x, y = torch.rand(64, 64), torch.randint(0, 10, (64,))
+
+    class Loop:
+        def __init__(self, minimal=False, groups=True, clip=True, finite=True, sched=True,
+                     autocast=True, correct=True, scaler=True, window=True):
+            torch.manual_seed(0)
+            self.m = MLP(MLPConfig(), spec)
+            self.opt = (build_optimizer(self.m, OptimConfig(lr=2e-3)) if groups else
+                        torch.optim.AdamW(self.m.parameters(), lr=2e-3, weight_decay=0.01))
+            self.sched = build_scheduler(self.opt, OptimConfig(), 10**6)
+            self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+            self.ac = torch.autocast("cpu", dtype=None, enabled=False)
+            self.win = _Window()
+            self.minimal, self.clip, self.finite, self.use_sched = minimal, clip, finite, sched
+            self.use_ac, self.correct, self.use_scaler, self.window = (autocast, correct,
+                                                                      scaler, window)
+
+        def step(self) -> None:
+            if self.minimal:
+                loss = F.cross_entropy(self.m(x), y)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.opt.step()
+                return
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros(()) if self.window else None
+            with contextlib.nullcontext():
+                with (self.ac if self.use_ac else contextlib.nullcontext()):
+                    out = self.m(x)
+                loss = loss_and_correct(out, y)[0] if self.correct else F.cross_entropy(out, y)
+                (self.scaler.scale(loss / 1) if self.use_scaler else loss).backward()
+            if self.window:
+                loss_sum += loss.detach()
+            if self.use_scaler:
+                self.scaler.unscale_(self.opt)
+            gn = (torch.nn.utils.clip_grad_norm_(self.m.parameters(), 1.0) if self.clip
+                  else torch.zeros(()))
+            if self.finite and not torch.isfinite(gn):
+                raise RuntimeError("non-finite")
+            if self.use_scaler:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.use_sched:
+                self.sched.step()
+            if self.window:
+                self.win.add_step(loss_sum / 1, time.perf_counter() - t0)
+
+    variants = {
+        "minimal loop": dict(minimal=True, groups=False),
+        "ours": {},
+        "ours without clip_grad_norm_": dict(clip=False),
+        "ours without isfinite(grad_norm)": dict(finite=False),
+        "ours without sched.step()": dict(sched=False),
+        "ours without disabled autocast ctx": dict(autocast=False),
+        "ours without argmax (loss only)": dict(correct=False),
+        "ours without disabled GradScaler calls": dict(scaler=False),
+        "ours without loss_sum/_Window": dict(window=False),
+        "ours with one param group": dict(groups=False),
+        "ours without all of the above": dict(clip=False, finite=False, sched=False,
+                                               autocast=False, correct=False, scaler=False,
+                                               window=False, groups=False),
+    }
+    loops = {k: Loop(**kw) for k, kw in variants.items()}
+    res: dict[str, list[float]] = {k: [] for k in loops}
+    names = list(loops)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(3):
+                loops[k].step()
+            t = time.thread_time()
+            for _ in range(30):
+                loops[k].step()
+            res[k].append((time.thread_time() - t) / 30 * 1e6)
+    base, full = statistics.median(res["minimal loop"]), statistics.median(res["ours"])
+    print(f"# per-step CPU time (one thread, no DDP, batch 64), median of {rounds} rounds")
+    print("| loop | us/step | vs ours | minimal/this |")
+    print("|---|---|---|---|")
+    for k, v in res.items():
+        m = statistics.median(v)
+        print(f"| {k} | {m:.0f} | {m - full:+.0f} | {base / m:.3f} |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--epochs", type=int, default=40, help="epochs of the throughput jobs")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--skip", type=int, default=20, help="first steps left out of steady state")
@@ -146,14 +365,25 @@ def main() -> int:
                    help="trainer.max_steps of the first-step (startup) jobs")
     p.add_argument("--no-wandb", action="store_true", help="skip the logger=wandb variants")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--retries", type=int, default=2, help="reruns of a job that failed")
     p.add_argument("--keep", action="store_true", help="keep the jobs' output dirs")
     p.add_argument("--out", type=Path, help="write every measurement here as JSON")
+    p.add_argument("--alt", action="append", default=[], metavar="NAME=SRC",
+                   help="also time our loop from another source tree (a patched copy's src/ "
+                        "dir) as variant NAME, logger=none, interleaved like the others")
+    p.add_argument("--step-costs", type=int, nargs="?", const=80, metavar="ROUNDS",
+                   help="instead: time the loop body's pieces in one process (no torchrun)")
     p.add_argument("extra", nargs="*", help="extra overrides for our jobs (e.g. trainer.grad_clip=0)")
     args = p.parse_args()
+    if args.step_costs:
+        step_costs(args.step_costs)
+        return 0
     if args.skip % 10:
         p.error("--skip must be a multiple of the default trainer.log_interval (10)")
 
     variants = [v for v in VARIANTS if not (args.no_wandb and v.startswith("wandb"))]
+    args.alt = dict(a.split("=", 1) for a in args.alt)
+    variants += list(args.alt)
     scratch = Path(tempfile.mkdtemp(prefix="bench_speed_", dir="/tmp"))
     git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
@@ -161,7 +391,8 @@ def main() -> int:
                            capture_output=True, text=True).stdout.strip()
     print(f"# bench_speed: {args.repeats} repeats x {variants}, nproc {args.nproc}, epochs "
           f"{args.epochs}, skip {args.skip}; commit {git}{' (src/conf modified)' if dirty else ''}"
-          f"; load {os.getloadavg()[0]:.2f}; scratch {scratch}", flush=True)
+          f"; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; scratch {scratch}",
+          flush=True)
     rows: list[dict] = []
     for rep in range(args.repeats):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -172,15 +403,17 @@ def main() -> int:
                                      for k, x in r.items()}), flush=True)
     print(f"# load after: {os.getloadavg()[0]:.2f}")
 
-    print("\n| variant | steady samples/s (median) | loop samples/s (median) | "
-          "time to first step s (median) | command s (median) | runs |")
-    print("|---|---|---|---|---|---|")
+    keys = ("steady_sps", "window_median_sps", "loop_sps", "cpu_ms_per_1k", "first_step_s",
+            "command_s")
+    print("\n| variant | steady samples/s | window-median samples/s | loop samples/s | "
+          "CPU ms / 1k samples | time to first step s | command s | runs |")
+    print("|---|---|---|---|---|---|---|---|")
     for v in variants:
         n = sum(r["variant"] == v for r in rows)
-        cells = [median(rows, v, k) for k in ("steady_sps", "loop_sps", "first_step_s",
-                                               "command_s")]
-        print(f"| {v} | " + " | ".join("-" if c != c else f"{c:,.1f}" if c > 100 else f"{c:.2f}"
+        cells = [median(rows, v, k) for k in keys]
+        print(f"| {v} | " + " | ".join("-" if c != c else f"{c:,.0f}" if c > 1000 else f"{c:.2f}"
                                        for c in cells) + f" | {n} |")
+    print("(medians over the repeats)")
 
     results: dict = {"rows": rows, "commit": git, "dirty": bool(dirty)}
     print("\n| comparison | per-repeat values | median | target | verdict |")
@@ -193,24 +426,34 @@ def main() -> int:
               f"{verdict} |")
         results[name] = {"values": vals, "median": med, "verdict": verdict}
 
-    line("steady samples/s ours/minimal", paired(rows, "ours", "minimal", "steady_sps"),
-         ">= 0.95", lambda m: m >= 0.95)
-    line("loop samples/s ours/minimal", paired(rows, "ours", "minimal", "loop_sps"), "-", None)
+    def speed_lines(num: str, den: str, target: str, ok) -> None:
+        line(f"steady samples/s {num}/{den}", paired(rows, num, den, "steady_sps"), target, ok)
+        line(f"window-median samples/s {num}/{den}",
+             paired(rows, num, den, "window_median_sps"), "(report)", None)
+        line(f"loop samples/s {num}/{den}", paired(rows, num, den, "loop_sps"), "(report)", None)
+        line(f"CPU per sample {den}/{num}", paired(rows, den, num, "cpu_ms_per_1k"),
+             "(report)", None)
+
+    speed_lines("ours", "minimal", ">= 0.95", lambda m: m >= 0.95)
     line("first step ours - minimal (s)",
          paired(rows, "ours-startup", "minimal", "first_step_s", diff=True), "<= 2.0",
          lambda m: m <= 2.0)
+    for name in args.alt:
+        speed_lines(name, "minimal", "(report)", None)
+        line(f"steady samples/s {name}/ours", paired(rows, name, "ours", "steady_sps"),
+             "(report)", None)
+        line(f"CPU per sample ours/{name}", paired(rows, "ours", name, "cpu_ms_per_1k"),
+             "(report)", None)
     if not args.no_wandb:
-        line("steady samples/s wandb/minimal", paired(rows, "wandb", "minimal", "steady_sps"),
-             "(report)", None)
-        line("steady samples/s wandb/ours", paired(rows, "wandb", "ours", "steady_sps"),
-             "(report)", None)
+        speed_lines("wandb", "minimal", "(report)", None)
         line("first step wandb - minimal (s)",
-             paired(rows, "wandb-startup", "minimal", "first_step_s", diff=True), "(report)", None)
+             paired(rows, "wandb-startup", "minimal", "first_step_s", diff=True), "(report)",
+             None)
     print(f"\nratio of medians, steady ours/minimal: "
           f"{median(rows, 'ours', 'steady_sps') / median(rows, 'minimal', 'steady_sps'):.3f}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if not args.keep:
+    if not args.keep and not list(scratch.glob("stderr-*.log")):
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
 

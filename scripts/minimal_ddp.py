@@ -6,8 +6,9 @@ Same work as `hydra_ddp.train model=mlp data=digits` (the default job): the MLP 
 (hidden 256, depth 2, GELU, dropout 0.1), the digits train split of hydra_ddp.data.Digits,
 64 samples per rank per step, AdamW(lr 2e-3, weight decay 0.01), gloo. A plain torch
 DataLoader over a TensorDataset with a DistributedSampler; no scheduler, clipping, logging,
-evaluation or checkpoint. Rank 0 prints one JSON line (wall-clock times: first step done,
-step --skip done, last step done, and the samples counted between them).
+evaluation or checkpoint. Rank 0 prints `MINIMAL_DDP_SKIP` when step --skip is done and, at
+the end, one JSON line: wall-clock times (time.time()) of the first step, of every 10th step
+with the samples trained so far, and of the loop's start and end.
 """
 
 import argparse
@@ -49,7 +50,7 @@ model = DDP(nn.Sequential(*layers, nn.Linear(width, 10)))
 opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
 loss_fn = nn.CrossEntropyLoss()
 
-step, samples, marks = 0, 0, {}
+step, samples, marks = 0, 0, {"every10": []}
 t_loop = time.time()
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)
@@ -62,11 +63,14 @@ for epoch in range(args.epochs):
         samples += len(xb)
         if step == 1:
             marks["first_step"] = time.time()
-        if step == args.skip:
-            marks["skip_step"], marks["skip_samples"] = time.time(), samples
+        if step % 10 == 0:
+            marks["every10"].append((step, time.time(), samples))
+            if step == args.skip and rank == 0:
+                print("MINIMAL_DDP_SKIP", flush=True)
 t_end = time.time()
 if rank == 0:
     print("MINIMAL_DDP " + json.dumps({**marks, "loop_start": t_loop, "loop_end": t_end,
                                        "steps": step, "samples_per_rank": samples,
                                        "world_size": world}), flush=True)
+dist.barrier()  # without it gloo often aborts at exit (terminate called ...) on torch 2.13
 dist.destroy_process_group()
