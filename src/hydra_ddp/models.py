@@ -134,9 +134,14 @@ def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
     return cls(cfg, spec)
 
 
+def train_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all positions (no argmax: training never reads it)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
 def loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy and the count of correct argmax predictions (all positions)."""
     flat_logits, flat_y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-    loss = F.cross_entropy(flat_logits.float(), flat_y)
+    loss = train_loss(logits, y)
     correct = (flat_logits.argmax(-1) == flat_y).sum()
     return loss, correct

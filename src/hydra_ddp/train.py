@@ -25,7 +25,6 @@ from typing import Any
 import hydra
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -36,10 +35,11 @@ from hydra_ddp.console import Console
 from hydra_ddp.data import EvalData, Split, Task, TrainData, build_source, check_sampling
 from hydra_ddp.dist import (DistEnv, destroy_process_group, env_from_environ,
                             export_submitit_env, init_process_group, lost_peer,
-                            register_resolvers, under_launcher, unwrap, wrap_model)
+                            register_resolvers, under_launcher, unwrap, wait_for_all_ranks,
+                            wrap_model)
 from hydra_ddp.errors import UserError
 from hydra_ddp.metrics import all_reduce_sum, evaluate, memory_stats
-from hydra_ddp.models import build_model
+from hydra_ddp.models import build_model, train_loss
 from hydra_ddp.optim import build_optimizer, build_scheduler
 from hydra_ddp.tracking import RunInfo, make_tracker
 
@@ -139,10 +139,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                     else model.no_sync()
                 with sync:
                     with autocast:
-                        logits = _forward(model, x)
-                        # Training needs no argmax; loss_and_correct is for evaluation.
-                        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                               y.reshape(-1))
+                        loss = train_loss(_forward(model, x), y)
                     scaler.scale(loss / tcfg.grad_accum).backward()
                 loss_sum += loss.detach()
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
@@ -195,10 +192,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
             path.write_text(json.dumps(summary, indent=2) + "\n")
         console.show_summary(summary, run.output_dir)
         tracker.close()
-        if env.distributed:
-            # torch 2.13's gloo can abort at exit when a rank tears its group down right after
-            # the last collective (~1 in 3 plain scripts here); a barrier first avoids it.
-            dist.barrier()
+        wait_for_all_ranks(env)
         return summary
     except BaseException as e:
         if tracker is not None:
