@@ -31,16 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_speed  # scripts/ is on sys.path when this file runs as a script
+
 
 def user_env(scratch: Path, wandb: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(NETRC=str(scratch / "no-netrc"), WANDB_CONFIG_DIR=str(scratch / "wandb-config"),
-               WANDB_CACHE_DIR=str(scratch / "wandb-cache"),
-               WANDB_DATA_DIR=str(scratch / "wandb-data"), PYTHONUNBUFFERED="1")
+    """bench_speed's isolated no-login environment, plus extra W&B settings for diagnosis."""
+    env = bench_speed.user_env(scratch, wandb)
     if wandb:
-        env["WANDB_MODE"] = "offline"
         env.update(extra or {})
     return env
 
