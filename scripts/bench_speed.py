@@ -46,6 +46,7 @@ What is measured (same definition for both loops, wall-clock stamps taken on ran
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -97,8 +98,10 @@ def command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
 class Monitor(threading.Thread):
     """Records the workers' CPU time whenever rank 0 reports progress.
 
-    Ours: each new line of stats/rank0.jsonl (polled every 10 ms). Minimal: the lines it
-    prints after step `skip` and at the end (read from its stdout).
+    Ours: each new line of stats/rank0.jsonl; minimal: the lines it prints after step `skip`
+    and at the end (read from its stdout). The monitor shares the two cores with the job, so
+    it stays cheap: it stats the file every 10 ms and reads only what was appended, finds the
+    worker processes once, and then reads just their /proc stat files.
     """
 
     def __init__(self, proc: subprocess.Popen, stats_file: Path | None):
@@ -110,11 +113,12 @@ class Monitor(threading.Thread):
         self._cpu_done: dict[int, float] = {}
 
     def cpu(self) -> float:
-        try:
-            for k in psutil.Process(self.proc.pid).children(recursive=True):
-                self._workers.setdefault(k.pid, k)
-        except psutil.NoSuchProcess:
-            pass
+        if not self._workers:
+            try:
+                for k in psutil.Process(self.proc.pid).children(recursive=True):
+                    self._workers.setdefault(k.pid, k)
+            except psutil.NoSuchProcess:
+                pass
         total = 0.0
         for pid, k in self._workers.items():
             try:
@@ -135,19 +139,22 @@ class Monitor(threading.Thread):
                     self.cpu_at["end"] = self.cpu()
                 self.stdout.append(line)
             return
-        seen = 0
+        offset, partial = 0, b""
         while True:
             done = self.proc.poll() is not None
-            if self.stats_file.exists():
-                lines = self.stats_file.read_text().splitlines()
-                if len(lines) > seen:
-                    cpu = self.cpu()
-                    for line in lines[seen:]:
-                        try:
-                            self.cpu_at[json.loads(line)["step"]] = cpu
-                        except ValueError:  # a line being written: read it next time
-                            break
-                        seen += 1
+            try:
+                size = os.stat(self.stats_file).st_size
+            except FileNotFoundError:
+                size = 0
+            if size > offset:
+                cpu = self.cpu()
+                with open(self.stats_file, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read(size - offset)
+                offset += len(chunk)
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    self.cpu_at[json.loads(line)["step"]] = cpu
             if done:
                 return
             time.sleep(0.01)
@@ -253,87 +260,96 @@ def paired(rows: list[dict], num: str, den: str, key: str, diff: bool = False) -
 
 
 def step_costs(rounds: int) -> None:
-    """Replicates train.py's per-step work for model=mlp on one 64-row batch (fp32,
-    grad_accum 1, grad_clip 1.0) and the minimal loop's, and times them in one thread,
-    interleaved, with one piece of ours removed at a time. Keep in step with train.py."""
-    import contextlib
+    """Per-step CPU time of rank 0's work in the default job (model=mlp, data=digits, fp32,
+    grad_accum 1, grad_clip 1.0, 2 ranks' partition) and in the minimal loop, data loading
+    included, without DDP: one thread, interleaved rounds, one piece of ours swapped or
+    removed at a time. Uses the package's own TrainData, MLP, optimizer, scheduler,
+    GradClipper and _Window; the step body mirrors train.py's (keep it in step)."""
     import math
 
+    import numpy as np
     import torch
     import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from hydra_ddp.config import MLPConfig, OptimConfig
-    from hydra_ddp.data import DataSpec, Task
-    from hydra_ddp.models import MLP, loss_and_correct
-    from hydra_ddp.optim import build_optimizer, build_scheduler
+    from hydra_ddp.config import DigitsConfig, MLPConfig, OptimConfig, SamplerConfig
+    from hydra_ddp.data import TrainData, build_source
+    from hydra_ddp.dist import DistEnv
+    from hydra_ddp.models import MLP, train_loss
+    from hydra_ddp.optim import GradClipper, build_optimizer, build_scheduler
     from hydra_ddp.train import _Window
 
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1
-    spec = DataSpec(Task.classification, num_classes=10, in_features=64)
-    x, y = torch.rand(64, 64), torch.randint(0, 10, (64,))
+    env = DistEnv(rank=0, world_size=2, local_world_size=2)
+    source = build_source(DigitsConfig())
+
+    def minimal_batches():
+        # scripts/minimal_ddp.py's data path: a TensorDataset behind a DistributedSampler.
+        bunch = load_digits()
+        x = torch.from_numpy((bunch.data / 16.0).astype(np.float32))
+        y = torch.from_numpy(bunch.target.astype(np.int64))
+        sampler = DistributedSampler(TensorDataset(x, y), num_replicas=2, rank=0, seed=0)
+        loader = DataLoader(TensorDataset(x, y), batch_size=64, sampler=sampler)
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+
+    def our_batches():
+        data = TrainData(source, SamplerConfig(), env, 64, True, 0)
+        for epoch in itertools.count():
+            yield from data.epoch(epoch)
 
     class Loop:
-        def __init__(self, minimal=False, groups=True, clip=True, finite=True, sched=True,
-                     autocast=True, correct=True, scaler=True, window=True):
+        def __init__(self, minimal=False, minimal_data=False, torch_clip=False, clip=True,
+                     sched=True, window=True):
             torch.manual_seed(0)
-            self.m = MLP(MLPConfig(), spec)
-            self.opt = (build_optimizer(self.m, OptimConfig(lr=2e-3)) if groups else
-                        torch.optim.AdamW(self.m.parameters(), lr=2e-3, weight_decay=0.01))
+            self.m = MLP(MLPConfig(), source.spec)
+            self.batches = minimal_batches() if minimal or minimal_data else our_batches()
+            self.opt = (torch.optim.AdamW(self.m.parameters(), lr=2e-3, weight_decay=0.01)
+                        if minimal else build_optimizer(self.m, OptimConfig(lr=2e-3)))
             self.sched = build_scheduler(self.opt, OptimConfig(), 10**6)
-            self.scaler = torch.amp.GradScaler("cpu", enabled=False)
-            self.ac = torch.autocast("cpu", dtype=None, enabled=False)
+            self.clip = GradClipper(self.m, 1.0)
             self.win = _Window()
-            self.minimal, self.clip, self.finite, self.use_sched = minimal, clip, finite, sched
-            self.use_ac, self.correct, self.use_scaler, self.window = (autocast, correct,
-                                                                      scaler, window)
+            self.minimal, self.torch_clip, self.use_clip = minimal, torch_clip, clip
+            self.use_sched, self.window = sched, window
 
         def step(self) -> None:
             if self.minimal:
-                loss = F.cross_entropy(self.m(x), y)
+                xb, yb = next(self.batches)
+                loss = F.cross_entropy(self.m(xb), yb)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 self.opt.step()
                 return
             t0 = time.perf_counter()
-            loss_sum = torch.zeros(()) if self.window else None
-            with contextlib.nullcontext():
-                with (self.ac if self.use_ac else contextlib.nullcontext()):
-                    out = self.m(x)
-                loss = loss_and_correct(out, y)[0] if self.correct else F.cross_entropy(out, y)
-                (self.scaler.scale(loss / 1) if self.use_scaler else loss).backward()
-            if self.window:
-                loss_sum += loss.detach()
-            if self.use_scaler:
-                self.scaler.unscale_(self.opt)
-            gn = (torch.nn.utils.clip_grad_norm_(self.m.parameters(), 1.0) if self.clip
-                  else torch.zeros(()))
-            if self.finite and not torch.isfinite(gn):
-                raise RuntimeError("non-finite")
-            if self.use_scaler:
-                self.scaler.step(self.opt)
-                self.scaler.update()
+            xb, yb = (t.to("cpu", non_blocking=True) for t in next(self.batches))
+            loss = train_loss(self.m(xb), yb)
+            loss.backward()
+            step_loss = loss.detach()
+            if self.torch_clip:
+                gn = torch.nn.utils.clip_grad_norm_(self.m.parameters(), 1.0)
+            elif self.use_clip:
+                gn = self.clip()
             else:
-                self.opt.step()
+                gn = torch.zeros(())
+            if not math.isfinite(gn):
+                raise RuntimeError("non-finite")
+            self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             if self.use_sched:
                 self.sched.step()
             if self.window:
-                self.win.add_step(loss_sum / 1, time.perf_counter() - t0)
+                self.win.add_step(step_loss, time.perf_counter() - t0)
 
     variants = {
-        "minimal loop": dict(minimal=True, groups=False),
+        "minimal loop": dict(minimal=True),
         "ours": {},
-        "ours without clip_grad_norm_": dict(clip=False),
-        "ours without isfinite(grad_norm)": dict(finite=False),
+        "ours with the minimal loop's DataLoader": dict(minimal_data=True),
+        "ours with torch's clip_grad_norm_": dict(torch_clip=True),
+        "ours without clipping": dict(clip=False),
         "ours without sched.step()": dict(sched=False),
-        "ours without disabled autocast ctx": dict(autocast=False),
-        "ours without argmax (loss only)": dict(correct=False),
-        "ours without disabled GradScaler calls": dict(scaler=False),
-        "ours without loss_sum/_Window": dict(window=False),
-        "ours with one param group": dict(groups=False),
-        "ours without all of the above": dict(clip=False, finite=False, sched=False,
-                                               autocast=False, correct=False, scaler=False,
-                                               window=False, groups=False),
+        "ours without _Window.add_step": dict(window=False),
     }
     loops = {k: Loop(**kw) for k, kw in variants.items()}
     res: dict[str, list[float]] = {k: [] for k in loops}

@@ -45,7 +45,8 @@ def run_job(args: argparse.Namespace, env: DistEnv, out: Path, job_name: str,
             fail: bool) -> None:
     """One job: build a tracker, log a few intervals, evaluate, close."""
     cfg = LoggerConfig(backend=LoggerBackend(args.backend), layout=Layout(args.layout),
-                       mode=WandbMode(args.mode), project="hydra-ddp-tests", tags=["test"])
+                       mode=WandbMode(args.mode), project="hydra-ddp-tests", tags=["test"],
+                       min_interval_s=args.min_interval)
     config: dict[str, object] = {"trainer": {"batch_size": 64, "lr": 0.1}, "job": job_name}
     if args.leak_key:
         # What a careless user might put in a config: both must be redacted before W&B.
@@ -74,6 +75,8 @@ def main() -> int:
     parser.add_argument("--layout", default="gather")
     parser.add_argument("--mode", default="offline")
     parser.add_argument("--steps", type=int, default=5)
+    # 0 (every row to W&B) unless a test checks the rate limit: the tests check every row.
+    parser.add_argument("--min-interval", type=float, default=0.0)
     parser.add_argument("--scenario", choices=["train", "sequential"], default="train")
     parser.add_argument("--leak-key", action="store_true")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

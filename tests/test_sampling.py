@@ -53,6 +53,23 @@ def test_feistel_is_bijection_exhaustive(n: int) -> None:
         assert np.array_equal(np.sort(out), np.arange(n))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 97, 1257, 4096, 4097, 2**16])
+def test_feistel_table_equals_cycle_walk(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small domains are served from a whole-epoch table; it must be the very same bijection
+    # as the per-call cycle walk that large domains use (orders must not depend on n's size).
+    rng = np.random.default_rng(n)
+    for key in (0, 12345, 2**64 - 1):
+        positions = rng.integers(0, n, size=min(n, 300))
+        table = FeistelPermutation(n, key)
+        assert table.domain <= sampling._TABLE_MAX_DOMAIN
+        from_table = table(positions)
+        monkeypatch.setattr(sampling, "_TABLE_MAX_DOMAIN", 0)
+        walked = FeistelPermutation(n, key)(positions)
+        monkeypatch.undo()
+        assert from_table.dtype == walked.dtype == np.int64
+        assert np.array_equal(from_table, walked)
+
+
 @pytest.mark.parametrize("rounds", [1, 2, 3, 5, 8])
 def test_feistel_bijection_other_round_counts(rounds: int) -> None:
     for n in (1, 6, 37, 1000):

@@ -105,6 +105,22 @@ def test_gather_layout_one_run_with_every_rank(gather_run: Path) -> None:
     assert json.loads((out / "stats" / "summary.json").read_text()) == {"test/acc": 0.9}
 
 
+def test_wandb_rows_rate_limited_local_copy_complete(tmp_path: Path) -> None:
+    # With logger.min_interval_s far above the job's length, W&B gets the first training row
+    # and (at close) the last one; the JSON-lines copy and the aggregates keep every interval.
+    out = tmp_path / "out"
+    _ok(_torchrun(tmp_path, out, "--layout", "gather", "--min-interval", "3600"))
+    runs = _runs(out)
+    assert len(runs) == 1, runs
+    rows = wandb_records.history_rows(runs[0])
+    train = [r for r in rows if "rank0/loss" in r]
+    assert [r["trainer/step"] for r in train] == [1, STEPS]
+    assert train[-1]["rank1/step_time"] == pytest.approx(0.10 + 0.05 + 0.001 * STEPS)
+    assert train[-1]["agg/slowest_rank"] == 1
+    assert [r["trainer/step"] for r in rows if "val/acc" in r] == [STEPS]
+    _check_rank_files(out)
+
+
 def test_plot_run_draws_per_rank_pngs(gather_run: Path, tmp_path: Path) -> None:
     plots = tmp_path / "plots"
     proc = subprocess.run([sys.executable, str(PLOT), str(gather_run), "--out", str(plots)],

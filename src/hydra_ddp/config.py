@@ -289,16 +289,33 @@ class WandbMode(Enum):
     disabled = "disabled"
 
 
+class WandbConsole(Enum):
+    # The job's log is already in <output dir>/train_rank<r>.log; W&B's copy would re-send
+    # every line through its service, which costs the ranks CPU on a busy node.
+    off = "off"
+    wrap = "wrap"  # W&B's "Logs" tab shows rank 0's console (W&B's own default)
+    redirect = "redirect"
+
+
 @dataclass
 class LoggerConfig:
     backend: LoggerBackend = LoggerBackend.wandb
     layout: Layout = Layout.gather
     mode: WandbMode = WandbMode.auto
+    console: WandbConsole = WandbConsole.off
     project: str = "hydra-ddp"
     entity: Optional[str] = None
     name: Optional[str] = None  # null: the job's name (its overrides in a sweep)
     group: Optional[str] = None  # null: one group per sweep (or per job)
     tags: List[str] = field(default_factory=list)
+    # Send a training row to W&B at most once per this many seconds (0: every log interval).
+    # The local stats/*.jsonl keep every interval; the last row is always sent. W&B suggests
+    # under 100k points per metric and throttles projects that log faster.
+    min_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.min_interval_s >= 0, "logger.min_interval_s", ">= 0 (0: every interval)",
+                 self.min_interval_s)
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,17 +50,19 @@ class Console:
     def progress(self, total: int, done: int) -> "_Bar":
         return _Bar(self.rich, total, done, self.enabled and self.env.is_main)
 
-    def log_step(self, step: int, total: int, stats: dict[str, float], agg: dict[str, float],
-                 unit: str) -> None:
+    def log_step(self, step: int, total: int, stats: dict[str, float],
+                 last_aggregate: tuple[int, dict[str, float]], unit: str) -> None:
         """One line per log interval (nanoGPT-style), with the slowest rank when there are
-        several, so a straggler shows on the console too."""
+        several, so a straggler shows on the console too. The cross-rank figures are those of
+        the newest gathered interval (`Tracker.last_aggregate`), one interval behind."""
+        agg_step, agg = last_aggregate
         line = (f"step {step}/{total} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                 f"{unit}/s {stats[f'{unit}_per_s']:.0f} (rank 0) | "
                 f"step {1000 * stats['step_time']:.1f} ms | data wait "
                 f"{1000 * stats['data_wait']:.2f} ms")
         if self.env.world_size > 1 and "step_time_max" in agg:
             line += (f" | slowest rank {int(agg['slowest_rank'])} "
-                     f"({1000 * agg['step_time_max']:.1f} ms)")
+                     f"({1000 * agg['step_time_max']:.1f} ms to step {agg_step})")
         log.info(line)
 
     def show_summary(self, summary: dict[str, Any], output_dir: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import resource
+from contextlib import AbstractContextManager
 
 import psutil
 import torch
@@ -15,9 +17,15 @@ from hydra_ddp.models import loss_and_correct
 _MB = 1024 * 1024
 
 
+_process: psutil.Process | None = None
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Current and peak resident memory of this process (and of its GPU, on CUDA), in MiB."""
-    stats = {"rss_mb": psutil.Process().memory_info().rss / _MB,
+    global _process
+    if _process is None or _process.pid != os.getpid():  # one per process; a fork gets its own
+        _process = psutil.Process()
+    stats = {"rss_mb": _process.memory_info().rss / _MB,
              # ru_maxrss is in KiB on Linux.
              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if device.type == "cuda":
@@ -36,7 +44,7 @@ def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: EvalData, env: DistEnv, task: Task,
-             autocast: torch.autocast) -> dict[str, float]:
+             autocast: AbstractContextManager) -> dict[str, float]:
     """Loss (and accuracy for classifiers) over a whole split, every row counted once.
 
     `model` must be the unwrapped module: a DDP forward may broadcast buffers, a collective

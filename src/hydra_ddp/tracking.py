@@ -2,7 +2,8 @@
 
 Every rank calls `Tracker.log` at each log interval with the same stat keys. The tracker does
 one small all_gather of those stats so rank 0 can derive cross-rank aggregates (which rank is
-the straggler, how long ranks wait for data), then:
+the straggler, how long ranks wait for data). The gather is asynchronous and completes at the
+next log point (or at `close`), so training does not stall at every interval. Then:
 
 * every rank appends its own stats to ``<output_dir>/stats/rank{r}.jsonl``;
 * rank 0 appends the aggregates to ``<output_dir>/stats/aggregate.jsonl`` (and, from
@@ -17,6 +18,9 @@ the straggler, how long ranks wait for data), then:
               rank 0's run also logs ``agg/<stat>``;
   ``shared``  every rank writes into one run (W&B's experimental shared mode, online only):
               ``rank{r}/<stat>`` from each rank, ``agg/<stat>`` from rank 0.
+
+  Training rows go to W&B at most once per ``logger.min_interval_s`` (the newest row wins;
+  the last one is sent at close); the JSON-lines files keep every interval.
 
   All keys are plotted against ``trainer/step`` (set with ``define_metric``), never against
   W&B's internal ``_step``, so eval rows and train rows share one x axis.
@@ -215,6 +219,19 @@ def _aggregate(table: Dict[int, List[float]], keys: List[str]) -> Dict[str, floa
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Interval:
+    """One log interval's stats on this rank, and its all_gather while in flight."""
+
+    step: int
+    keys: List[str]
+    values: List[float]
+    time: float
+    signature: float = 0.0
+    parts: List[torch.Tensor] = field(default_factory=list)
+    work: Optional[Any] = None  # the async all_gather's handle; None when not distributed
+
+
 class Tracker:
     """Records one job's per-rank stats locally and (optionally) in W&B. See the module doc."""
 
@@ -230,6 +247,11 @@ class Tracker:
         self._run: Optional[Run] = None
         self._layout = cfg.layout
         self._wandb_mode = "disabled"
+        self._pending: Optional[_Interval] = None
+        self._last_sent = -math.inf  # time.monotonic() of the last training row sent to W&B
+        self._unsent: Optional[Dict[str, float]] = None
+        # (step, aggregates) of the newest interval whose gather completed, on rank 0.
+        self.last_aggregate: tuple[int, Dict[str, float]] = (0, {})
 
         if cfg.backend == LoggerBackend.wandb:
             self._wandb_mode, reason = resolve_mode(cfg.mode)
@@ -277,6 +299,7 @@ class Tracker:
             "silent": not env.is_main,
             # No sparkline wall of every key at the end: the job prints its own summary.
             "quiet": True,
+            "console": cfg.console.value,
         }
         kwargs: Dict[str, Any] = {}
         if self._layout == Layout.group:
@@ -331,40 +354,41 @@ class Tracker:
 
     # ---------------------------------------------------------------------------- logging
 
-    def _gather(self, keys: List[str], values: List[float], step: int) -> Dict[int, List[float]]:
-        """One all_gather of [key signature, *values] from every rank (float64, env.device)."""
+    def _start_gather(self, step: int, keys: List[str], values: List[float],
+                      now: float) -> "_Interval":
+        """Start one all_gather of [key signature, *values] from every rank (float64)."""
+        interval = _Interval(step, keys, values, now)
         if not self._env.distributed:
-            return {self._env.rank: values}
+            return interval
         # A hash of the key names rides along so mismatched keys fail loudly, not silently
         # mislabelled; crc32 fits a float64 exactly.
-        signature = float(zlib.crc32("\0".join(keys).encode()))
-        local = torch.tensor([signature, *values], dtype=torch.float64, device=self._env.device)
-        parts = [torch.empty_like(local) for _ in range(self._env.world_size)]
-        dist.all_gather(parts, local)
-        rows = torch.stack(parts).cpu().tolist()
-        if any(row[0] != signature for row in rows):
-            # Every rank sees every signature, so all ranks raise here together.
-            raise RuntimeError(f"Tracker.log at step {step}: ranks passed different stat keys; "
-                               "every rank must log the same keys at every interval")
-        return {r: row[1:] for r, row in enumerate(rows)}
+        interval.signature = float(zlib.crc32("\0".join(keys).encode()))
+        local = torch.tensor([interval.signature, *values], dtype=torch.float64,
+                             device=self._env.device)
+        interval.parts = [torch.empty_like(local) for _ in range(self._env.world_size)]
+        # Asynchronous: the result is read at the next log point (or at close), so the
+        # collective overlaps the next steps instead of stalling every rank at each interval.
+        interval.work = dist.all_gather(interval.parts, local, async_op=True)
+        return interval
 
-    def log(self, step: int, stats: Dict[str, float]) -> Dict[str, float]:
-        """Record this rank's stats for ``step``. Collective: call on every rank, same keys.
-        Returns the cross-rank aggregates on rank 0 (empty elsewhere)."""
-        if self._closed:
-            raise RuntimeError("Tracker.log called after close()")
-        keys = sorted(stats)
-        values = [float(stats[k]) for k in keys]
-        table = self._gather(keys, values, step)
-        now = time.time()
+    def _finish(self, interval: "_Interval") -> Dict[str, float]:
+        """Wait for an interval's gather; write its aggregates and W&B row. Returns the
+        aggregates on rank 0 (empty elsewhere)."""
+        keys, values, step = interval.keys, interval.values, interval.step
+        if interval.work is None:
+            table = {self._env.rank: values}
+        else:
+            interval.work.wait()
+            rows = torch.stack(interval.parts).cpu().tolist()
+            if any(row[0] != interval.signature for row in rows):
+                # Every rank sees every signature, so all ranks raise here together.
+                raise RuntimeError(f"Tracker.log at step {step}: ranks passed different stat "
+                                   "keys; every rank must log the same keys at every interval")
+            table = {r: row[1:] for r, row in enumerate(rows)}
         agg = _aggregate(table, keys) if self._env.is_main else {}
-
-        # Integers (samples_seen, data_bytes, ...) stay integers in the local copy.
-        own = {k: stats[k] if type(stats[k]) is int else v for k, v in zip(keys, values)}
-        self._append(self._own, {"step": step, "time": now, "rank": self._env.rank, **own})
         if self._env.is_main:
-            self._append(self._agg, {"step": step, "time": now, **agg})
-
+            self._append(self._agg, {"step": step, "time": interval.time, **agg})
+            self.last_aggregate = (step, agg)
         if self._run is None:
             return agg
         row: Dict[str, float] = {STEP_METRIC: step}
@@ -376,8 +400,36 @@ class Tracker:
         else:
             row.update({f"rank{self._env.rank}/{k}": v for k, v in zip(keys, values)})
         row.update({f"agg/{k}": v for k, v in agg.items()})
-        self._run.log(row)
+        now = time.monotonic()
+        if now - self._last_sent >= self._cfg.min_interval_s:
+            self._run.log(row)
+            self._last_sent, self._unsent = now, None
+        else:
+            self._unsent = row  # sent at close if no later row replaces it
         return agg
+
+    def log(self, step: int, stats: Dict[str, float]) -> None:
+        """Record this rank's stats for ``step``. Collective: call on every rank, same keys.
+
+        This rank's own line is written at once. The cross-rank part (rank 0's aggregates,
+        the W&B row) completes at the next call or at `close`: see `last_aggregate`.
+        """
+        if self._closed:
+            raise RuntimeError("Tracker.log called after close()")
+        keys = sorted(stats)
+        values = [float(stats[k]) for k in keys]
+        now = time.time()
+        # Integers (samples_seen, data_bytes, ...) stay integers in the local copy.
+        own = {k: stats[k] if type(stats[k]) is int else v for k, v in zip(keys, values)}
+        self._append(self._own, {"step": step, "time": now, "rank": self._env.rank, **own})
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(pending)
+        interval = self._start_gather(step, keys, values, now)
+        if interval.work is None:
+            self._finish(interval)
+        else:
+            self._pending = interval
 
     def log_eval(self, step: int, metrics: Dict[str, float]) -> None:
         """Record evaluation metrics keyed like ``val/acc`` or ``test/loss`` (rank 0 only)."""
@@ -409,13 +461,25 @@ class Tracker:
             self._run.summary.update(dict(metrics))
 
     def close(self, failed: bool = False) -> None:
-        """Finish the W&B run (exit code 1 when ``failed``) and close the files. Idempotent."""
+        """Complete the last interval, finish the W&B run (exit code 1 when ``failed``) and
+        close the files. Idempotent. Not collective, but on success every rank must call it
+        (the last interval's gather is waited for)."""
         if self._closed:
             return
+        error: Optional[BaseException] = None
+        pending, self._pending = self._pending, None
+        # After a failure a peer may be gone: only an interval already gathered is kept.
+        if pending is not None and (not failed or pending.work.is_completed()):
+            try:
+                self._finish(pending)
+            except Exception as e:  # still finish the run and close the files
+                error, failed = e, True
         self._closed = True
         run, self._run = self._run, None
         if run is not None:
             try:
+                if self._unsent is not None:
+                    run.log(self._unsent)
                 run.finish(exit_code=1 if failed else 0)
             except Exception:  # closing must not mask the error that made us close
                 logger.exception("could not finish W&B run %s", run.id)
@@ -427,6 +491,8 @@ class Tracker:
             setattr(self, attr, None)
             if handle is not None:
                 handle.close()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "Tracker":
         return self

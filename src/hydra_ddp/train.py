@@ -12,6 +12,7 @@ torch's elastic agent (see launch.py). `train` is one rank's whole job, top to b
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -40,7 +41,7 @@ from hydra_ddp.dist import (DistEnv, destroy_process_group, env_from_environ,
 from hydra_ddp.errors import UserError
 from hydra_ddp.metrics import all_reduce_sum, evaluate, memory_stats
 from hydra_ddp.models import build_model, train_loss
-from hydra_ddp.optim import build_optimizer, build_scheduler
+from hydra_ddp.optim import GradClipper, build_optimizer, build_scheduler
 from hydra_ddp.tracking import RunInfo, make_tracker
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,12 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                                       enabled=tcfg.precision == Precision.fp16)
         autocast_dtype = {Precision.bf16: torch.bfloat16,
                           Precision.fp16: torch.float16}.get(tcfg.precision)
-        autocast = torch.autocast(env.device.type, dtype=autocast_dtype,
-                                  enabled=autocast_dtype is not None)
+        # In fp32 neither autocast nor the scaler is entered at all: on a small model their
+        # disabled-path calls cost a few percent of a step.
+        autocast = (torch.autocast(env.device.type, dtype=autocast_dtype)
+                    if autocast_dtype is not None else contextlib.nullcontext())
+        scaling = scaler.is_enabled()
+        clip = GradClipper(raw_model, tcfg.grad_clip)
 
         pos = Position()
         if resume_from is not None:
@@ -118,9 +123,12 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         start_step = pos.step
         progress = console.progress(total_steps, pos.step)
         model.train()
+        # The ~400k objects made by imports and setup live for the whole job: a full garbage
+        # collection in the loop would walk them all (~0.2 s, a long stall for every rank).
+        gc.freeze()
         while pos.step < total_steps:
             t_step = time.perf_counter()
-            loss_sum = torch.zeros((), device=env.device)
+            step_loss: torch.Tensor | None = None  # the step's mean loss, left on the device
             for micro in range(tcfg.grad_accum):
                 t_wait = time.perf_counter()
                 batch = next(batches, None)
@@ -140,23 +148,26 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 with sync:
                     with autocast:
                         loss = train_loss(_forward(model, x), y)
-                    scaler.scale(loss / tcfg.grad_accum).backward()
-                loss_sum += loss.detach()
-            scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                raw_model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf)
-            # Gradients are already averaged over ranks here, so every rank sees the same norm
-            # and takes the same decision without another collective.
-            if not scaler.is_enabled() and not torch.isfinite(grad_norm):
-                _non_finite(pos.step + 1, loss_sum, env, cfg.trainer.nan_policy)
-                opt.zero_grad(set_to_none=True)
-            else:
-                scaler.step(opt)
+                    if tcfg.grad_accum > 1:
+                        loss = loss / tcfg.grad_accum
+                    (scaler.scale(loss) if scaling else loss).backward()
+                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+            if scaling:
+                scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+            grad_norm = clip()
+            if scaling:
+                scaler.step(opt)  # skips the step itself when the gradients overflowed
                 scaler.update()
-                opt.zero_grad(set_to_none=True)
+            elif math.isfinite(grad_norm):
+                opt.step()
+            else:
+                # Gradients are already averaged over ranks here, so every rank sees the same
+                # norm and takes the same decision without another collective.
+                _non_finite(pos.step + 1, step_loss, env, cfg.trainer.nan_policy)
+            opt.zero_grad(set_to_none=True)
             sched.step()
             pos.step += 1
-            window.add_step(loss_sum / tcfg.grad_accum, time.perf_counter() - t_step)
+            window.add_step(step_loss, time.perf_counter() - t_step)
             progress.advance()
 
             if pos.step % tcfg.log_interval == 0 or pos.step == total_steps:
@@ -164,10 +175,10 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 stats.update(memory_stats(env.device), samples_seen=pos.samples_seen,
                              data_rows=train_data.rows_held, data_bytes=train_data.bytes_held,
                              epoch=pos.epoch)
-                agg = tracker.log(pos.step, stats)
+                tracker.log(pos.step, stats)
                 progress.describe(f"loss {stats['loss']:.4f}")
                 if env.is_main and not progress.visible:
-                    console.log_step(pos.step, total_steps, stats, agg, unit)
+                    console.log_step(pos.step, total_steps, stats, tracker.last_aggregate, unit)
             if tcfg.eval_interval and pos.step % tcfg.eval_interval == 0 \
                     and pos.step < total_steps:
                 last_eval = evaluate(raw_model, evals[Split.val], env, source.spec.task, autocast)
@@ -207,6 +218,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 "the group restarts and resumes from the newest checkpoint") from e
         raise
     finally:
+        gc.unfreeze()  # a sweep's next job in this process must be able to collect this one
         destroy_process_group()
 
 
@@ -220,20 +232,20 @@ class _Window:
         self.total_time = 0.0
 
     def reset(self) -> None:
-        self.loss = torch.zeros(())
+        self.loss: torch.Tensor | float = 0.0
         self.steps = 0
         self.step_time = self.data_wait = 0.0
         self.samples = 0
 
     def add_step(self, loss: torch.Tensor, seconds: float) -> None:
         # Kept on the device: reading it every step would force a GPU sync per step.
-        self.loss = self.loss.to(loss.device) + loss
+        self.loss = loss if self.steps == 0 else self.loss + loss
         self.steps += 1
         self.step_time += seconds
 
     def flush(self, grad_norm: torch.Tensor, lr: float, unit: str) -> dict[str, float]:
         steps = max(self.steps, 1)
-        self.last_loss = (self.loss / steps).item()
+        self.last_loss = float(self.loss) / steps
         self.total_samples += self.samples
         self.total_time += self.step_time
         stats = {"loss": self.last_loss, "step_time": self.step_time / steps,
