@@ -35,4 +35,10 @@ out = {p.parent.name: json.loads(p.read_text()) for p in sorted(w.glob("*/summar
 (w / "summaries.json").write_text(json.dumps(out, indent=1))
 for k, v in out.items():
     print(k, {x: v.get(x) for x in ("world_size", "steps", "test_acc", "val_loss", "samples_per_s", "tokens_per_s", "wall_time_s")})
+# The per-interval stats gather runs asynchronously on the NCCL group: every interval must
+# still reach rank 0's aggregate file, with CUDA memory among each rank's stats.
+for k in out:
+    agg = (w / k / "stats" / "aggregate.jsonl").read_text().splitlines()
+    own = [json.loads(l) for l in (w / k / "stats" / "rank0.jsonl").read_text().splitlines()]
+    print(k, "intervals", len(own), "aggregated", len(agg), "cuda_peak_mem_mb", own[-1].get("cuda_peak_mem_mb"))
 PY
