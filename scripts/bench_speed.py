@@ -289,8 +289,9 @@ def step_costs(rounds: int) -> None:
         bunch = load_digits()
         x = torch.from_numpy((bunch.data / 16.0).astype(np.float32))
         y = torch.from_numpy(bunch.target.astype(np.int64))
-        sampler = DistributedSampler(TensorDataset(x, y), num_replicas=2, rank=0, seed=0)
-        loader = DataLoader(TensorDataset(x, y), batch_size=64, sampler=sampler)
+        dataset = TensorDataset(x, y)
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=0, seed=0)
+        loader = DataLoader(dataset, batch_size=64, sampler=sampler)
         for epoch in itertools.count():
             sampler.set_epoch(epoch)
             yield from loader

@@ -52,6 +52,7 @@ class GradClipper:
         self.max_norm = max_norm
         self._foreach = (len({(p.device, p.dtype) for p in self.params}) == 1
                          and _device_has_foreach_support(self.params[0].device))
+        # No trainable parameters: the set is empty, so torch's function answers (norm 0).
 
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:

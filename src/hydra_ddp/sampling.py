@@ -174,14 +174,19 @@ class FeistelPermutation:
                 self._table = self._whole_table()
             return self._table[flat].reshape(shape)
         out = self._permute_domain(flat.astype(np.uint64))
+        return self._cycle_walk(out, self._permute_domain).reshape(shape)
+
+    def _cycle_walk(self, out: np.ndarray, step: Any) -> np.ndarray:
+        """Re-apply ``step`` to the entries of ``out`` outside ``[0, n)`` until all are inside.
+
+        Terminates because the cycle through an in-range start contains an in-range element.
+        """
         pending = np.flatnonzero(out >= self._n_u64)
-        # Cycle-walking: re-apply until inside [0, n).  Terminates because the
-        # cycle through an in-range start contains an in-range element.
         while pending.size:
-            walked = self._permute_domain(out[pending])
+            walked = step(out[pending])
             out[pending] = walked
             pending = pending[walked >= self._n_u64]
-        return out.astype(np.int64).reshape(shape)
+        return out.astype(np.int64)
 
     def _whole_table(self) -> np.ndarray:
         """The permutation of all of ``[0, n)`` as an array (small domains only).
@@ -192,13 +197,7 @@ class FeistelPermutation:
         walk step is a table lookup; the result is the same bijection.
         """
         step = self._permute_domain(np.arange(self.domain, dtype=np.uint64))
-        out = step[: self.n].copy()
-        pending = np.flatnonzero(out >= self._n_u64)
-        while pending.size:
-            walked = step[out[pending]]
-            out[pending] = walked
-            pending = pending[walked >= self._n_u64]
-        return out.astype(np.int64)
+        return self._cycle_walk(step[: self.n].copy(), step.__getitem__)
 
 
 _CHUNK_INDICES = 1 << 16

@@ -371,9 +371,8 @@ class Tracker:
         interval.work = dist.all_gather(interval.parts, local, async_op=True)
         return interval
 
-    def _finish(self, interval: "_Interval") -> Dict[str, float]:
-        """Wait for an interval's gather; write its aggregates and W&B row. Returns the
-        aggregates on rank 0 (empty elsewhere)."""
+    def _finish(self, interval: "_Interval") -> None:
+        """Wait for an interval's gather; write its aggregates (rank 0) and W&B row."""
         keys, values, step = interval.keys, interval.values, interval.step
         if interval.work is None:
             table = {self._env.rank: values}
@@ -390,7 +389,7 @@ class Tracker:
             self._append(self._agg, {"step": step, "time": interval.time, **agg})
             self.last_aggregate = (step, agg)
         if self._run is None:
-            return agg
+            return
         row: Dict[str, float] = {STEP_METRIC: step}
         if self._layout == Layout.gather:
             for r, vals in table.items():
@@ -406,7 +405,6 @@ class Tracker:
             self._last_sent, self._unsent = now, None
         else:
             self._unsent = row  # sent at close if no later row replaces it
-        return agg
 
     def log(self, step: int, stats: Dict[str, float]) -> None:
         """Record this rank's stats for ``step``. Collective: call on every rank, same keys.
