@@ -105,7 +105,9 @@ def main() -> int:
             for i in range(2):
                 run_job(args, env, args.out / f"job{i}", f"job{i}", fail=i == 1)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # One write() per line: both ranks share torchrun's stderr pipe, and print() writes the
+        # text and the newline separately, so two ranks' lines could interleave mid-line.
+        os.write(sys.stderr.fileno(), f"error: {e}\n".encode())
         (args.out / f"exit-rank{rank}.txt").write_text(f"2\n{e}\n", encoding="utf-8")
         code = 2
         if world > 1:
