@@ -45,7 +45,7 @@ def run_job(args: argparse.Namespace, env: DistEnv, out: Path, job_name: str,
             fail: bool) -> None:
     """One job: build a tracker, log a few intervals, evaluate, close."""
     cfg = LoggerConfig(backend=LoggerBackend(args.backend), layout=Layout(args.layout),
-                       mode=WandbMode(args.mode), project="hydra-ddp-tests", tags=["test"],
+                       mode=WandbMode(args.mode), project="hydra-ddp-tests", tags=["test", "worker"],
                        min_interval_s=args.min_interval)
     config: dict[str, object] = {"trainer": {"batch_size": 64, "lr": 0.1}, "job": job_name}
     if args.leak_key:
@@ -53,8 +53,7 @@ def run_job(args: argparse.Namespace, env: DistEnv, out: Path, job_name: str,
         key = os.environ.get("WANDB_API_KEY", "")
         config["logger"] = {"api_key": key}
         config["note"] = f"run with key {key}"
-    info = RunInfo(output_dir=out, job_name=job_name, group="test-group", config=config,
-                   tags=["worker"])
+    info = RunInfo(output_dir=out, job_name=job_name, group="test-group", config=config)
     tracker = make_tracker(cfg, env, info)
     failed = True
     try:

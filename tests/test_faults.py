@@ -317,7 +317,7 @@ def test_nan_policy_skip_drops_those_steps_and_finishes(tmp_path: Path, syntheti
 
 def test_exploding_lr_stops_with_overflowed_gradients(tmp_path: Path) -> None:
     proc = python_train(tmp_path, *FAST, "trainer.max_steps=20", "optim.lr=1e10",
-                        "optim.warmup_steps=0", "trainer.grad_clip=0", timeout=120)
+                        "scheduler.warmup_steps=0", "trainer.grad_clip=0", timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert "non-finite" in out and "at step " in out and "lower optim.lr" in out, out[-3000:]

@@ -196,3 +196,23 @@ def test_wandb_group_layout_one_run_per_rank(tmp_path: Path) -> None:
     infos = [wandb_records.run_info(f) for f in files]
     assert sorted(i["job_type"] for i in infos) == ["rank0", "rank1"]
     assert len({i["group"] for i in infos}) == 1
+
+
+def test_regression_job_reports_mse_and_r2(tmp_path: Path) -> None:
+    """data=diabetes picks loss=mse and the regression metrics by itself."""
+    ok(torchrun(tmp_path, *FAST, "data=diabetes", "trainer.batch_size=32", "trainer.epochs=30"))
+    s = summary(only_job_dir(tmp_path))
+    assert s["world_size"] == 2
+    assert s["val_loss"] == pytest.approx(s["val_mse"], rel=1e-6)  # the loss is the MSE
+    # The target is standardised: predicting its mean scores R^2 = 0, MSE ~ 1.
+    assert s["test_r2"] > 0.3 and s["test_mse"] < 0.8, s
+    assert "val_acc" not in s
+
+
+def test_label_smoothing_from_the_command_line(tmp_path: Path) -> None:
+    """The smoothed loss cannot fall below the entropy of the smoothed targets (0.50 nats for
+    0.1 over 10 classes), while accuracy is still reported and high."""
+    ok(torchrun(tmp_path, *FAST, "loss.label_smoothing=0.1", "trainer.epochs=20"))
+    s = summary(only_job_dir(tmp_path))
+    assert s["train_loss"] > 0.45 and s["val_loss"] > 0.45, s
+    assert s["test_acc"] >= 0.9, s

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -183,3 +184,51 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], path: Path) 
                       str(e).splitlines()[0])
         raise UserError(f"{path} is a checkpoint of a different model ({detail}): resume with "
                         "the model config it was trained with, or trainer.resume=never") from e
+
+
+def save_training_state(output_dir: Path, position: dict[str, int], keep: int, env: DistEnv, *,
+                        model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        scheduler: Any, scaler: torch.amp.GradScaler) -> None:
+    """Collective: gather every rank's RNG state, then global rank 0 alone writes the file.
+
+    `position` is the loop's position (step, epoch, batch_in_epoch, samples_seen)."""
+    rng = {"torch": torch.get_rng_state()}
+    if env.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(env.device)
+    rngs = all_gather_objects(rng, env)
+    if env.is_main:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                 **position, "world_size": env.world_size, "rng": rngs}
+        path = save(state, output_dir, position["step"], keep)
+        log.info("checkpoint: %s", path)
+    # Nobody races ahead and dies before the file is complete.
+    barrier(env)
+
+
+def restore_training_state(path: Path, env: DistEnv, position_keys: list[str], *,
+                           model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           scheduler: Any, scaler: torch.amp.GradScaler) -> dict[str, int]:
+    """Load a checkpoint into the given objects and this rank's RNG; return the position."""
+    state = load(path)
+    load_model_state(model, state, path)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        position = {k: int(state.get(k, 0)) for k in position_keys}
+        position["step"] = int(state["step"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"{path} does not match this job's optimizer/scheduler setup "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                        "resume with the optim.* and scheduler.* config it was trained with, "
+                        "or trainer.resume=never") from e
+    if state.get("world_size") != env.world_size:
+        log.warning("%s was written by %s ranks, this job has %d: the rest of its epoch is "
+                    "partitioned differently", path, state.get("world_size"), env.world_size)
+    rngs = state.get("rng") or []
+    if env.rank < len(rngs):
+        torch.set_rng_state(rngs[env.rank]["torch"].cpu())
+        if env.device.type == "cuda" and "cuda" in rngs[env.rank]:
+            torch.cuda.set_rng_state(rngs[env.rank]["cuda"].cpu(), env.device)
+    return position

@@ -1,21 +1,22 @@
-"""The typed configuration schema.
+"""The typed schema of the template's own keys, and the one place their defaults live.
 
-Every YAML file under `conf/` merges into one of these dataclasses, so a typo'd key or a wrong
-type fails when Hydra composes the config. Cross-field checks live in `__post_init__`, which runs
-when `OmegaConf.to_object` turns the composed config into these objects at the entry point:
-before any process group exists. Choices are `Enum`s because hydra-core 1.3 pins omegaconf below
-2.4, which rejects `typing.Literal`.
+The groups the template owns (trainer, dist, ddp, sampler, logger) are dataclasses: every YAML
+file under `conf/ddp/`, `conf/sampler/` and `conf/logger/` merges into one of them and holds only
+what that choice changes, so a typo'd key or a wrong type fails when Hydra composes the config.
+Cross-field checks live in `__post_init__`, which runs when `OmegaConf.to_object` turns the
+composed config into these objects at the entry point: before any process group exists. Choices
+are `Enum`s because hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
 
-To add your own model or data set: subclass `ModelConfig` / `DataConfig` here, point `_target_`
-at your class, register it in `register_configs()` and add a YAML file under `conf/model/` or
-`conf/data/` (see the README).
+What a user swaps in (data, model, optim, scheduler, loss, metrics) is not typed here: each is
+`_target_` plus keyword arguments in its own `conf/<group>/<name>.yaml`, built by
+`hydra_ddp.components.build`, and its defaults live in that YAML.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -113,158 +114,6 @@ class SamplerConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# data/: where rows come from
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DataConfig:
-    # The class that loads this data set (see hydra_ddp.data.DataSource).
-    _target_: str = MISSING
-    # true: rows are read into RAM; false: memory-mapped from disk (on-disk data sets only).
-    in_memory: bool = True
-
-
-@dataclass
-class DigitsConfig(DataConfig):
-    """scikit-learn's 8x8 handwritten digits (1,797 images, shipped inside the package)."""
-
-    _target_: str = "hydra_ddp.data.Digits"
-    # Fractions of the rows held out for validation and test; the split is fixed by split_seed.
-    val_fraction: float = 0.15
-    test_fraction: float = 0.15
-    split_seed: int = 0
-
-    def __post_init__(self) -> None:
-        _check_fractions("data", self.val_fraction, self.test_fraction)
-
-
-@dataclass
-class TextConfig(DataConfig):
-    """Character-level corpus from CPython's own pydoc_data.topics (about 465k characters)."""
-
-    _target_: str = "hydra_ddp.data.CharText"
-    # Characters of context per sample; the model predicts each next character.
-    block_size: int = 128
-    # Contiguous tail fractions of the corpus held out for validation and test.
-    val_fraction: float = 0.05
-    test_fraction: float = 0.05
-
-    def __post_init__(self) -> None:
-        _require(self.block_size > 0, "data.block_size", "> 0", self.block_size)
-        _check_fractions("data", self.val_fraction, self.test_fraction)
-
-
-@dataclass
-class SyntheticConfig(DataConfig):
-    """A generated classification set on disk, written by scripts/make_synthetic.py."""
-
-    _target_: str = "hydra_ddp.data.SyntheticArrays"
-    # Directory holding manifest.json and the shard files (relative to where you launch).
-    path: str = "data/synthetic"
-
-
-def _check_fractions(prefix: str, val: float, test: float) -> None:
-    _require(0 < val < 1, f"{prefix}.val_fraction", "in (0, 1)", val)
-    _require(0 < test < 1, f"{prefix}.test_fraction", "in (0, 1)", test)
-    _require(val + test < 1, f"{prefix}.val_fraction + {prefix}.test_fraction", "< 1",
-             val + test)
-
-
-# --------------------------------------------------------------------------------------------
-# model/
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    # The nn.Module class; it is built as cls(cfg, spec) with spec a hydra_ddp.data.DataSpec.
-    _target_: str = MISSING
-
-
-@dataclass
-class MLPConfig(ModelConfig):
-    _target_: str = "hydra_ddp.models.MLP"
-    hidden: int = 256  # width of each hidden layer
-    depth: int = 2  # number of hidden layers
-    dropout: float = 0.1
-
-    def __post_init__(self) -> None:
-        _require(self.hidden > 0, "model.hidden", "> 0", self.hidden)
-        _require(self.depth >= 1, "model.depth", ">= 1", self.depth)
-        _require(0 <= self.dropout < 1, "model.dropout", "in [0, 1)", self.dropout)
-
-
-@dataclass
-class CNNConfig(ModelConfig):
-    _target_: str = "hydra_ddp.models.CNN"
-    channels: int = 32  # channels of the first conv layer; the second has twice as many
-    hidden: int = 128  # width of the classifier's hidden layer
-    dropout: float = 0.1
-
-    def __post_init__(self) -> None:
-        _require(self.channels > 0, "model.channels", "> 0", self.channels)
-        _require(self.hidden > 0, "model.hidden", "> 0", self.hidden)
-        _require(0 <= self.dropout < 1, "model.dropout", "in [0, 1)", self.dropout)
-
-
-@dataclass
-class GPTConfig(ModelConfig):
-    """A small GPT-style decoder; the context length is data.block_size."""
-
-    _target_: str = "hydra_ddp.models.GPT"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128  # must be divisible by n_head
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(self.n_layer >= 1, "model.n_layer", ">= 1", self.n_layer)
-        _require(self.n_head >= 1, "model.n_head", ">= 1", self.n_head)
-        _require(self.n_embd > 0 and self.n_embd % self.n_head == 0, "model.n_embd",
-                 f"> 0 and divisible by model.n_head={self.n_head}", self.n_embd)
-        _require(0 <= self.dropout < 1, "model.dropout", "in [0, 1)", self.dropout)
-
-
-# --------------------------------------------------------------------------------------------
-# optim/
-# --------------------------------------------------------------------------------------------
-
-
-class OptimizerName(Enum):
-    adamw = "adamw"
-    sgd = "sgd"
-
-
-class Schedule(Enum):
-    cosine = "cosine"  # linear warmup, then cosine decay to lr * min_lr_ratio
-    constant = "constant"  # linear warmup, then constant
-
-
-@dataclass
-class OptimConfig:
-    name: OptimizerName = OptimizerName.adamw
-    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
-    weight_decay: float = 0.01
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW only
-    momentum: float = 0.9  # SGD only
-    nesterov: bool = False  # SGD only
-    schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 20  # optimizer steps of linear warmup from 0
-    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
-
-    def __post_init__(self) -> None:
-        _require(self.lr > 0, "optim.lr", "> 0", self.lr)
-        _require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas",
-                 "two numbers in [0, 1)", self.betas)
-        _require(self.momentum >= 0, "optim.momentum", ">= 0", self.momentum)
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", ">= 0", self.warmup_steps)
-        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
-                 self.min_lr_ratio)
-
-
-# --------------------------------------------------------------------------------------------
 # logger/
 # --------------------------------------------------------------------------------------------
 
@@ -339,7 +188,7 @@ class TrainerConfig:
     # Optimizer steps to run; -1: run `epochs` full epochs instead.
     max_steps: int = -1
     # Passes over the training set (used when max_steps is -1).
-    epochs: int = 10
+    epochs: int = 40
     # Samples per rank per micro-step; the global batch is batch_size * world_size * grad_accum.
     batch_size: int = 64
     # Micro-steps per optimizer step; gradients are only all-reduced on the last one.
@@ -420,12 +269,17 @@ class DistConfig:
 class TrainConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    data: DataConfig = MISSING
-    model: ModelConfig = MISSING
-    optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    # Components: `_target_` + keyword arguments, chosen in conf/<group>/ (see components.py).
+    data: Any = MISSING
+    model: Any = MISSING
+    optim: Any = MISSING
+    scheduler: Any = MISSING
+    loss: Any = MISSING
+    # name -> metric component; each is reported as val/<name> and test/<name>.
+    metrics: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
@@ -442,15 +296,5 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Put the schema into Hydra's ConfigStore; conf/*.yaml files extend these entries."""
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for group, name, node in [
-        ("data", "digits", DigitsConfig),
-        ("data", "text", TextConfig),
-        ("data", "synthetic", SyntheticConfig),
-        ("model", "mlp", MLPConfig),
-        ("model", "cnn", CNNConfig),
-        ("model", "gpt", GPTConfig),
-    ]:
-        cs.store(group=f"schema/{group}", name=name, node=node, package=group)
+    """Put the schema into Hydra's ConfigStore; conf/train.yaml extends it."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

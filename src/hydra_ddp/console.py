@@ -68,8 +68,9 @@ class Console:
     def show_summary(self, summary: dict[str, Any], output_dir: Path) -> None:
         if not self.env.is_main:
             return
-        keys = ["world_size", "steps", "train_loss", "val_loss", "val_acc", "test_loss",
-                "test_acc", "samples_per_s", "tokens_per_s", "wall_time_s"]
+        keys = ["world_size", "steps", "train_loss",
+                *(k for k in summary if k.startswith(("val_", "test_"))),
+                *(k for k in summary if k.endswith("_per_s")), "wall_time_s"]
         parts = [f"{k} {_short(summary[k])}" for k in keys if k in summary]
         log.info("done | %s | %s", " | ".join(parts), output_dir / "summary.json")
 

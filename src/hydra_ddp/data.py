@@ -1,31 +1,39 @@
-"""Data sources and the per-rank view of them.
+"""Data sources, and the per-rank view of them that a sampling policy asks for.
 
-A `DataSource` knows one data set: its splits, how many rows each holds, and how to read any
-list of row ranges of a split, into RAM or memory-mapped. `Rows` is what a rank holds: a
-map-style dataset indexed by whole index arrays, so one batch is one vectorised gather rather
-than batch_size Python calls. `TrainData` and `EvalData` tie a source to a sampling policy.
+The contract a data set meets (`DataSource`) is small, so that `sampler=sharded` can make each
+rank read only its own rows:
 
-Every source here is real and needs no download: scikit-learn's digits ship inside its package,
-the text corpus is CPython's own pydoc_data.topics, and synthetic data is written to disk by
-scripts/make_synthetic.py.
+* `num_rows(split)`: rows in "train", "val" or "test";
+* `load(split, ranges)`: a dataset holding only the rows in `ranges` (half-open row ranges in
+  order; None: the whole split), indexed by whole index arrays: `ds[idx]` with `idx` an int64
+  array returns one batch `(x, y)`, so a batch is one vectorised gather, not batch_size calls;
+* `spec`: what a model must know about the data, passed to the model's constructor by name
+  (e.g. `in_features`, `out_features`, `vocab_size`; see components.py);
+* optional `file_rows(split)`, for `sampler.shard_by=files`; optional `unit` / `items_per_row`
+  to count throughput in e.g. tokens instead of samples.
+
+A source is a component: `data._target_` names its class and the rest of `data.*` are its
+constructor's arguments. `Rows` and `TokenWindows` are ready-made datasets for arrays.
+`TrainData` and `EvalData` tie a source to a sampling policy.
+
+Every source here is real and needs no download: scikit-learn's digits and diabetes ship inside
+its package, the text corpus is CPython's own pydoc_data.topics, and synthetic data is written
+to disk by scripts/make_synthetic.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from hydra.utils import get_class
 from torch.utils.data import DataLoader, Dataset
 
-from hydra_ddp.config import (DataConfig, DigitsConfig, SamplerConfig, SamplerPolicy, ShardBy,
-                              SyntheticConfig, TextConfig)
+from hydra_ddp.components import check
+from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.errors import UserError
 from hydra_ddp.sampling import (ShardedSampler, StridedSampler, partition_files, partition_rows,
@@ -34,29 +42,7 @@ from hydra_ddp.sampling import (ShardedSampler, StridedSampler, partition_files,
 log = logging.getLogger(__name__)
 
 Ranges = list[tuple[int, int]]
-
-
-class Task(Enum):
-    classification = "classification"  # x: features, y: class id
-    language_model = "language_model"  # x: tokens, y: the next tokens
-
-
-class Split(Enum):
-    train = "train"
-    val = "val"
-    test = "test"
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """What a model needs to know about the data to size itself."""
-
-    task: Task
-    num_classes: int = 0
-    in_features: int = 0
-    image_shape: tuple[int, int, int] | None = None  # (channels, height, width)
-    vocab_size: int = 0
-    block_size: int = 0
+SPLITS = ("train", "val", "test")
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,8 +79,10 @@ class Rows(Dataset):
             for s in np.unique(seg):
                 m = seg == s
                 x[m], y[m] = self.xs[s][local[m]], self.ys[s][local[m]]
-        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(
-            np.ascontiguousarray(y).astype(np.int64, copy=False))
+        y = np.ascontiguousarray(y)
+        if np.issubdtype(y.dtype, np.integer):  # class ids: what cross_entropy wants
+            y = y.astype(np.int64, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
 
 
 class TokenWindows(Dataset):
@@ -130,47 +118,89 @@ class TokenWindows(Dataset):
 
 
 class DataSource:
-    """One data set. Subclass it for your own data: set `spec`, implement `num_rows` and
-    `load`, and (for sampler.shard_by=files) `file_rows`."""
+    """One data set (see the module docstring for the contract). Subclass it, or write any
+    class with the same methods, and point `data._target_` at it."""
 
-    spec: DataSpec
+    # What the model's constructor receives by name, e.g. {"in_features": 64, "out_features": 10}.
+    spec: dict[str, Any] = {}
+    # Throughput is reported as <unit>_per_s, counting items_per_row items per row.
+    unit: str = "samples"
+    items_per_row: int = 1
 
-    def num_rows(self, split: Split) -> int:
+    def num_rows(self, split: str) -> int:
         raise NotImplementedError
 
-    def file_rows(self, split: Split) -> list[int]:
+    def file_rows(self, split: str) -> list[int]:
         """Rows per file of a split, in order; one 'file' for sources held in one piece."""
         return [self.num_rows(split)]
 
-    def load(self, split: Split, ranges: Ranges | None, in_memory: bool) -> Dataset:
+    def load(self, split: str, ranges: Ranges | None) -> Dataset:
         """Read only the rows in `ranges` (half-open, in order); None: the whole split."""
         raise NotImplementedError
 
 
-class Digits(DataSource):
-    """scikit-learn's 8x8 digits, scaled to [0, 1], split train/val/test by a seeded shuffle."""
+def check_fractions(val_fraction: float, test_fraction: float) -> None:
+    check(0 < val_fraction < 1, "val_fraction", "in (0, 1)", val_fraction)
+    check(0 < test_fraction < 1, "test_fraction", "in (0, 1)", test_fraction)
+    check(val_fraction + test_fraction < 1, "val_fraction + test_fraction", "< 1",
+          val_fraction + test_fraction)
 
-    def __init__(self, cfg: DigitsConfig):
-        from sklearn.datasets import load_digits
 
-        bunch = load_digits()
-        x = (bunch.data / 16.0).astype(np.float32)
-        y = bunch.target.astype(np.int64)
-        order = np.random.default_rng(cfg.split_seed).permutation(len(x))
-        n_val, n_test = round(len(x) * cfg.val_fraction), round(len(x) * cfg.test_fraction)
-        cut = {Split.val: order[:n_val], Split.test: order[n_val:n_val + n_test],
-               Split.train: order[n_val + n_test:]}
-        self.arrays = {s: (x[i], y[i]) for s, i in cut.items()}
-        self.spec = DataSpec(Task.classification, num_classes=10, in_features=64,
-                             image_shape=(1, 8, 8))
+def _split_rows(n: int, val_fraction: float, test_fraction: float,
+                seed: int) -> dict[str, np.ndarray]:
+    """A seeded shuffle of range(n) cut into val, test and train row indices."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    return {"val": order[:n_val], "test": order[n_val:n_val + n_test],
+            "train": order[n_val + n_test:]}
 
-    def num_rows(self, split: Split) -> int:
+
+class InMemoryArrays(DataSource):
+    """A source held in RAM as one (x, y) array pair per split."""
+
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    def num_rows(self, split: str) -> int:
         return len(self.arrays[split][1])
 
-    def load(self, split: Split, ranges: Ranges | None, in_memory: bool) -> Rows:
+    def load(self, split: str, ranges: Ranges | None) -> Rows:
         x, y = self.arrays[split]
         ranges = ranges if ranges is not None else [(0, len(y))]
         return Rows([x[a:b] for a, b in ranges], [y[a:b] for a, b in ranges])
+
+
+class Digits(InMemoryArrays):
+    """scikit-learn's 8x8 digits, scaled to [0, 1], split train/val/test by a seeded shuffle."""
+
+    def __init__(self, val_fraction: float, test_fraction: float, split_seed: int):
+        from sklearn.datasets import load_digits
+
+        check_fractions(val_fraction, test_fraction)
+        bunch = load_digits()
+        x = (bunch.data / 16.0).astype(np.float32)
+        y = bunch.target.astype(np.int64)
+        cut = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        self.arrays = {s: (x[i], y[i]) for s, i in cut.items()}
+        self.spec = {"in_features": 64, "out_features": 10, "image_shape": (1, 8, 8)}
+
+
+class Diabetes(InMemoryArrays):
+    """scikit-learn's diabetes regression set (442 rows, 10 features). The target is
+    standardised with the training split's mean and std, so the MSE reads on a unit scale
+    (and 1 - MSE is close to R^2)."""
+
+    def __init__(self, val_fraction: float, test_fraction: float, split_seed: int):
+        from sklearn.datasets import load_diabetes
+
+        check_fractions(val_fraction, test_fraction)
+        bunch = load_diabetes()
+        x = bunch.data.astype(np.float32)
+        y = bunch.target.astype(np.float32)[:, None]
+        cut = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        mean, std = y[cut["train"]].mean(), y[cut["train"]].std()
+        x = (x - x[cut["train"]].mean(0)) / x[cut["train"]].std(0)
+        self.arrays = {s: (x[i], (y[i] - mean) / std) for s, i in cut.items()}
+        self.spec = {"in_features": x.shape[1], "out_features": 1}
 
 
 class CharText(DataSource):
@@ -179,40 +209,40 @@ class CharText(DataSource):
     The tail of the stream is held out (val, then test) so no window straddles two splits.
     """
 
-    def __init__(self, cfg: TextConfig):
+    unit = "tokens"
+
+    def __init__(self, block_size: int, val_fraction: float, test_fraction: float):
         from pydoc_data.topics import topics
 
+        check(block_size > 0, "block_size", "> 0", block_size)
+        check_fractions(val_fraction, test_fraction)
         text = "\n\n".join(topics[k] for k in sorted(topics))
         chars = sorted(set(text))
         lookup = np.zeros(max(map(ord, chars)) + 1, dtype=np.int64)
         lookup[[ord(c) for c in chars]] = np.arange(len(chars))
         tokens = lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
-        self.tokens = tokens.astype(np.uint8 if len(chars) <= 256 else np.int32)
+        tokens = tokens.astype(np.uint8 if len(chars) <= 256 else np.int32)
         n = len(tokens)
-        n_test, n_val = int(n * cfg.test_fraction), int(n * cfg.val_fraction)
-        bounds = {Split.train: (0, n - n_val - n_test),
-                  Split.val: (n - n_val - n_test, n - n_test), Split.test: (n - n_test, n)}
-        self.streams = {s: self.tokens[a:b] for s, (a, b) in bounds.items()}
-        self.block = cfg.block_size
+        n_test, n_val = int(n * test_fraction), int(n * val_fraction)
+        bounds = {"train": (0, n - n_val - n_test), "val": (n - n_val - n_test, n - n_test),
+                  "test": (n - n_test, n)}
+        self.streams = {s: tokens[a:b] for s, (a, b) in bounds.items()}
+        self.block = self.items_per_row = block_size
         for s, stream in self.streams.items():
-            if (len(stream) - 1) // self.block < 1:
-                raise UserError(f"data.block_size={self.block} is longer than the {s.value} "
-                                f"split ({len(stream)} characters): lower data.block_size")
-        self.chars = chars
-        self.spec = DataSpec(Task.language_model, vocab_size=len(chars), block_size=self.block)
+            if (len(stream) - 1) // block_size < 1:
+                raise UserError(f"data.block_size={block_size} is longer than the {s} split "
+                                f"({len(stream)} characters): lower data.block_size")
+        self.spec = {"vocab_size": len(chars), "block_size": block_size}
 
-    def num_rows(self, split: Split) -> int:
+    def num_rows(self, split: str) -> int:
         return (len(self.streams[split]) - 1) // self.block
 
-    def load(self, split: Split, ranges: Ranges | None, in_memory: bool) -> TokenWindows:
+    def load(self, split: str, ranges: Ranges | None) -> TokenWindows:
         stream = self.streams[split]
         ranges = ranges if ranges is not None else [(0, self.num_rows(split))]
         # +1: a window needs the character after its last one as a target.
         return TokenWindows([stream[a * self.block:b * self.block + 1] for a, b in ranges],
                             self.block)
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return "".join(self.chars[t] for t in tokens)
 
 
 class SyntheticArrays(DataSource):
@@ -220,25 +250,25 @@ class SyntheticArrays(DataSource):
     scripts/make_synthetic.py). Reads are memory-mapped, so only the rows asked for are ever
     read from disk; with in_memory they are then copied into RAM."""
 
-    def __init__(self, cfg: SyntheticConfig):
-        self.root = Path(cfg.path)
+    def __init__(self, path: str, in_memory: bool):
+        self.root, self.in_memory = Path(path), in_memory
         manifest = self.root / "manifest.json"
         if not manifest.is_file():
-            raise UserError(f"data.path={cfg.path}: {manifest} not found; create the data set "
-                            f"with `python scripts/make_synthetic.py --out {cfg.path}`")
+            raise UserError(f"data.path={path}: {manifest} not found; create the data set "
+                            f"with `python scripts/make_synthetic.py --out {path}`")
         try:
             meta = json.loads(manifest.read_text())
-            self.files = {s: meta["splits"][s.value] for s in Split}
+            self.files = {s: meta["splits"][s] for s in SPLITS}
             features, classes = int(meta["features"]), int(meta["classes"])
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{manifest} is not a valid manifest ({e!r}): recreate it with "
-                            f"`python scripts/make_synthetic.py --out {cfg.path}`") from e
-        self.spec = DataSpec(Task.classification, num_classes=classes, in_features=features)
+                            f"`python scripts/make_synthetic.py --out {path}`") from e
+        self.spec = {"in_features": features, "out_features": classes}
 
-    def num_rows(self, split: Split) -> int:
+    def num_rows(self, split: str) -> int:
         return sum(self.file_rows(split))
 
-    def file_rows(self, split: Split) -> list[int]:
+    def file_rows(self, split: str) -> list[int]:
         return [int(f["rows"]) for f in self.files[split]]
 
     def _open(self, name: str, rows: int) -> np.ndarray:
@@ -256,7 +286,7 @@ class SyntheticArrays(DataSource):
                             "recreate the data set with scripts/make_synthetic.py")
         return arr
 
-    def load(self, split: Split, ranges: Ranges | None, in_memory: bool) -> Rows:
+    def load(self, split: str, ranges: Ranges | None) -> Rows:
         files = self.files[split]
         ranges = ranges if ranges is not None else [(0, self.num_rows(split))]
         starts = np.cumsum([0] + [int(f["rows"]) for f in files])
@@ -269,18 +299,9 @@ class SyntheticArrays(DataSource):
                     continue
                 x = self._open(f["x"], int(f["rows"]))[lo - starts[i]:hi - starts[i]]
                 y = self._open(f["y"], int(f["rows"]))[lo - starts[i]:hi - starts[i]]
-                xs.append(np.array(x) if in_memory else x)
-                ys.append(np.array(y) if in_memory else y)
+                xs.append(np.array(x) if self.in_memory else x)
+                ys.append(np.array(y) if self.in_memory else y)
         return Rows(xs, ys)
-
-
-def build_source(cfg: DataConfig) -> DataSource:
-    """Instantiate the class named by data._target_ with the data config."""
-    try:
-        cls = get_class(cfg._target_)
-    except Exception as e:
-        raise UserError(f"data._target_={cfg._target_!r} cannot be imported: {e}") from e
-    return cls(cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,13 +317,13 @@ class TrainData:
     """
 
     def __init__(self, source: DataSource, cfg: SamplerConfig, env: DistEnv, batch_size: int,
-                 in_memory: bool, seed: int, num_workers: int = 0):
+                 seed: int, num_workers: int = 0):
         self.source, self.cfg, self.env = source, cfg, env
-        self.in_memory, self.num_workers, self.batch_size = in_memory, num_workers, batch_size
-        n, world = source.num_rows(Split.train), env.world_size
+        self.num_workers, self.batch_size = num_workers, batch_size
+        n, world = source.num_rows("train"), env.world_size
         check_sampling(source, cfg, world, batch_size)
         if cfg.policy == SamplerPolicy.strided:
-            self.dataset = source.load(Split.train, None, in_memory)
+            self.dataset = source.load("train", None)
             self.sampler = StridedSampler(n, env.rank, world, batch_size, shuffle=cfg.shuffle,
                                           seed=seed, drop_last=cfg.drop_last)
             self._part_epoch: int | None = None
@@ -320,12 +341,12 @@ class TrainData:
     def _parts(self, epoch: int) -> list[Ranges]:
         world, rotate = self.env.world_size, self.cfg.rotate
         if self.cfg.shard_by == ShardBy.files:
-            return partition_files(self.source.file_rows(Split.train), world, epoch, rotate)
-        return partition_rows(self.source.num_rows(Split.train), world, epoch, rotate)
+            return partition_files(self.source.file_rows("train"), world, epoch, rotate)
+        return partition_rows(self.source.num_rows("train"), world, epoch, rotate)
 
     def _load_part(self, epoch: int) -> None:
         parts = self._parts(epoch)
-        self.dataset = self.source.load(Split.train, parts[self.env.rank], self.in_memory)
+        self.dataset = self.source.load("train", parts[self.env.rank])
         self.sampler.resize(len(self.dataset), samples_per_epoch(parts))
         self._part_epoch = epoch
 
@@ -351,7 +372,7 @@ class TrainData:
 
     @property
     def bytes_held(self) -> int:
-        return self.dataset.nbytes
+        return int(getattr(self.dataset, "nbytes", 0))
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator:
         """Batches of `epoch`, skipping the first `start_batch` (resuming mid-epoch)."""
@@ -365,7 +386,7 @@ class TrainData:
 
 def check_sampling(source: DataSource, cfg: SamplerConfig, world: int, batch_size: int) -> None:
     """Refuse a policy the training split cannot support, before any data is loaded."""
-    n = source.num_rows(Split.train)
+    n = source.num_rows("train")
     if cfg.policy == SamplerPolicy.strided:
         if cfg.drop_last and n < world:
             raise UserError(f"sampler.drop_last=true needs at least one training row per rank: "
@@ -375,7 +396,7 @@ def check_sampling(source: DataSource, cfg: SamplerConfig, world: int, batch_siz
         raise UserError(f"sampler=sharded needs at least one training row per rank: the training "
                         f"split has {n} rows for {world} ranks; use fewer processes or "
                         "sampler=strided")
-    files = source.file_rows(Split.train)
+    files = source.file_rows("train")
     if cfg.shard_by == ShardBy.files and len(files) < world:
         raise UserError(f"sampler.shard_by=files needs at least one file per rank: {len(files)} "
                         f"file(s) for {world} ranks; use sampler.shard_by=rows or write more "
@@ -394,17 +415,17 @@ class EvalData:
     """A held-out split, partitioned so each row is evaluated exactly once across ranks
     (no DistributedSampler padding: ranks may hold one row more or less)."""
 
-    def __init__(self, source: DataSource, split: Split, policy: SamplerPolicy, env: DistEnv,
-                 batch_size: int, in_memory: bool):
+    def __init__(self, source: DataSource, split: str, policy: SamplerPolicy, env: DistEnv,
+                 batch_size: int):
         n = source.num_rows(split)
         if policy == SamplerPolicy.strided:
-            self.dataset = source.load(split, None, in_memory)
+            self.dataset = source.load(split, None)
             self.sampler = StridedSampler(n, env.rank, env.world_size, batch_size, shuffle=False,
                                           pad=False)
         else:
             # Each rank reads only its own contiguous part of the split.
             part = partition_rows(n, env.world_size)[env.rank]
-            self.dataset = source.load(split, part, in_memory)
+            self.dataset = source.load(split, part)
             self.sampler = StridedSampler(max(len(self.dataset), 1), 0, 1, batch_size,
                                           shuffle=False, pad=False) if len(self.dataset) else None
 

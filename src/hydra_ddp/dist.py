@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import datetime
 import functools
-import inspect
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hydra_ddp.config import Backend, CommHook, DDPConfig, Device, DistConfig
+from hydra_ddp.config import Backend, Device, DistConfig
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -184,17 +184,59 @@ def lost_peer(e: BaseException) -> bool:
                               "Broken pipe", "NCCL communicator was aborted"))
 
 
-def wait_for_all_ranks(env: DistEnv) -> None:
-    """A barrier on the success path before teardown: torch 2.13's gloo can abort at exit
-    when a rank tears its group down right after the last collective (~1 in 3 plain scripts
-    here, none with a barrier first)."""
-    if env.distributed:
-        dist.barrier()
-
-
 def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# The collectives the loop uses: each a no-op (or the identity) without a process group
+# --------------------------------------------------------------------------------------------
+
+
+def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
+    """Sum a few numbers over all ranks (float64, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    if env.distributed:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
+    """Every rank's `values` (same length on all ranks), indexed by rank."""
+    if not env.distributed:
+        return [list(map(float, values))]
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    out = [torch.zeros_like(t) for _ in range(env.world_size)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def all_gather_objects(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's picklable `obj`, indexed by rank."""
+    if not env.distributed:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_by_name(sums: dict[str, list[float]], env: DistEnv) -> dict[str, list[float]]:
+    """Element-wise sums over ranks of named lists; a name some ranks lack counts as zeros."""
+    merged: dict[str, list[float]] = {}
+    for part in all_gather_objects(sums, env):
+        for name, values in part.items():
+            merged[name] = [a + b for a, b in zip(merged[name], values)] \
+                if name in merged else list(values)
+    return merged
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait for every rank. Also run on the success path before teardown: torch 2.13's gloo can
+    abort at exit when a rank tears its group down right after the last collective (~1 in 3
+    plain scripts here, none with a barrier first)."""
+    if env.distributed:
+        dist.barrier()
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,7 +244,7 @@ def destroy_process_group() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _launcher_rank() -> int:
+def launcher_rank() -> int:
     for key in ("RANK", "SLURM_PROCID"):
         if key in os.environ:
             return int(os.environ[key])
@@ -235,7 +277,7 @@ def _agree_through_store(default: str) -> str:
     key = f"hydra_ddp/job_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=datetime.timedelta(seconds=300))
-    if _launcher_rank() == 0:
+    if launcher_rank() == 0:
         # compare_set writes only if the key is absent and returns what the key holds.
         return store.compare_set(key, "", default).decode()
     return store.get(key).decode()
@@ -243,12 +285,12 @@ def _agree_through_store(default: str) -> str:
 
 def hydra_subdir(default: str) -> str | None:
     """hydra.output_subdir: only global rank 0 writes the .hydra/ dump."""
-    return default if _launcher_rank() == 0 else None
+    return default if launcher_rank() == 0 else None
 
 
 def log_name(default: str) -> str:
     """Log file stem: one file per rank whenever a launcher started several ranks."""
-    return f"{default}_rank{_launcher_rank()}" if under_launcher() else default
+    return f"{default}_rank{launcher_rank()}" if under_launcher() else default
 
 
 def register_resolvers() -> None:
@@ -256,66 +298,3 @@ def register_resolvers() -> None:
                      ("ddp_log_name", log_name)]:
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Wrapping the model
-# --------------------------------------------------------------------------------------------
-
-
-def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn.Module:
-    """Move the model to this rank's device and wrap it in DDP as the ddp/ config says.
-
-    device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
-    would name a GPU that does not exist.
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = model.to(env.device)
-    if not cfg.enabled:
-        if env.world_size > 1:
-            raise UserError(f"ddp=none (ddp.enabled=false) with {env.world_size} processes would "
-                            "let every rank train its own diverging copy: use ddp=default, or "
-                            "run one process")
-        return model
-    if not env.distributed:
-        return model
-    on_cuda = env.device.type == "cuda"
-    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same per-forward meaning;
-    # the sync at construction is init_sync's job); older releases know only the old name.
-    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in
-                  inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
-    ddp = DDP(model,
-              device_ids=[env.device.index] if on_cuda else None,
-              output_device=env.device.index if on_cuda else None,
-              **{buffers_kw: cfg.broadcast_buffers},
-              bucket_cap_mb=cfg.bucket_cap_mb,
-              find_unused_parameters=cfg.find_unused_parameters,
-              gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-              static_graph=cfg.static_graph,
-              init_sync=cfg.init_sync)
-    _register_comm_hook(ddp, cfg)
-    return ddp
-
-
-def _register_comm_hook(ddp: torch.nn.Module, cfg: DDPConfig) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if cfg.comm_hook == CommHook.bf16_compress and dist.get_backend() != "nccl":
-        raise UserError("ddp=bf16_compress (ddp.comm_hook=bf16_compress) needs CUDA with NCCL "
-                        f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
-                        "ddp=fp16_compress or ddp=powersgd there")
-    if cfg.comm_hook == CommHook.fp16_compress:
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif cfg.comm_hook == CommHook.bf16_compress:
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif cfg.comm_hook == CommHook.powersgd:
-        state = powerSGD_hook.PowerSGDState(process_group=None,
-                                            matrix_approximation_rank=cfg.powersgd_rank,
-                                            start_powerSGD_iter=cfg.powersgd_start_iter)
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module inside a DDP wrapper (what checkpoints and evaluation use)."""
-    return getattr(model, "module", model)

@@ -16,14 +16,14 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig
-from hydra_ddp.dist import _launcher_rank
+from hydra_ddp.dist import env_from_environ, launcher_rank
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,13 @@ _sweep_failed = False
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
-    """Run the job on `cfg.dist.nproc_per_node` local workers; return rank 0's summary."""
+TrainFn = Callable[..., dict[str, Any]]
+
+
+def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
+    """Run `train(cfg, env, run)` on `cfg.dist.nproc_per_node` local workers; return rank 0's
+    summary. `train` is passed in (pickled by reference) so this module needs no import of the
+    loop."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -65,7 +70,7 @@ def spawn(cfg: TrainConfig, run: Any) -> dict[str, Any]:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_drop_traceback)
     try:
-        results = elastic_launch(config, worker)(cfg, run)
+        results = elastic_launch(config, worker)(train, cfg, run)
     except ChildFailedError as e:
         # Name the lowest rank that said why it stopped (the agent may record only the rank
         # that exited first, or a rank it terminated itself); else the lowest failed rank.
@@ -96,11 +101,8 @@ def _first_error(errors: Path, rank: int) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-def worker(cfg: TrainConfig, run: Any) -> dict[str, Any]:
+def worker(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
     """One worker started by `spawn`: log setup, then the same `train` torchrun ranks run."""
-    from hydra_ddp.dist import env_from_environ
-    from hydra_ddp.train import train
-
     rank = int(os.environ.get("RANK", 0))
     _setup_worker_logging(Path(run.output_dir), rank)
     try:
@@ -157,7 +159,7 @@ class SweepReport(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         # A sweep rerun into the same sweep dir must not report the previous run's outcome.
-        if _is_multirun(config) and _launcher_rank() == 0:
+        if _is_multirun(config) and launcher_rank() == 0:
             output_dir = Path(config.hydra.runtime.output_dir)
             for name in ("failure.json", _JOB_RETURN):
                 (output_dir / name).unlink(missing_ok=True)
@@ -195,7 +197,7 @@ class SweepReport(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
-        if job_return.hydra_cfg is None or _launcher_rank() != 0:
+        if job_return.hydra_cfg is None or launcher_rank() != 0:
             return  # under submitit every task of a job gets here: rank 0 speaks for the job
         output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:

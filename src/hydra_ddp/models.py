@@ -1,7 +1,11 @@
-"""Models, each built as `cls(cfg, spec)` from its config and the data's `DataSpec`.
+"""Example models. Each is a plain `nn.Module` whose constructor takes keyword arguments: its
+hyperparameters from `conf/model/<name>.yaml`, and what it must know about the data
+(`in_features`, `out_features`, `image_shape`, `vocab_size`, `block_size`) from the data
+source's `spec`, passed by name (see components.py). Every model returns raw outputs (logits,
+or predictions for regression); the loss and the metrics are separate components.
 
-Every model returns logits; `loss_and_correct` turns them into a loss plus, for classifiers,
-the number of right answers, so the loop and evaluation need no per-model branches.
+Your own model needs none of this module: write an `nn.Module` anywhere importable and point
+`model._target_` at it.
 """
 
 from __future__ import annotations
@@ -11,24 +15,29 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hydra.utils import get_class
 
-from hydra_ddp.config import CNNConfig, GPTConfig, MLPConfig, ModelConfig
-from hydra_ddp.data import DataSpec, Task
-from hydra_ddp.errors import UserError
+from hydra_ddp.components import check
+
+
+def _check_dropout(dropout: float) -> None:
+    check(0 <= dropout < 1, "dropout", "in [0, 1)", dropout)
 
 
 class MLP(nn.Module):
-    tasks = (Task.classification,)
+    """Flattened input, `depth` hidden layers of width `hidden`, `out_features` outputs."""
 
-    def __init__(self, cfg: MLPConfig, spec: DataSpec):
+    def __init__(self, in_features: int, out_features: int, hidden: int, depth: int,
+                 dropout: float):
         super().__init__()
+        check(hidden > 0, "hidden", "> 0", hidden)
+        check(depth >= 1, "depth", ">= 1", depth)
+        _check_dropout(dropout)
         layers: list[nn.Module] = []
-        width = spec.in_features
-        for _ in range(cfg.depth):
-            layers += [nn.Linear(width, cfg.hidden), nn.GELU(), nn.Dropout(cfg.dropout)]
-            width = cfg.hidden
-        layers.append(nn.Linear(width, spec.num_classes))
+        width = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout)]
+            width = hidden
+        layers.append(nn.Linear(width, out_features))
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,24 +47,23 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     """Two 3x3 conv layers and a small classifier: enough for 8x8 digits."""
 
-    tasks = (Task.classification,)
-
-    def __init__(self, cfg: CNNConfig, spec: DataSpec):
+    def __init__(self, image_shape: tuple[int, int, int], out_features: int, channels: int,
+                 hidden: int, dropout: float):
         super().__init__()
-        if spec.image_shape is None:
-            raise UserError("model=cnn needs image data (data=digits); this data set has no "
-                            "image shape: use model=mlp")
-        c, h, w = spec.image_shape
-        self.shape = spec.image_shape
+        check(channels > 0, "channels", "> 0", channels)
+        check(hidden > 0, "hidden", "> 0", hidden)
+        _check_dropout(dropout)
+        c, h, w = image_shape
+        self.shape = tuple(image_shape)
         self.features = nn.Sequential(
-            nn.Conv2d(c, cfg.channels, 3, padding=1), nn.GELU(),
-            nn.Conv2d(cfg.channels, 2 * cfg.channels, 3, padding=1), nn.GELU(),
+            nn.Conv2d(c, channels, 3, padding=1), nn.GELU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.GELU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Dropout(cfg.dropout),
-            nn.Linear(2 * cfg.channels * (h // 2) * (w // 2), cfg.hidden), nn.GELU(),
-            nn.Dropout(cfg.dropout), nn.Linear(cfg.hidden, spec.num_classes),
+            nn.Flatten(), nn.Dropout(dropout),
+            nn.Linear(2 * channels * (h // 2) * (w // 2), hidden), nn.GELU(),
+            nn.Dropout(dropout), nn.Linear(hidden, out_features),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,15 +71,15 @@ class CNN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
-        self.dropout = cfg.dropout
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -87,23 +95,26 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small GPT-style character model (nanoGPT's shape: pre-norm blocks, tied embeddings)."""
 
-    tasks = (Task.language_model,)
-
-    def __init__(self, cfg: GPTConfig, spec: DataSpec):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
+                 dropout: float):
         super().__init__()
-        self.block_size = spec.block_size
-        self.tok = nn.Embedding(spec.vocab_size, cfg.n_embd)
-        self.pos = nn.Embedding(spec.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, spec.vocab_size, bias=False)
+        check(n_layer >= 1, "n_layer", ">= 1", n_layer)
+        check(n_head >= 1, "n_head", ">= 1", n_head)
+        check(n_embd > 0 and n_embd % n_head == 0, "n_embd",
+              f"> 0 and divisible by n_head={n_head}", n_embd)
+        _check_dropout(dropout)
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 # GPT-2's scaled init of the residual projections keeps activations bounded.
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -118,30 +129,3 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-
-def build_model(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
-    """Build the class named by model._target_, refusing a model that cannot fit the data."""
-    try:
-        cls = get_class(cfg._target_)
-    except Exception as e:
-        raise UserError(f"model._target_={cfg._target_!r} cannot be imported: {e}") from e
-    tasks = getattr(cls, "tasks", None)
-    if tasks is not None and spec.task not in tasks:
-        hint = "model=gpt" if spec.task == Task.language_model else "model=mlp or model=cnn"
-        raise UserError(f"model {cls.__name__} does not fit a {spec.task.value} data set: "
-                        f"use {hint}")
-    return cls(cfg, spec)
-
-
-def train_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions (no argmax: training never reads it)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-
-
-def loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy and the count of correct argmax predictions (all positions)."""
-    flat_logits, flat_y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-    loss = train_loss(logits, y)
-    correct = (flat_logits.argmax(-1) == flat_y).sum()
-    return loss, correct

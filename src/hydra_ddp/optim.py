@@ -1,77 +1,49 @@
-"""Optimizer and learning-rate schedule."""
+"""Parameter groups for the optimizer, and the example learning-rate schedules.
+
+The optimizer itself is a component (`optim._target_`, e.g. torch.optim.AdamW), built with the
+groups below as its `params`; the schedule is one too (`scheduler._target_`), built with the
+optimizer and the run's total number of optimizer steps.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.utils._foreach_utils import _device_has_foreach_support
 
-from hydra_ddp.config import OptimConfig, OptimizerName, Schedule
+from hydra_ddp.components import check
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD. Biases and norm weights (1-D parameters) get no weight decay."""
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Trainable parameters in two groups: matrices and embeddings take the optimizer's weight
+    decay; biases and norm weights (1-D) take none, as in GPT-2 and most transformer recipes."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    if cfg.name == OptimizerName.adamw:
-        # fused: one kernel for all parameters instead of a Python loop over them (CPU and
-        # CUDA): 3x cheaper per step for small models, where the loop dominates.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    return [{"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup to optim.lr, then cosine decay to lr * min_lr_ratio (or constant)."""
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+                  min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the optimizer's lr over `warmup_steps`, then cosine decay to
+    lr * min_lr_ratio at `total_steps`."""
+    check(0 <= min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]", min_lr_ratio)
+    return _warmup_then(optimizer, total_steps, warmup_steps, lambda progress: min_lr_ratio + (
+        1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def warmup_constant(optimizer: torch.optim.Optimizer, total_steps: int,
+                    warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to the optimizer's lr over `warmup_steps`, then constant."""
+    return _warmup_then(optimizer, total_steps, warmup_steps, lambda progress: 1.0)
+
+
+def _warmup_then(optimizer, total_steps, warmup_steps, after) -> torch.optim.lr_scheduler.LambdaLR:
+    check(warmup_steps >= 0, "warmup_steps", ">= 0", warmup_steps)
+    warmup = min(warmup_steps, max(total_steps - 1, 0))
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
-        if cfg.schedule == Schedule.constant:
-            return 1.0
-        progress = min((step - warmup) / max(total_steps - warmup, 1), 1.0)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return after(min((step - warmup) / max(total_steps - warmup, 1), 1.0))
 
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-class GradClipper:
-    """The total gradient norm of a fixed parameter list, clipped to `max_norm` (0: never).
-
-    Does what `torch.nn.utils.clip_grad_norm_` does with its foreach kernels, minus the
-    per-call work around them (materialising the parameter generator, grouping by device and
-    dtype, the no_grad decorator): about half its cost on a small model, where this runs as
-    often as the model's own kernels. Mixed devices or dtypes go through torch's function.
-    """
-
-    def __init__(self, model: torch.nn.Module, max_norm: float):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.max_norm = max_norm
-        self._foreach = (len({(p.device, p.dtype) for p in self.params}) == 1
-                         and _device_has_foreach_support(self.params[0].device))
-        # No trainable parameters: the set is empty, so torch's function answers (norm 0).
-
-    @torch.no_grad()
-    def __call__(self) -> torch.Tensor:
-        """Clip in place; return the norm before clipping (inf/nan when a gradient is)."""
-        if not self._foreach:
-            return torch.nn.utils.clip_grad_norm_(
-                self.params, self.max_norm if self.max_norm > 0 else math.inf)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        if self.max_norm <= 0:
-            return norm
-        if norm.device.type == "cpu":
-            # Reading the norm costs nothing here, and most steps need no clipping.
-            if norm > self.max_norm:
-                torch._foreach_mul_(grads, self.max_norm / (float(norm) + 1e-6))
-        else:
-            # Multiplying by a clamped coefficient instead of branching on it keeps the GPU
-            # free of a host sync; 1e-6 as in torch.
-            torch._foreach_mul_(grads, (self.max_norm / (norm + 1e-6)).clamp_(max=1.0))
-        return norm
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

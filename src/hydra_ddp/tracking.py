@@ -50,7 +50,7 @@ from hydra_ddp.config import Layout, LoggerBackend, LoggerConfig, WandbMode
 from hydra_ddp.errors import UserError
 
 if TYPE_CHECKING:  # wandb is imported lazily: logger.backend=none must not import it at all
-    from wandb.sdk.wandb_run import Run
+    from wandb import Run
 
     from hydra_ddp.dist import DistEnv
 
@@ -74,7 +74,6 @@ class RunInfo:
     job_name: str  # e.g. "model=cnn,sampler=sharded" in a sweep, or "train"
     group: str  # one per sweep (or per job when not sweeping)
     config: dict  # the resolved config as plain containers (the run's W&B config)
-    tags: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,34 +85,19 @@ _ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun
 
 
 def wandb_credentials_source() -> Optional[str]:
-    """Where W&B would load credentials from on this machine, or None when there are none.
+    """Where W&B would find credentials on this machine, or None when there are none.
 
-    Mirrors what ``wandb.init`` does before going online (wandb 0.31's
-    ``wbauth.authenticate_session`` with prompting off): ``WANDB_API_KEY``, then
-    ``WANDB_IDENTITY_TOKEN_FILE``, then a ``.netrc`` entry (``$NETRC`` or ``~/.netrc``) for the
-    configured W&B host, then an ``api_key`` in W&B's settings files. It only reads local
-    files: it never prompts and never contacts the server, so a key's validity is not checked.
-    Returns a short description of the source, never the key itself.
+    The places W&B documents: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, and the
+    ``.netrc`` entry (``$NETRC`` or ``~/.netrc``) that ``wandb login`` writes for the W&B host
+    (``WANDB_BASE_URL``, default api.wandb.ai). Only local files are read: it never prompts and
+    never contacts the server, so a key's validity is not checked here. Returns a short
+    description of the source, never the key itself.
     """
     if os.environ.get("WANDB_API_KEY"):
         return "WANDB_API_KEY"
     if os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return "WANDB_IDENTITY_TOKEN_FILE"
-    try:
-        from wandb.errors import AuthenticationError
-        from wandb.sdk import wandb_setup
-        from wandb.sdk.lib import wbauth
-    except ImportError:  # a wandb without wbauth (not 0.31): fall back to the netrc lookup
-        return "netrc" if _netrc_has_wandb_host() else None
-    try:
-        host = wandb_setup.singleton().settings.base_url
-        auth = wbauth.authenticate_session(
-            host=host, source="hydra_ddp", prompt=False, verify=False, update_session=False)
-    except AuthenticationError as e:
-        # Credentials exist but are malformed; the message says why and never contains the key.
-        raise UserError(f"logger.mode=auto found W&B credentials that W&B rejects ({e}): fix "
-                        "them (`wandb login --relogin`) or set logger.mode=offline") from None
-    return f"netrc or W&B settings for {host}" if auth is not None else None
+    return "netrc" if _netrc_has_wandb_host() else None
 
 
 def _netrc_has_wandb_host() -> bool:
@@ -327,7 +311,7 @@ class Tracker:
                 entity=cfg.entity,
                 name=_clip(name),
                 group=_clip(group),
-                tags=[_clip(t, 64) for t in dict.fromkeys([*cfg.tags, *info.tags])],
+                tags=[_clip(t, 64) for t in dict.fromkeys(cfg.tags)],
                 config=config,
                 dir=str(out),
                 settings=wandb.Settings(**settings),
@@ -491,12 +475,6 @@ class Tracker:
                 handle.close()
         if error is not None:
             raise error
-
-    def __enter__(self) -> "Tracker":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(failed=exc_type is not None)
 
     @staticmethod
     def _append(handle: Optional[TextIO], record: Dict[str, Any]) -> None:

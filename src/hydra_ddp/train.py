@@ -1,47 +1,47 @@
-"""The Hydra entry point and the training loop.
+"""The Hydra entry point, the training loop and the training step.
 
     torchrun --standalone --nproc_per_node=2 -m hydra_ddp.train            # torchrun starts ranks
     python -m hydra_ddp.train dist.nproc_per_node=2                        # the job starts them
     python -m hydra_ddp.train -m dist.nproc_per_node=2 model=mlp,cnn       # a sweep of DDP jobs
 
-`hydra_entry` composes and validates the config, then either trains in this process (one rank
-of whatever launcher started it, or a single process) or starts its own worker group with
-torch's elastic agent (see launch.py). `train` is one rank's whole job, top to bottom.
+`train_step` is one optimizer step: forward, loss, backward, clip, step. `train` is one rank's
+whole job around it, top to bottom: build the components, start the process group, loop, log,
+evaluate, checkpoint. `hydra_entry` composes and validates the config, then either trains in
+this process (one rank of whatever launcher started it, or a single process) or starts its own
+worker group with torch's elastic agent (see launch.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import hydra
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import checkpoint, launch
+from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, Precision, TrainConfig, register_configs
 from hydra_ddp.console import Console
-from hydra_ddp.data import EvalData, Split, Task, TrainData, build_source, check_sampling
-from hydra_ddp.dist import (DistEnv, destroy_process_group, env_from_environ,
-                            export_submitit_env, init_process_group, lost_peer,
-                            register_resolvers, under_launcher, unwrap, wait_for_all_ranks,
-                            wrap_model)
+from hydra_ddp.data import DataSource, EvalData, TrainData, check_sampling
+from hydra_ddp.ddp import explain, wrap_model
+from hydra_ddp.dist import (DistEnv, all_gather_floats, all_reduce_sum, barrier,
+                            destroy_process_group, env_from_environ, export_submitit_env,
+                            init_process_group, lost_peer, register_resolvers, under_launcher)
 from hydra_ddp.errors import UserError
-from hydra_ddp.metrics import all_reduce_sum, evaluate, memory_stats
-from hydra_ddp.models import build_model, train_loss
-from hydra_ddp.optim import GradClipper, build_optimizer, build_scheduler
+from hydra_ddp.metrics import evaluate, memory_stats
+from hydra_ddp.optim import param_groups
 from hydra_ddp.tracking import RunInfo, make_tracker
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,72 @@ log = logging.getLogger(__name__)
 register_configs()
 register_resolvers()
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def train_step(model: torch.nn.Module, micro_batches: list[Batch], loss_fn: Callable,
+               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               autocast: contextlib.AbstractContextManager,
+               max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `micro_batches` (gradient accumulation when more than one).
+
+    Returns the mean loss and the gradient norm before clipping, both left on the device. A
+    non-finite norm means the update was not applied (the caller decides what that means).
+    """
+    total_loss = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (x, y) in enumerate(micro_batches):
+        # Gradients are all-reduced on the last micro-batch only; the others accumulate locally.
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with autocast:
+                loss = loss_fn(model(x), y) / len(micro_batches)
+            scaler.scale(loss).backward()
+        total_loss += loss.detach()
+    scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    # fp16's scaler skips a step whose gradients overflowed by itself; otherwise a non-finite
+    # norm (the same on every rank: gradients are averaged by now) skips it here.
+    if scaler.is_enabled() or torch.isfinite(grad_norm):
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total_loss, grad_norm
+
 
 @dataclass
 class Position:
-    """Where the loop is: saved in checkpoints so a resumed run continues mid-epoch."""
+    """Where the loop is: the one copy, saved in checkpoints so a resumed run continues
+    mid-epoch (the sampler is told epoch and batch at each epoch start)."""
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of this epoch already trained on
     samples_seen: int = 0  # by this rank
+
+
+@dataclass
+class Components:
+    """Everything `train` builds from the config before any process group exists."""
+
+    source: DataSource
+    model: torch.nn.Module
+    loss_fn: Callable
+    metrics: dict[str, Any]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
+                     total_steps: int) -> Components:
+    """Model, loss, metrics, optimizer and schedule, each from its config group."""
+    model = build(cfg.model, "model", **source.spec).to(device)
+    optimizer = build(cfg.optim, "optim", params=param_groups(model))
+    return Components(
+        source=source, model=model, loss_fn=build(cfg.loss, "loss"),
+        metrics={name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()},
+        optimizer=optimizer,
+        scheduler=build(cfg.scheduler, "scheduler", optimizer=optimizer,
+                        total_steps=total_steps))
 
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
@@ -68,38 +125,31 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 
     # Everything that can fail on bad input happens before the process group starts.
     torch.manual_seed(tcfg.seed)
-    source = build_source(cfg.data)
-    train_data = TrainData(source, cfg.sampler, env, tcfg.batch_size, cfg.data.in_memory,
-                           cfg.sampler_seed, tcfg.num_workers)
-    evals = {s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size, cfg.data.in_memory)
-             for s in (Split.val, Split.test)}
-    model = build_model(cfg.model, source.spec)
+    source = build(cfg.data, "data")
+    train_data = TrainData(source, cfg.sampler, env, tcfg.batch_size, cfg.sampler_seed,
+                           tcfg.num_workers)
+    evals = {s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size)
+             for s in ("val", "test")}
+    total_steps = (tcfg.max_steps if tcfg.max_steps > 0
+                   else max(tcfg.epochs * train_data.steps_per_epoch // tcfg.grad_accum, 1))
+    parts = build_components(cfg, source, env.device, total_steps)
+    raw_model, opt, sched = parts.model, parts.optimizer, parts.scheduler
+    scaler = torch.amp.GradScaler(env.device.type, enabled=tcfg.precision == Precision.fp16)
+    # nanoGPT's idiom: in fp32 no autocast context is entered at all.
+    autocast = (contextlib.nullcontext() if tcfg.precision == Precision.fp32 else torch.autocast(
+        env.device.type, dtype=torch.bfloat16 if tcfg.precision == Precision.bf16
+        else torch.float16))
+    state = {"model": raw_model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
 
     init_process_group(env, cfg.dist)
-    tracker = None
+    tracker = model = None
     try:
-        model = wrap_model(model, env, cfg.ddp)
-        raw_model = unwrap(model)
-        opt = build_optimizer(raw_model, cfg.optim)
-        steps_per_epoch = train_data.steps_per_epoch
-        total_steps = (tcfg.max_steps if tcfg.max_steps > 0
-                       else max(tcfg.epochs * steps_per_epoch // tcfg.grad_accum, 1))
-        sched = build_scheduler(opt, cfg.optim, total_steps)
-        scaler = torch.amp.GradScaler(env.device.type,
-                                      enabled=tcfg.precision == Precision.fp16)
-        autocast_dtype = {Precision.bf16: torch.bfloat16,
-                          Precision.fp16: torch.float16}.get(tcfg.precision)
-        # In fp32 neither autocast nor the scaler is entered at all: on a small model their
-        # disabled-path calls cost a few percent of a step.
-        autocast = (torch.autocast(env.device.type, dtype=autocast_dtype)
-                    if autocast_dtype is not None else contextlib.nullcontext())
-        scaling = scaler.is_enabled()
-        clip = GradClipper(raw_model, tcfg.grad_clip)
-
+        model = wrap_model(raw_model, env, cfg.ddp)
         pos = Position()
         if resume_from is not None:
-            pos = _restore(resume_from, raw_model, opt, sched, scaler, env)
+            pos = Position(**checkpoint.restore_training_state(
+                resume_from, env, [f.name for f in fields(Position)], **state))
             log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, pos.step,
                      pos.epoch, pos.batch_in_epoch)
         else:
@@ -109,65 +159,34 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 
         tracker = make_tracker(cfg.logger, env, run)
         console.show_config(run.config)
-        is_lm = source.spec.task == Task.language_model
-        unit = "tokens" if is_lm else "samples"
-        per_sample = source.spec.block_size if is_lm else 1
-        log.info("%d rank(s) | %d %s rows held by rank %d (%.1f MiB) | %d steps/epoch | "
-                 "%d steps", env.world_size, train_data.rows_held, "train", env.rank,
-                 train_data.bytes_held / 2**20, steps_per_epoch, total_steps)
+        unit = source.unit
+        log.info("%d rank(s) | %d train rows held by rank %d (%.1f MiB) | %d steps/epoch | "
+                 "%d steps", env.world_size, train_data.rows_held, env.rank,
+                 train_data.bytes_held / 2**20, train_data.steps_per_epoch, total_steps)
 
-        batches = train_data.epoch(pos.epoch, pos.batch_in_epoch)
+        batches = _batches(train_data, pos)
         window = _Window()
-        last_eval: dict[str, float] = {}
+        val: dict[str, float] = {}
         t_start = time.perf_counter()
         start_step = pos.step
         progress = console.progress(total_steps, pos.step)
         model.train()
-        # The ~400k objects made by imports and setup live for the whole job: a full garbage
-        # collection in the loop would walk them all (~0.2 s, a long stall for every rank).
-        gc.freeze()
         while pos.step < total_steps:
             t_step = time.perf_counter()
-            step_loss: torch.Tensor | None = None  # the step's mean loss, left on the device
-            for micro in range(tcfg.grad_accum):
-                t_wait = time.perf_counter()
-                batch = next(batches, None)
-                if batch is None:  # end of epoch: the sampler reshuffles for the next one
-                    pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-                    batches = train_data.epoch(pos.epoch, 0)
-                    batch = next(batches)
-                window.data_wait += time.perf_counter() - t_wait
-                x, y = (t.to(env.device, non_blocking=True) for t in batch)
-                pos.batch_in_epoch += 1
-                pos.samples_seen += len(x)
-                window.samples += len(x) * per_sample
-                # Only the last micro-step all-reduces gradients; the others accumulate locally.
-                last_micro = micro == tcfg.grad_accum - 1
-                sync = contextlib.nullcontext() if last_micro or not hasattr(model, "no_sync") \
-                    else model.no_sync()
-                with sync:
-                    with autocast:
-                        loss = train_loss(_forward(model, x), y)
-                    if tcfg.grad_accum > 1:
-                        loss = loss / tcfg.grad_accum
-                    (scaler.scale(loss) if scaling else loss).backward()
-                step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
-            if scaling:
-                scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-            grad_norm = clip()
-            if scaling:
-                scaler.step(opt)  # skips the step itself when the gradients overflowed
-                scaler.update()
-            elif math.isfinite(grad_norm):
-                opt.step()
-            else:
-                # Gradients are already averaged over ranks here, so every rank sees the same
-                # norm and takes the same decision without another collective.
-                _non_finite(pos.step + 1, step_loss, env, cfg.trainer.nan_policy)
-            opt.zero_grad(set_to_none=True)
+            micro_batches = [next(batches) for _ in range(tcfg.grad_accum)]
+            window.data_wait += time.perf_counter() - t_step
+            micro_batches = [(x.to(env.device, non_blocking=True),
+                              y.to(env.device, non_blocking=True)) for x, y in micro_batches]
+            loss, grad_norm = train_step(model, micro_batches, parts.loss_fn, opt, scaler,
+                                         autocast, tcfg.grad_clip)
+            if not scaler.is_enabled() and not torch.isfinite(grad_norm):
+                _non_finite(pos.step + 1, loss, env, tcfg.nan_policy)
             sched.step()
             pos.step += 1
-            window.add_step(step_loss, time.perf_counter() - t_step)
+            rows = sum(len(x) for x, _ in micro_batches)
+            pos.samples_seen += rows
+            window.samples += rows * source.items_per_row
+            window.add_step(loss, time.perf_counter() - t_step)
             progress.advance()
 
             if pos.step % tcfg.log_interval == 0 or pos.step == total_steps:
@@ -179,35 +198,38 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 progress.describe(f"loss {stats['loss']:.4f}")
                 if env.is_main and not progress.visible:
                     console.log_step(pos.step, total_steps, stats, tracker.last_aggregate, unit)
-            if tcfg.eval_interval and pos.step % tcfg.eval_interval == 0 \
-                    and pos.step < total_steps:
-                last_eval = evaluate(raw_model, evals[Split.val], env, source.spec.task, autocast)
-                tracker.log_eval(pos.step, {f"val/{k}": v for k, v in last_eval.items()})
-                console.info_main("step %d | val %s", pos.step, _fmt(last_eval))
-            if tcfg.ckpt_interval and pos.step % tcfg.ckpt_interval == 0 \
-                    and pos.step < total_steps:
-                _save(pos, raw_model, opt, sched, scaler, env, run.output_dir, tcfg.keep_ckpts)
+            if _due(pos.step, tcfg.eval_interval, total_steps):
+                val = evaluate(raw_model, evals["val"], env, parts.loss_fn, parts.metrics,
+                               autocast)
+                tracker.log_eval(pos.step, {f"val/{k}": v for k, v in val.items()})
+                console.info_main("step %d | val %s", pos.step, _fmt(val))
+            if _due(pos.step, tcfg.ckpt_interval, total_steps):
+                checkpoint.save_training_state(run.output_dir, asdict(pos), tcfg.keep_ckpts,
+                                               env, **state)
         progress.close()
         wall = time.perf_counter() - t_start
 
-        _save(pos, raw_model, opt, sched, scaler, env, run.output_dir, tcfg.keep_ckpts)
-        val = evaluate(raw_model, evals[Split.val], env, source.spec.task, autocast)
-        test = evaluate(raw_model, evals[Split.test], env, source.spec.task, autocast)
+        checkpoint.save_training_state(run.output_dir, asdict(pos), tcfg.keep_ckpts, env,
+                                       **state)
+        val, test = (evaluate(raw_model, evals[s], env, parts.loss_fn, parts.metrics, autocast)
+                     for s in ("val", "test"))
         tracker.log_eval(pos.step, {**{f"val/{k}": v for k, v in val.items()},
                                     **{f"test/{k}": v for k, v in test.items()}})
-        summary = _summary(cfg, env, pos, start_step, wall, window, val, test, train_data, unit,
-                           per_sample)
+        summary = _summary(cfg, env, pos, start_step, wall, window, val, test, train_data, unit)
         tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         if env.is_main:
             path = run.output_dir / "summary.json"
             path.write_text(json.dumps(summary, indent=2) + "\n")
         console.show_summary(summary, run.output_dir)
         tracker.close()
-        wait_for_all_ranks(env)
+        barrier(env)
         return summary
     except BaseException as e:
         if tracker is not None:
             tracker.close(failed=True)
+        explained = explain(e)
+        if explained is not None:
+            raise explained from e
         if lost_peer(e):
             # Every survivor of a dead rank gets the same collective traceback, which says
             # nothing about the cause: one line instead.
@@ -218,8 +240,26 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 "the group restarts and resumes from the newest checkpoint") from e
         raise
     finally:
-        gc.unfreeze()  # a sweep's next job in this process must be able to collect this one
+        # The DDP wrapper goes first, while the process group is still registered: dropping the
+        # group's last reference in the wrapper's deallocation joins gloo's threads with the GIL
+        # held, which deadlocks when one of them still frees a tensor (seen under load).
+        model = None  # noqa: F841
         destroy_process_group()
+
+
+def _batches(data: TrainData, pos: Position) -> Iterator[Batch]:
+    """Training batches from `pos` on, forever, moving `pos` to the next epoch as each ends
+    (the sampler reshuffles for it)."""
+    while True:
+        for batch in data.epoch(pos.epoch, pos.batch_in_epoch):
+            pos.batch_in_epoch += 1
+            yield batch
+        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+
+
+def _due(step: int, interval: int, total_steps: int) -> bool:
+    """An every-`interval`-steps action (0: never) that the end of the run does anyway."""
+    return bool(interval) and step % interval == 0 and step < total_steps
 
 
 class _Window:
@@ -244,6 +284,7 @@ class _Window:
         self.step_time += seconds
 
     def flush(self, grad_norm: torch.Tensor, lr: float, unit: str) -> dict[str, float]:
+        """This window's per-step means and throughput; starts the next window."""
         steps = max(self.steps, 1)
         self.last_loss = float(self.loss) / steps
         self.total_samples += self.samples
@@ -256,29 +297,10 @@ class _Window:
         return stats
 
 
-def _forward(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    try:
-        return model(x)
-    except RuntimeError as e:
-        # DDP's own message for this case is a paragraph about reductions and buckets.
-        if "Expected to have finished reduction" in str(e):
-            raise UserError("some model parameters got no gradient in a step and DDP was not "
-                            "told to expect that: use ddp=unused_params (sets "
-                            "ddp.find_unused_parameters=true), or make every parameter take "
-                            "part in the loss") from e
-        raise
-
-
-def _non_finite(step: int, loss_sum: torch.Tensor, env: DistEnv, policy: NanPolicy) -> None:
+def _non_finite(step: int, loss: torch.Tensor, env: DistEnv, policy: NanPolicy) -> None:
     """Name the rank(s) whose loss went non-finite; stop or skip as configured."""
-    flags = torch.tensor([0.0 if torch.isfinite(loss_sum) else 1.0], dtype=torch.float64,
-                         device=env.device)
-    if env.distributed:
-        gathered = [torch.zeros_like(flags) for _ in range(env.world_size)]
-        dist.all_gather(gathered, flags)
-        ranks = [r for r, f in enumerate(gathered) if f.item() > 0]
-    else:
-        ranks = [0] if flags.item() > 0 else []
+    flags = all_gather_floats([0.0 if torch.isfinite(loss) else 1.0], env)
+    ranks = [r for r, (flag,) in enumerate(flags) if flag > 0]
     if ranks:
         what = f"non-finite loss at step {step} on rank(s) {', '.join(map(str, ranks))}"
     else:
@@ -290,92 +312,32 @@ def _non_finite(step: int, loss_sum: torch.Tensor, env: DistEnv, policy: NanPoli
     log.warning("skipping step %d (trainer.nan_policy=skip): %s", step, what)
 
 
-def _save(pos: Position, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-          scaler: torch.amp.GradScaler, env: DistEnv, output_dir: Path, keep: int) -> None:
-    """Gather every rank's RNG state, then global rank 0 alone writes the file."""
-    rng = {"torch": torch.get_rng_state()}
-    if env.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(env.device)
-    rngs: list[Any] = [rng]
-    if env.distributed:
-        rngs = [None] * env.world_size
-        dist.all_gather_object(rngs, rng)
-    if env.is_main:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
-                 "step": pos.step, "epoch": pos.epoch, "batch_in_epoch": pos.batch_in_epoch,
-                 "samples_seen": pos.samples_seen, "world_size": env.world_size, "rng": rngs}
-        path = checkpoint.save(state, output_dir, pos.step, keep)
-        log.info("checkpoint: %s", path)
-    if env.distributed:
-        # Nobody races ahead and dies before the file is complete.
-        dist.barrier()
-
-
-def _restore(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-             scaler: torch.amp.GradScaler, env: DistEnv) -> Position:
-    state = checkpoint.load(path)
-    checkpoint.load_model_state(model, state, path)
-    try:
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        pos = Position(step=int(state["step"]), epoch=int(state["epoch"]),
-                       batch_in_epoch=int(state["batch_in_epoch"]),
-                       samples_seen=int(state.get("samples_seen", 0)))
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise UserError(f"{path} does not match this job's optimizer/scheduler setup "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                        "resume with the optim.* config it was trained with, or "
-                        "trainer.resume=never") from e
-    if state.get("world_size") != env.world_size:
-        log.warning("%s was written by %s ranks, this job has %d: the rest of its epoch is "
-                    "partitioned differently", path, state.get("world_size"), env.world_size)
-    rngs = state.get("rng") or []
-    if env.rank < len(rngs):
-        torch.set_rng_state(rngs[env.rank]["torch"].cpu())
-        if env.device.type == "cuda" and "cuda" in rngs[env.rank]:
-            torch.cuda.set_rng_state(rngs[env.rank]["cuda"].cpu(), env.device)
-    return pos
-
-
 def _summary(cfg: TrainConfig, env: DistEnv, pos: Position, start_step: int, wall: float,
              window: _Window, val: dict[str, float], test: dict[str, float], data: TrainData,
-             unit: str, per_sample: int) -> dict[str, Any]:
-    samples = all_reduce_sum([float(window.total_samples), float(data.rows_held),
-                              float(data.bytes_held)], env)
-    held = _gather_ints([data.rows_held, data.bytes_held], env)
+             unit: str) -> dict[str, Any]:
+    samples = all_reduce_sum([float(window.total_samples)], env)[0]
+    held = all_gather_floats([data.rows_held, data.bytes_held], env)
     summary: dict[str, Any] = {
         "world_size": env.world_size,
         "steps": pos.step,
         "steps_this_run": pos.step - start_step,
         "epochs": pos.epoch + (pos.batch_in_epoch / max(data.steps_per_epoch, 1)),
         "train_loss": all_reduce_sum([window.last_loss], env)[0] / env.world_size,
-        "val_loss": val["loss"],
-        "test_loss": test["loss"],
-        f"{unit}_per_s": samples[0] / max(wall, 1e-9),
+        f"{unit}_per_s": samples / max(wall, 1e-9),
         "wall_time_s": wall,
-        "rows_held_per_rank": [h[0] for h in held],
-        "bytes_held_per_rank": [h[1] for h in held],
+        "rows_held_per_rank": [int(h[0]) for h in held],
+        "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": cfg.sampler.policy.value,
         "objective": val["loss"],
     }
-    if "acc" in val:
-        summary["val_acc"], summary["test_acc"] = val["acc"], test["acc"]
+    # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
+    for split, metrics in (("val", val), ("test", test)):
+        summary.update({f"{split}_{k}": v for k, v in metrics.items()})
     return summary
 
 
-def _gather_ints(values: list[int], env: DistEnv) -> list[list[int]]:
-    t = torch.tensor(values, dtype=torch.float64, device=env.device)
-    if not env.distributed:
-        return [[int(v) for v in values]]
-    out = [torch.zeros_like(t) for _ in range(env.world_size)]
-    dist.all_gather(out, t)
-    return [[int(v) for v in o.tolist()] for o in out]
-
-
 def _fmt(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "count")
+    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,11 +351,11 @@ def to_typed(dict_cfg: DictConfig) -> TrainConfig:
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the data and model but no process group, so a bad job fails once, in
-    the launching process, instead of once per worker."""
-    source = build_source(cfg.data)
+    """Checks that need the data and the components but no process group, so a bad job fails
+    once, in the launching process, instead of once per worker."""
+    source = build(cfg.data, "data")
     check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)
-    build_model(cfg.model, source.spec)
+    build_components(cfg, source, torch.device("cpu"), total_steps=1)
 
 
 def run_info(dict_cfg: DictConfig) -> RunInfo:
@@ -423,7 +385,7 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
                             "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead")
         if cfg.dist.nproc_per_node > 1 and not under_launcher():
             preflight(cfg, cfg.dist.nproc_per_node)
-            summary = launch.spawn(cfg, run)
+            summary = launch.spawn(train, cfg, run)
         else:
             export_submitit_env()
             summary = train(cfg, env_from_environ(cfg.dist), run)

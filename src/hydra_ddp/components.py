@@ -1,0 +1,108 @@
+"""Building what a user swaps in: data, model, optimizer, scheduler, loss and metrics.
+
+Each is a `_target_` (a class or function, e.g. `hydra_ddp.models.MLP` or `torch.optim.AdamW`)
+plus its keyword arguments in `conf/<group>/<name>.yaml`, built by `hydra.utils.instantiate`.
+Adding one is a module of yours plus one YAML; nothing here changes.
+
+What only the template knows at run time reaches a component by name: `build` passes each
+`runtime` keyword to the target when its signature has a parameter of that name and the YAML
+did not set it. That is how a model gets `in_features` / `out_features` / `vocab_size` from the
+data (`DataSource.spec`), an optimizer its `params`, and a scheduler its `optimizer` and
+`total_steps`.
+
+Arguments are checked against the target's signature before it is called, so a typo'd or
+missing argument fails in one line that names the config key and what the target accepts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Mapping
+
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+
+from hydra_ddp.errors import UserError
+
+
+def build(cfg: Mapping[str, Any], key: str, **runtime: Any) -> Any:
+    """Instantiate the component configured at `key` (e.g. "model"), passing the `runtime`
+    keywords its signature asks for."""
+    if not isinstance(cfg, Mapping) or "_target_" not in cfg:
+        raise UserError(f"{key} has no _target_: pick a choice of the {key.split('.')[0]} group "
+                        f"(conf/{key.split('.')[0]}/*.yaml), or set {key}._target_=<class>")
+    target = cfg["_target_"]
+    try:
+        obj = get_object(target)
+    except Exception as e:
+        raise UserError(f"{key}._target_={target!r} cannot be imported: "
+                        f"{str(e).splitlines()[0]}") from None
+    given = {k for k in cfg if not (k.startswith("_") and k.endswith("_"))}
+    params = _parameters(obj)
+    if params is None:  # no inspectable signature (some builtins): let the call decide
+        passed = {}
+    else:
+        names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+        accepted = ", ".join(names) or "no arguments"
+        unknown = sorted(given - set(names)) if not takes_any else []
+        if unknown:
+            raise UserError(f"{key}.{unknown[0]} is not an argument of {target}: it accepts "
+                            f"{accepted}")
+        passed = {k: v for k, v in runtime.items() if k in names and k not in given}
+        missing = [p.name for p in params if p.default is p.empty
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.name not in given and p.name not in passed]
+        if missing:
+            offered = ", ".join(sorted(runtime)) or "nothing"
+            raise UserError(f"{key} ({target}) needs {', '.join(missing)}, which neither the "
+                            f"config nor the template provides here (it provides {offered}): "
+                            f"set {key}.{missing[0]}=..., or pick a {key.split('.')[0]} that "
+                            "fits this data")
+    try:
+        # Runtime objects (parameters, an optimizer) go to the call itself, not through
+        # OmegaConf; the config's own values arrive as plain dicts and lists.
+        return instantiate(cfg, _partial_=True, _convert_="all")(**passed)
+    except UserError:
+        raise
+    except (InstantiationException, ValueError, TypeError, AssertionError) as e:
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
+        if isinstance(cause, UserError):
+            raise cause from None
+        if not isinstance(cause, (ValueError, TypeError, AssertionError)):
+            raise
+        message = _name_keys(str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
+                             key, given | set(passed))
+        if f"{key}." not in message:
+            # A library's own message ("Invalid learning rate: -1") names no argument: name the
+            # one whose value it quotes, when exactly one does.
+            quoted = [k for k in sorted(given) if not isinstance(cfg[k], (bool, dict, list))
+                      and re.search(rf"(?<![\w.-]){re.escape(str(cfg[k]))}(?![\w.])", message)]
+            if len(quoted) == 1:
+                message = f"{key}.{quoted[0]}={cfg[quoted[0]]!r}: {message}"
+        raise UserError(f"{key} ({target}): {message}") from cause
+
+
+def _parameters(obj: Any) -> list[inspect.Parameter] | None:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    return list(sig.parameters.values())
+
+
+def _name_keys(message: str, key: str, names: set[str]) -> str:
+    """'hidden=0 is not allowed' -> 'model.hidden=0 is not allowed': a component's own check
+    names its argument; the user needs the config key."""
+    for name in sorted(names, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w.]){re.escape(name)}(?=\s*[=+<>]|\s+must)", f"{key}.{name}",
+                         message)
+    return message
+
+
+def check(ok: bool, name: str, allowed: str, value: object) -> None:
+    """For a component's own argument checks: `check(hidden > 0, "hidden", "> 0", hidden)`
+    raises a ValueError that `build` reports under the argument's config key."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: {name} must be {allowed}")
