@@ -1,7 +1,7 @@
 """Benchmark: how much memory N ranks need for a data set bigger than 1 GiB, per sampling policy.
 
-    python scripts/bench_data_memory.py                         # makes the data set if missing
-    python scripts/bench_data_memory.py --repeats 2 --out /tmp/mem.json
+    python scripts/bench/bench_data_memory.py                   # makes the data set if missing
+    python scripts/bench/bench_data_memory.py --repeats 2 --out /tmp/mem.json
 
 It trains one epoch of model=mlp on a synthetic data set (written by scripts/make_synthetic.py
 --size-gib 1.1 --features 256 --shards 8 under /tmp) with 2 ranks under torchrun, for:
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 CONFIGS = {
     "baseline": ["data=digits"],

@@ -1,7 +1,7 @@
 """Benchmark: what logger=wandb (offline) costs the default job's throughput, against logger=none.
 
-    python scripts/bench_logger_overhead.py                  # 7 interleaved pairs
-    python scripts/bench_logger_overhead.py --repeats 9 --out /tmp/logger.json
+    python scripts/bench/bench_logger_overhead.py            # 7 interleaved pairs
+    python scripts/bench/bench_logger_overhead.py --repeats 9 --out /tmp/logger.json
 
 Each job is the default job as a user starts it, from a scratch directory under /tmp:
 
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_speed  # scripts/ is on sys.path when this file runs as a script
+import bench_speed  # scripts/bench/ is on sys.path when this file runs as a script
 
 
 def user_env(scratch: Path, wandb: bool, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -19,7 +19,7 @@ baseline is comparable.  Timings start just before the sampler is constructed:
                          (ours: batches of --batch-size; torch: its iterator)
 
 Usage:
-    python scripts/bench_sampler_index.py [--n 100000000] [--world-size 8]
+    python scripts/bench/bench_sampler_index.py [--n 100000000] [--world-size 8]
         [--rank 3] [--count 1000000] [--batch-size 1024] [--out FILE.md]
 """
 
@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 _SRC = _REPO / "src"
 
 

@@ -1,14 +1,15 @@
 """Benchmark: hydra_ddp's training loop against a hand-written minimal DDP loop.
 
-    python scripts/bench_speed.py                      # 10 interleaved repeats, 2 ranks, 40 epochs
-    python scripts/bench_speed.py --repeats 15 --no-wandb --out /tmp/speed.json
-    python scripts/bench_speed.py --alt patched=/tmp/copy/src   # also time a patched checkout
-    python scripts/bench_speed.py --step-costs         # where ours' extra per-step time goes
+    python scripts/bench/bench_speed.py                # 10 interleaved repeats, 2 ranks, 40 epochs
+    python scripts/bench/bench_speed.py --repeats 15 --no-wandb --out /tmp/speed.json
+    python scripts/bench/bench_speed.py --alt patched=/tmp/copy/src  # also time a patched checkout
+    python scripts/bench/bench_speed.py --step-costs   # per-step cost: ours against the minimal loop
 
 Every job is started the way a user starts it, with torchrun, from a scratch directory under
 /tmp (so Hydra's outputs land there):
 
-  minimal        torchrun --standalone --nproc_per_node=N scripts/minimal_ddp.py --epochs E
+  minimal        torchrun --standalone --nproc_per_node=N scripts/bench/minimal_ddp.py --epochs E
+                     (the same work per step as ours: model, AdamW groups, schedule, clipping)
   ours           torchrun --standalone --nproc_per_node=N -m hydra_ddp.train logger=none
                      trainer.progress=false trainer.epochs=E        (default job: model=mlp,
                      data=digits, batch 64 per rank, log_interval 10)
@@ -24,7 +25,7 @@ What is measured (same definition for both loops, wall-clock stamps taken on ran
 
 * steady samples/s: global samples trained in steps skip+1 .. last (skip=20), divided by the
   time between the end of step `skip` and the end of the last step. Minimal: time.time()
-  right after opt.step() (end: right after the loop). Ours: the `time` field of
+  right after the step's sched.step() (end: right after the loop). Ours: the `time` field of
   stats/rank0.jsonl at those steps, stamped right after that step's stats were logged, so
   ours pays its logging inside the window. Samples: minimal counts them; ours reads
   samples_seen (per rank) x world size.
@@ -60,8 +61,8 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-MINIMAL = REPO / "scripts" / "minimal_ddp.py"
+REPO = Path(__file__).resolve().parents[2]
+MINIMAL = REPO / "scripts" / "bench" / "minimal_ddp.py"
 VARIANTS = ("minimal", "ours", "ours-startup", "wandb", "wandb-startup")
 
 
@@ -255,41 +256,39 @@ def paired(rows: list[dict], num: str, den: str, key: str, diff: bool = False) -
 
 
 # --------------------------------------------------------------------------------------------
-# --step-costs: one process, no DDP, CPU time of the loop body with one piece taken out at a time
+# --step-costs: one process, no DDP, CPU time per step of each loop's data path and step
 # --------------------------------------------------------------------------------------------
 
 
 def step_costs(rounds: int) -> None:
     """Per-step CPU time of rank 0's work in the default job (model=mlp, data=digits, fp32,
-    grad_accum 1, grad_clip 1.0, 2 ranks' partition) and in the minimal loop, data loading
-    included, without DDP: one thread, interleaved rounds, one piece of ours swapped or
-    removed at a time. Uses the package's own TrainData, MLP, optimizer, scheduler,
-    GradClipper and _Window; the step body mirrors train.py's (keep it in step)."""
-    import math
+    grad_accum 1, grad_clip 1.0, a 2 ranks' partition) and in the minimal loop, data loading
+    included, without DDP: one thread, interleaved rounds. Ours is the package's public pieces
+    as train.py's loop calls them (TrainData batches, `train_step`, the non-finite check,
+    `sched.step()`; its per-interval stats window is left out); the minimal loop is
+    minimal_ddp.py's body. Both do the same work: same model, fused AdamW over `param_groups`,
+    `warmup_cosine`, clip_grad_norm_(1.0)."""
+    import contextlib
 
-    import numpy as np
     import torch
-    import torch.nn.functional as F
-    from sklearn.datasets import load_digits
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from hydra_ddp.config import DigitsConfig, MLPConfig, OptimConfig, SamplerConfig
-    from hydra_ddp.data import TrainData, build_source
+    from hydra_ddp.config import SamplerConfig
+    from hydra_ddp.data import Digits, TrainData
     from hydra_ddp.dist import DistEnv
-    from hydra_ddp.models import MLP, train_loss
-    from hydra_ddp.optim import GradClipper, build_optimizer, build_scheduler
-    from hydra_ddp.train import _Window
+    from hydra_ddp.losses import CrossEntropy
+    from hydra_ddp.models import MLP
+    from hydra_ddp.optim import param_groups, warmup_cosine
+    from hydra_ddp.train import train_step
 
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1
     env = DistEnv(rank=0, world_size=2, local_world_size=2)
-    source = build_source(DigitsConfig())
+    source = Digits(val_fraction=0.15, test_fraction=0.15, split_seed=0)
 
     def minimal_batches():
-        # scripts/minimal_ddp.py's data path: a TensorDataset behind a DistributedSampler.
-        bunch = load_digits()
-        x = torch.from_numpy((bunch.data / 16.0).astype(np.float32))
-        y = torch.from_numpy(bunch.target.astype(np.int64))
-        dataset = TensorDataset(x, y)
+        # minimal_ddp.py's data path: the same train rows in a TensorDataset behind a
+        # DistributedSampler and a collating DataLoader.
+        dataset = TensorDataset(*(torch.from_numpy(a) for a in source.arrays["train"]))
         sampler = DistributedSampler(dataset, num_replicas=2, rank=0, seed=0)
         loader = DataLoader(dataset, batch_size=64, sampler=sampler)
         for epoch in itertools.count():
@@ -297,60 +296,46 @@ def step_costs(rounds: int) -> None:
             yield from loader
 
     def our_batches():
-        data = TrainData(source, SamplerConfig(), env, 64, True, 0)
+        data = TrainData(source, SamplerConfig(), env, 64, 0)
         for epoch in itertools.count():
             yield from data.epoch(epoch)
 
     class Loop:
-        def __init__(self, minimal=False, minimal_data=False, torch_clip=False, clip=True,
-                     sched=True, window=True):
+        def __init__(self, minimal: bool = False, minimal_data: bool = False):
             torch.manual_seed(0)
-            self.m = MLP(MLPConfig(), source.spec)
+            self.m = MLP(in_features=64, out_features=10, hidden=256, depth=2, dropout=0.1)
+            if minimal:  # minimal_ddp.py's model is this nn.Sequential without the flatten
+                self.m = self.m.net
             self.batches = minimal_batches() if minimal or minimal_data else our_batches()
-            self.opt = (torch.optim.AdamW(self.m.parameters(), lr=2e-3, weight_decay=0.01)
-                        if minimal else build_optimizer(self.m, OptimConfig(lr=2e-3)))
-            self.sched = build_scheduler(self.opt, OptimConfig(), 10**6)
-            self.clip = GradClipper(self.m, 1.0)
-            self.win = _Window()
-            self.minimal, self.torch_clip, self.use_clip = minimal, torch_clip, clip
-            self.use_sched, self.window = sched, window
+            self.opt = torch.optim.AdamW(param_groups(self.m), lr=0.002, betas=(0.9, 0.999),
+                                         weight_decay=0.01, fused=True)
+            self.sched = warmup_cosine(self.opt, 10**6, warmup_steps=20, min_lr_ratio=0.1)
+            self.loss_fn = torch.nn.CrossEntropyLoss() if minimal else CrossEntropy(0.0)
+            self.scaler = torch.amp.GradScaler("cpu", enabled=False)
+            self.minimal = minimal
 
         def step(self) -> None:
-            if self.minimal:
+            if self.minimal:  # minimal_ddp.py's loop body
                 xb, yb = next(self.batches)
-                loss = F.cross_entropy(self.m(xb), yb)
+                loss = self.loss_fn(self.m(xb), yb)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.m.parameters(), 1.0)
                 self.opt.step()
-                return
-            t0 = time.perf_counter()
-            xb, yb = (t.to("cpu", non_blocking=True) for t in next(self.batches))
-            loss = train_loss(self.m(xb), yb)
-            loss.backward()
-            step_loss = loss.detach()
-            if self.torch_clip:
-                gn = torch.nn.utils.clip_grad_norm_(self.m.parameters(), 1.0)
-            elif self.use_clip:
-                gn = self.clip()
-            else:
-                gn = torch.zeros(())
-            if not math.isfinite(gn):
-                raise RuntimeError("non-finite")
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self.use_sched:
                 self.sched.step()
-            if self.window:
-                self.win.add_step(step_loss, time.perf_counter() - t0)
+                return
+            # train.py's loop body around train_step (fp32: no autocast context, scaler off)
+            batch = [tuple(t.to("cpu", non_blocking=True) for t in next(self.batches))]
+            _, grad_norm = train_step(self.m, batch, self.loss_fn, self.opt, self.scaler,
+                                      contextlib.nullcontext(), 1.0)
+            if not self.scaler.is_enabled() and not torch.isfinite(grad_norm):
+                raise RuntimeError("non-finite gradients")
+            self.sched.step()
 
     variants = {
-        "minimal loop": dict(minimal=True),
-        "ours": {},
-        "ours with the minimal loop's DataLoader": dict(minimal_data=True),
-        "ours with torch's clip_grad_norm_": dict(torch_clip=True),
-        "ours without clipping": dict(clip=False),
-        "ours without sched.step()": dict(sched=False),
-        "ours without _Window.add_step": dict(window=False),
+        "minimal loop": {"minimal": True},
+        "ours (TrainData + train_step)": {},
+        "ours with the minimal loop's DataLoader": {"minimal_data": True},
     }
     loops = {k: Loop(**kw) for k, kw in variants.items()}
     res: dict[str, list[float]] = {k: [] for k in loops}
@@ -363,7 +348,8 @@ def step_costs(rounds: int) -> None:
             for _ in range(30):
                 loops[k].step()
             res[k].append((time.thread_time() - t) / 30 * 1e6)
-    base, full = statistics.median(res["minimal loop"]), statistics.median(res["ours"])
+    base = statistics.median(res["minimal loop"])
+    full = statistics.median(res["ours (TrainData + train_step)"])
     print(f"# per-step CPU time (one thread, no DDP, batch 64), median of {rounds} rounds")
     print("| loop | us/step | vs ours | minimal/this |")
     print("|---|---|---|---|")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short check of the CUDA/NCCL paths on a single-GPU machine (CI has no GPU).
-#   PYTHONPATH=src bash scripts/gpu_check.sh <work dir>
+#   PYTHONPATH=src bash scripts/bench/gpu_check.sh <work dir>
 # Two ranks cannot share one GPU under NCCL, so DDP runs here as one torchrun rank (a real NCCL
 # process group, device_ids from LOCAL_RANK); the over-subscription error is checked with two.
 set -u

@@ -1,0 +1,199 @@
+"""Make the template yours in one command: rename the package, the distribution and the configs.
+
+    python scripts/new_project.py myproj                    # src/hydra_ddp -> src/myproj, ...
+    python scripts/new_project.py my_proj --strip model/gpt --strip data/text --dry-run
+
+In place, in the repository root (or --root), it
+
+  * renames the package directory src/hydra_ddp -> src/NAME (`git mv` in a git work tree);
+  * rewrites every text file (git's tracked and untracked-but-not-ignored files; without git,
+    the tree minus .git, .venv, outputs, multirun, wandb and caches): hydra_ddp -> NAME,
+    hydra-ddp -> NAME with dashes (the distribution, the console script <dashed>-train, the W&B
+    project), HYDRA_DDP -> NAME in capitals. That covers imports, `_target_` strings,
+    pyproject.toml, the README and docs/;
+  * with --strip GROUP/CHOICE, deletes conf/GROUP/CHOICE.yaml, unless a defaults list chooses it
+    (conf/train.yaml's default, or e.g. data/diabetes.yaml's `override /loss: mse`);
+  * removes this script and its test: they only apply to the template.
+
+Every check runs before anything changes; a refusal is one `error: ...` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import keyword
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+OLD = "hydra_ddp"
+SKIP_DIRS = {".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache"}
+SELF = [Path("scripts/new_project.py"), Path("tests/test_new_project.py")]
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def is_git_tree(root: Path) -> bool:
+    try:
+        return Path(git(root, "rev-parse", "--show-toplevel").strip()).resolve() == root
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+def project_files(root: Path, use_git: bool) -> list[Path]:
+    """Relative paths of the project's files: git's view of them, else a filtered walk."""
+    if use_git:
+        names = git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+        found = sorted({Path(n) for n in names.split("\0") if n})
+    else:
+        found = []
+        for dirpath, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+            found += [Path(dirpath, f).relative_to(root) for f in files]
+    return [p for p in found if (root / p).is_file() and not (root / p).is_symlink()]
+
+
+def chosen_by(conf: Path) -> dict[str, list[str]]:
+    """`group/choice` -> the conf/ files whose defaults list chooses it (`- [override] g: c`)."""
+    chosen: dict[str, list[str]] = {}
+    for path in sorted(conf.rglob("*.yaml")):
+        text, here = path.read_text(), path.parent.relative_to(conf).as_posix()
+        try:
+            import yaml
+            entries = (yaml.safe_load(text) or {}).get("defaults") or []
+        except ImportError:  # no PyYAML: the simple `- key: value` lines are all this needs
+            entries = [dict([kv]) for kv in re.findall(r"^\s*-\s*([^:#\n]+):\s*(\S+)", text, re.M)]
+        except (yaml.YAMLError, AttributeError):
+            continue
+        for entry in entries:
+            for key, value in (entry.items() if isinstance(entry, dict) else []):
+                group = key.split()[-1].split("@")[0]  # `override x@pkg` -> x
+                if not group.startswith("/") and here != ".":  # relative to the file's group
+                    group = f"{here}/{group}"
+                for v in value if isinstance(value, list) else [value]:
+                    chosen.setdefault(f"{group.strip('/')}/{v}", []).append(
+                        path.relative_to(conf.parent).as_posix())
+    return chosen
+
+
+def yaml_target(path: Path, name: str) -> str:
+    """The YAML's `_target_` (its first one), else the schema its defaults extend."""
+    text = path.read_text().replace(OLD, name)
+    if m := re.search(r"^\s*_target_:\s*(\S+)", text, re.M):
+        return f"_target_ {m.group(1)}"
+    if m := re.search(r"^\s*-\s*(/schema/[^@\s]+)", text, re.M):
+        return f"the _target_ of the schema {m.group(1)} (src/{name}/config.py)"
+    return "no _target_"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Rename the template's package, distribution, console script and W&B "
+                    "project to NAME, in place; optionally drop example configs.",
+        epilog="--strip only deletes the YAML file: the Python classes it pointed at stay in "
+               "src/NAME and stay importable; removing them is your call.")
+    parser.add_argument("name", metavar="NAME", help="new import name, e.g. myproj or my_proj")
+    parser.add_argument("--strip", action="append", default=[], metavar="GROUP/CHOICE",
+                        help="delete conf/GROUP/CHOICE.yaml (repeatable), e.g. model/gpt")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would change, change nothing")
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="repository root (default: the one holding this script)")
+    args = parser.parse_args()
+    root, name = args.root.resolve(), args.name
+
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        fail(f"NAME {name!r}: use lowercase letters, digits and _, starting with a letter")
+    if name == OLD or keyword.iskeyword(name) or name in sys.stdlib_module_names:
+        fail(f"NAME {name!r} is the template's own name, a Python keyword or a standard module")
+    if importlib.util.find_spec(name) is not None:
+        fail(f"NAME {name!r} would shadow the installed module {name!r}; pick another")
+    if not (root / "src" / OLD).is_dir():
+        fail(f"{root / 'src' / OLD} does not exist: already renamed, or --root is wrong")
+    if (root / "src" / name).exists():
+        fail(f"{root / 'src' / name} already exists")
+    chosen, strips = chosen_by(root / "conf"), {}
+    for choice in args.strip:
+        group, _, option = choice.strip("/").rpartition("/")
+        path = Path("conf", group, f"{option}.yaml")
+        if not group or not (root / path).is_file():
+            fail(f"--strip {choice}: no {path} (give GROUP/CHOICE, e.g. model/gpt)")
+        users = [u for u in chosen.get(f"{group}/{option}", []) if u != path.as_posix()]
+        if "conf/train.yaml" in users:
+            fail(f"--strip {choice}: it is the default in conf/train.yaml; change that first")
+        if users:
+            fail(f"--strip {choice}: the defaults list of {', '.join(users)} chooses it")
+        strips[path] = f"{group}={option}"
+
+    use_git = is_git_tree(root)
+    files = project_files(root, use_git)
+    texts, plan = {}, {}  # path -> its text after the rename; path -> replacements made
+    for rel in files:
+        if rel in strips or rel in SELF:
+            continue
+        try:
+            text = (root / rel).read_bytes().decode("utf-8")  # bytes: line endings kept
+        except (UnicodeDecodeError, OSError):
+            continue  # binary (or unreadable): left alone
+        new = text.replace(OLD, name).replace("hydra-ddp", name.replace("_", "-"))
+        texts[rel] = new.replace("HYDRA_DDP", name.upper())
+        if count := sum(text.count(s) for s in (OLD, "hydra-ddp", "HYDRA_DDP")):
+            plan[rel] = count
+
+    def moved(rel: Path) -> Path:  # a file's path after the package dir's rename
+        old = Path("src", OLD)
+        return Path("src", name, rel.relative_to(old)) if rel.is_relative_to(old) else rel
+
+    verb = "would " if args.dry_run else ""
+    print(f"{verb}rename src/{OLD} -> src/{name}" + (" (git mv)" if use_git else ""))
+    for rel, count in plan.items():
+        print(f"  {verb}rewrite {rel} ({count} replacement{'s' * (count != 1)})")
+    for path, override in strips.items():
+        print(f"  {verb}delete {path}: it pointed at {yaml_target(root / path, name)}; "
+              "the Python code stays")
+        if users := [str(moved(r)) for r, text in texts.items() if override in text]:
+            print(f"    {override} is still mentioned in: {', '.join(users)}")
+    present = [p for p in SELF if (root / p).exists()]
+    if present:
+        print(f"  {verb}remove {', '.join(map(str, present))} (template-only)")
+    if args.dry_run:
+        print(f"dry run: {len(plan)} files would change; nothing was written")
+        return
+
+    def remove(rel: Path) -> None:
+        if use_git and git(root, "ls-files", str(rel)).strip():
+            git(root, "rm", "-q", "-f", str(rel))
+        else:
+            (root / rel).unlink()
+
+    for path in strips:
+        remove(path)
+    if use_git and git(root, "ls-files", f"src/{OLD}").strip():
+        git(root, "mv", f"src/{OLD}", f"src/{name}")  # moves the untracked files with it too
+    else:
+        (root / "src" / OLD).rename(root / "src" / name)
+    for rel in plan:
+        (root / moved(rel)).write_bytes(texts[rel].encode("utf-8"))
+    for rel in present:
+        remove(rel)
+
+    dashed = name.replace("_", "-")
+    print(f"\ndone: {len(plan)} files changed, {len(strips)} configs removed\n"
+          f"  import name     {name}\n  console script  {dashed}-train\nnext:\n"
+          "  pip uninstall -y hydra-ddp    # if the template was installed\n"
+          f"  pip install -e .\n  python -m {name}.train")
+
+
+if __name__ == "__main__":
+    main()
