@@ -40,8 +40,9 @@ def fail(message: str) -> None:
 
 
 def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(root), *args], check=True, capture_output=True, text=True
+    ).stdout
 
 
 def is_git_tree(root: Path) -> bool:
@@ -71,19 +72,21 @@ def chosen_by(conf: Path) -> dict[str, list[str]]:
         text, here = path.read_text(), path.parent.relative_to(conf).as_posix()
         try:
             import yaml
+
             entries = (yaml.safe_load(text) or {}).get("defaults") or []
         except ImportError:  # no PyYAML: the simple `- key: value` lines are all this needs
             entries = [dict([kv]) for kv in re.findall(r"^\s*-\s*([^:#\n]+):\s*(\S+)", text, re.M)]
         except (yaml.YAMLError, AttributeError):
             continue
         for entry in entries:
-            for key, value in (entry.items() if isinstance(entry, dict) else []):
+            for key, value in entry.items() if isinstance(entry, dict) else []:
                 group = key.split()[-1].split("@")[0]  # `override x@pkg` -> x
                 if not group.startswith("/") and here != ".":  # relative to the file's group
                     group = f"{here}/{group}"
                 for v in value if isinstance(value, list) else [value]:
                     chosen.setdefault(f"{group.strip('/')}/{v}", []).append(
-                        path.relative_to(conf.parent).as_posix())
+                        path.relative_to(conf.parent).as_posix()
+                    )
     return chosen
 
 
@@ -100,16 +103,27 @@ def yaml_target(path: Path, name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Rename the template's package, distribution, console script and W&B "
-                    "project to NAME, in place; optionally drop example configs.",
+        "project to NAME, in place; optionally drop example configs.",
         epilog="--strip only deletes the YAML file: the Python classes it pointed at stay in "
-               "src/NAME and stay importable; removing them is your call.")
+        "src/NAME and stay importable; removing them is your call.",
+    )
     parser.add_argument("name", metavar="NAME", help="new import name, e.g. myproj or my_proj")
-    parser.add_argument("--strip", action="append", default=[], metavar="GROUP/CHOICE",
-                        help="delete conf/GROUP/CHOICE.yaml (repeatable), e.g. model/gpt")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print what would change, change nothing")
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
-                        help="repository root (default: the one holding this script)")
+    parser.add_argument(
+        "--strip",
+        action="append",
+        default=[],
+        metavar="GROUP/CHOICE",
+        help="delete conf/GROUP/CHOICE.yaml (repeatable), e.g. model/gpt",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would change, change nothing"
+    )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parents[1],
+        help="repository root (default: the one holding this script)",
+    )
     args = parser.parse_args()
     root, name = args.root.resolve(), args.name
 
@@ -160,8 +174,10 @@ def main() -> None:
     for rel, count in plan.items():
         print(f"  {verb}rewrite {rel} ({count} replacement{'s' * (count != 1)})")
     for path, override in strips.items():
-        print(f"  {verb}delete {path}: it pointed at {yaml_target(root / path, name)}; "
-              "the Python code stays")
+        print(
+            f"  {verb}delete {path}: it pointed at {yaml_target(root / path, name)}; "
+            "the Python code stays"
+        )
         if users := [str(moved(r)) for r, text in texts.items() if override in text]:
             print(f"    {override} is still mentioned in: {', '.join(users)}")
     present = [p for p in SELF if (root / p).exists()]
@@ -189,10 +205,12 @@ def main() -> None:
         remove(rel)
 
     dashed = name.replace("_", "-")
-    print(f"\ndone: {len(plan)} files changed, {len(strips)} configs removed\n"
-          f"  import name     {name}\n  console script  {dashed}-train\nnext:\n"
-          "  pip uninstall -y hydra-ddp    # if the template was installed\n"
-          f"  pip install -e .\n  python -m {name}.train")
+    print(
+        f"\ndone: {len(plan)} files changed, {len(strips)} configs removed\n"
+        f"  import name     {name}\n  console script  {dashed}-train\nnext:\n"
+        "  pip uninstall -y hydra-ddp    # if the template was installed\n"
+        f"  pip install -e .\n  python -m {name}.train"
+    )
 
 
 if __name__ == "__main__":

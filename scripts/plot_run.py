@@ -26,8 +26,14 @@ logger = logging.getLogger("plot_run")
 DEFAULT_STATS = ("loss", "step_time", "data_wait", "rss_mb", "cuda_mem_mb", "samples_per_s")
 # Memory is judged by its peak, everything else by its typical value.
 _PEAK_STATS = {"rss_mb", "peak_rss_mb", "cuda_mem_mb"}
-_UNITS = {"step_time": "s", "data_wait": "s", "rss_mb": "MiB", "peak_rss_mb": "MiB",
-          "cuda_mem_mb": "MiB", "samples_per_s": "samples/s"}
+_UNITS = {
+    "step_time": "s",
+    "data_wait": "s",
+    "rss_mb": "MiB",
+    "peak_rss_mb": "MiB",
+    "cuda_mem_mb": "MiB",
+    "samples_per_s": "samples/s",
+}
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 
 Series = Dict[str, List[Tuple[float, float]]]  # stat -> [(step, value), ...]
@@ -86,8 +92,14 @@ def plot_stat(ranks: Dict[int, Series], stat: str, out: Path, title: str) -> Opt
         for rank, points in present.items():
             steps = [p[0] for p in points]
             values = [p[1] for p in points]
-            ax.plot(steps, values, marker="o" if len(points) <= 30 else None, markersize=3,
-                    linewidth=1.4, label=_label(rank, stat, values))
+            ax.plot(
+                steps,
+                values,
+                marker="o" if len(points) <= 30 else None,
+                markersize=3,
+                linewidth=1.4,
+                label=_label(rank, stat, values),
+            )
         unit = _UNITS.get(stat)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_xlabel("step")
@@ -107,18 +119,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="a job's output dir (holds stats/)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where to write the PNGs (default: <output_dir>/plots)")
-    parser.add_argument("--stats", default=",".join(DEFAULT_STATS),
-                        help="comma-separated stats to plot (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to write the PNGs (default: <output_dir>/plots)",
+    )
+    parser.add_argument(
+        "--stats",
+        default=",".join(DEFAULT_STATS),
+        help="comma-separated stats to plot (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     stats_dir = args.output_dir / "stats"
     ranks = read_rank_stats(stats_dir) if stats_dir.is_dir() else {}
     if not ranks:
-        print(f"error: no stats files found: expected {stats_dir}/rank*.jsonl (written by a "
-              "hydra-ddp run); pass the job's output dir", file=sys.stderr)
+        print(
+            f"error: no stats files found: expected {stats_dir}/rank*.jsonl (written by a "
+            "hydra-ddp run); pass the job's output dir",
+            file=sys.stderr,
+        )
         return 2
 
     import matplotlib
@@ -132,7 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     written = []
     for stat in [s.strip() for s in args.stats.split(",") if s.strip()]:
         if stat == "cuda_mem_mb" and not any(
-                v for s in ranks.values() for _, v in s.get(stat, []) if math.isfinite(v)):
+            v for s in ranks.values() for _, v in s.get(stat, []) if math.isfinite(v)
+        ):
             continue  # CPU run: an all-zero memory plot says nothing
         path = plot_stat(ranks, stat, out, title)
         if path is None:

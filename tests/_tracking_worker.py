@@ -41,12 +41,16 @@ def fake_stats(step: int, rank: int) -> dict[str, float]:
     }
 
 
-def run_job(args: argparse.Namespace, env: DistEnv, out: Path, job_name: str,
-            fail: bool) -> None:
+def run_job(args: argparse.Namespace, env: DistEnv, out: Path, job_name: str, fail: bool) -> None:
     """One job: build a tracker, log a few intervals, evaluate, close."""
-    cfg = LoggerConfig(backend=LoggerBackend(args.backend), layout=Layout(args.layout),
-                       mode=WandbMode(args.mode), project="hydra-ddp-tests", tags=["test", "worker"],
-                       min_interval_s=args.min_interval)
+    cfg = LoggerConfig(
+        backend=LoggerBackend(args.backend),
+        layout=Layout(args.layout),
+        mode=WandbMode(args.mode),
+        project="hydra-ddp-tests",
+        tags=["test", "worker"],
+        min_interval_s=args.min_interval,
+    )
     config: dict[str, object] = {"trainer": {"batch_size": 64, "lr": 0.1}, "job": job_name}
     if args.leak_key:
         # What a careless user might put in a config: both must be redacted before W&B.
@@ -90,10 +94,16 @@ def main() -> int:
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=60))
-    env = DistEnv(rank=rank, local_rank=local_rank, world_size=world,
-                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device=device)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=60)
+        )
+    env = DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        device=device,
+    )
     code = 0
     try:
         if args.scenario == "train":
@@ -114,7 +124,8 @@ def main() -> int:
             dist.barrier()
     finally:
         (args.out / f"result-rank{rank}.json").write_text(
-            json.dumps({"wandb_imported": "wandb" in sys.modules}), encoding="utf-8")
+            json.dumps({"wandb_imported": "wandb" in sys.modules}), encoding="utf-8"
+        )
         if dist.is_initialized():
             dist.destroy_process_group()
     return code

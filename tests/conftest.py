@@ -25,9 +25,12 @@ FAST = ["logger=none", "trainer.progress=false"]
 
 def user_env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
     """The environment of a user with no W&B account: offline, nothing read from $HOME."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     src = str(REPO / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     env.update(
@@ -46,33 +49,50 @@ def user_env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], cwd: Path, *, env: Optional[dict[str, str]] = None,
-        timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], cwd: Path, *, env: Optional[dict[str, str]] = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     """Run a command as a user would; a hang past `timeout` fails the test."""
-    return subprocess.run(cmd, cwd=cwd, env=env or user_env(cwd), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd, env=env or user_env(cwd), capture_output=True, text=True, timeout=timeout
+    )
 
 
-def torchrun(cwd: Path, *overrides: str, nproc: int = 2, env: Optional[dict[str, str]] = None,
-             timeout: float = 180, extra_args: tuple[str, ...] = ()
-             ) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    cwd: Path,
+    *overrides: str,
+    nproc: int = 2,
+    env: Optional[dict[str, str]] = None,
+    timeout: float = 180,
+    extra_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
     """`torchrun --standalone --nproc_per_node=N -m hydra_ddp.train overrides...`"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *extra_args, "-m", "hydra_ddp.train", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *extra_args,
+        "-m",
+        "hydra_ddp.train",
+        *overrides,
+    ]
     return run(cmd, cwd, env=env, timeout=timeout)
 
 
-def python_train(cwd: Path, *overrides: str, env: Optional[dict[str, str]] = None,
-                 timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def python_train(
+    cwd: Path, *overrides: str, env: Optional[dict[str, str]] = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     """`python -m hydra_ddp.train overrides...` (single process, or self-launch / multirun)."""
-    return run([sys.executable, "-m", "hydra_ddp.train", *overrides], cwd, env=env,
-               timeout=timeout)
+    return run([sys.executable, "-m", "hydra_ddp.train", *overrides], cwd, env=env, timeout=timeout)
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-        f"{proc.stderr[-6000:]}")
+        f"{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -99,8 +119,18 @@ def synthetic(tmp_path: Path):
 
     def make(name: str = "syn", *args: str) -> Path:
         out = tmp_path / name
-        ok(run([sys.executable, str(REPO / "scripts" / "make_synthetic.py"), "--out", str(out),
-                *args], tmp_path))
+        ok(
+            run(
+                [
+                    sys.executable,
+                    str(REPO / "scripts" / "make_synthetic.py"),
+                    "--out",
+                    str(out),
+                    *args,
+                ],
+                tmp_path,
+            )
+        )
         return out
 
     return make

@@ -26,7 +26,6 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-
 from conftest import FAST, REPO, TESTS, ok, python_train, run, torchrun, user_env
 
 pytestmark = pytest.mark.timeout(600)
@@ -63,11 +62,22 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     files: dict[str, Path] = {"earlier": earlier, "good_ckpt": good_ckpt}
     data = root / "data"
-    for name, args in [("syn1", ["--rows", "1", "--shards", "1", "--eval-rows", "4"]),
-                       ("syn", ["--rows", "64", "--shards", "1", "--eval-rows", "8",
-                                "--features", "8"])]:
-        ok(run([sys.executable, str(REPO / "scripts" / "make_synthetic.py"), "--out",
-                str(data / name), *args], root))
+    for name, args in [
+        ("syn1", ["--rows", "1", "--shards", "1", "--eval-rows", "4"]),
+        ("syn", ["--rows", "64", "--shards", "1", "--eval-rows", "8", "--features", "8"]),
+    ]:
+        ok(
+            run(
+                [
+                    sys.executable,
+                    str(REPO / "scripts" / "make_synthetic.py"),
+                    "--out",
+                    str(data / name),
+                    *args,
+                ],
+                root,
+            )
+        )
         files[name] = data / name
     for name in ("bad_manifest", "missing_shard", "corrupt_shard"):
         shutil.copytree(data / "syn", data / name)
@@ -95,9 +105,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, str]]:
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns,
-                                         hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (
+            p.stat().st_mtime_ns,
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+        )
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -136,88 +151,202 @@ class Case:
 # {name} in an override or env value is replaced by world[name] (a path) or the busy port.
 CASES = [
     # Composition (Hydra's own one-paragraph errors, exit 1).
-    Case("unknown_group_choice", ["model=nope"], ["Could not find 'model/nope'", "mlp"], exit_code=1),
+    Case(
+        "unknown_group_choice", ["model=nope"], ["Could not find 'model/nope'", "mlp"], exit_code=1
+    ),
     Case("unknown_key", ["trainer.batchsize=8"], ["trainer.batchsize"], exit_code=1),
-    Case("wrong_type_int", ["trainer.batch_size=abc"],
-         ["trainer.batch_size", "could not be converted to Integer"], exit_code=1),
+    Case(
+        "wrong_type_int",
+        ["trainer.batch_size=abc"],
+        ["trainer.batch_size", "could not be converted to Integer"],
+        exit_code=1,
+    ),
     Case("wrong_enum_value", ["sampler.policy=random"], ["sampler.policy", "random"], exit_code=1),
     # Validation (__post_init__ -> UserError, exit 2).
-    Case("zero_batch_size", ["trainer.batch_size=0"],
-         ["trainer.batch_size=0 is not allowed", "> 0"], exit_code=2),
+    Case(
+        "zero_batch_size",
+        ["trainer.batch_size=0"],
+        ["trainer.batch_size=0 is not allowed", "> 0"],
+        exit_code=2,
+    ),
     Case("negative_max_steps", ["trainer.max_steps=-5"], ["trainer.max_steps=-5"], exit_code=2),
     Case("zero_epochs", ["trainer.epochs=0"], ["trainer.epochs=0"], exit_code=2),
     Case("zero_hidden", ["model.hidden=0"], ["model.hidden=0"], exit_code=2),
     Case("dropout_one", ["model.dropout=1.0"], ["model.dropout=1.0", "[0, 1)"], exit_code=2),
-    Case("model_argument_typo", ["+model.hiddden=8"],
-         ["model.hiddden is not an argument of hydra_ddp.models.MLP", "hidden"], exit_code=2),
-    Case("negative_lr", ["optim.lr=-1"], ["optim (torch.optim.AdamW)", "learning rate"],
-         exit_code=2),
+    Case(
+        "model_argument_typo",
+        ["+model.hiddden=8"],
+        ["model.hiddden is not an argument of hydra_ddp.models.MLP", "hidden"],
+        exit_code=2,
+    ),
+    Case(
+        "negative_lr", ["optim.lr=-1"], ["optim (torch.optim.AdamW)", "learning rate"], exit_code=2
+    ),
     Case("bucket_cap_zero", ["ddp.bucket_cap_mb=0"], ["ddp.bucket_cap_mb=0", "> 0"], exit_code=2),
-    Case("bucket_cap_negative", ["ddp.bucket_cap_mb=-1"], ["ddp.bucket_cap_mb=-1.0"],
-         exit_code=2),
+    Case("bucket_cap_negative", ["ddp.bucket_cap_mb=-1"], ["ddp.bucket_cap_mb=-1.0"], exit_code=2),
     Case("timeout_zero", ["dist.timeout_s=0"], ["dist.timeout_s=0"], exit_code=2),
     Case("nproc_zero", ["dist.nproc_per_node=0"], ["dist.nproc_per_node=0"], exit_code=2),
     Case("keep_ckpts_zero", ["trainer.keep_ckpts=0"], ["trainer.keep_ckpts=0"], exit_code=2),
-    Case("fractions_over_one", ["data.val_fraction=0.6", "data.test_fraction=0.5"],
-         ["data.val_fraction + data.test_fraction"], exit_code=2),
-    Case("fp16_on_cpu", ["trainer.precision=fp16", "dist.device=cpu"],
-         ["trainer.precision=fp16 needs CUDA"], exit_code=2),
-    Case("cuda_without_gpu", ["dist.device=cuda"], ["dist.device=cuda", "CUDA is not available"],
-         exit_code=2, skip_if_cuda=True),
-    Case("partial_launcher_env", [], ["RANK", "not", "start the job with torchrun"],
-         env={"RANK": "0"}, exit_code=2),
+    Case(
+        "fractions_over_one",
+        ["data.val_fraction=0.6", "data.test_fraction=0.5"],
+        ["data.val_fraction + data.test_fraction"],
+        exit_code=2,
+    ),
+    Case(
+        "fp16_on_cpu",
+        ["trainer.precision=fp16", "dist.device=cpu"],
+        ["trainer.precision=fp16 needs CUDA"],
+        exit_code=2,
+    ),
+    Case(
+        "cuda_without_gpu",
+        ["dist.device=cuda"],
+        ["dist.device=cuda", "CUDA is not available"],
+        exit_code=2,
+        skip_if_cuda=True,
+    ),
+    Case(
+        "partial_launcher_env",
+        [],
+        ["RANK", "not", "start the job with torchrun"],
+        env={"RANK": "0"},
+        exit_code=2,
+    ),
     # Models and data.
-    Case("model_target_missing", ["model._target_=nowhere.Model"],
-         ["model._target_='nowhere.Model' cannot be imported"], exit_code=2),
-    Case("cnn_on_flat_data", ["data=synthetic", "data.path={syn}", "model=cnn"],
-         ["model (hydra_ddp.models.CNN) needs image_shape", "in_features, out_features"],
-         exit_code=2),
-    Case("gpt_on_digits", ["model=gpt"], ["model (hydra_ddp.models.GPT) needs vocab_size"],
-         exit_code=2),
-    Case("data_dir_missing", ["data=synthetic", "data.path={no_data}"],
-         ["manifest.json not found", "make_synthetic.py"], exit_code=2),
-    Case("manifest_corrupt", ["data=synthetic", "data.path={bad_manifest}"],
-         ["is not a valid manifest"], exit_code=2),
-    Case("shard_file_missing", ["data=synthetic", "data.path={missing_shard}"],
-         ["train_00000.x.npy is missing"], exit_code=2),
-    Case("shard_file_corrupt", ["data=synthetic", "data.path={corrupt_shard}"],
-         ["train_00000.x.npy is not a readable .npy file"], exit_code=2),
-    Case("sharded_fewer_rows_than_ranks",
-         ["data=synthetic", "data.path={syn1}", "sampler=sharded", "dist.nproc_per_node=2"],
-         ["sampler=sharded needs at least one training row per rank", "1 rows for 2 ranks"],
-         exit_code=2),
-    Case("shard_by_files_fewer_files_than_ranks",
-         ["data=synthetic", "data.path={syn}", "sampler=sharded", "sampler.shard_by=files",
-          "dist.nproc_per_node=2"], ["sampler.shard_by=files needs at least one file per rank"],
-         exit_code=2),
+    Case(
+        "model_target_missing",
+        ["model._target_=nowhere.Model"],
+        ["model._target_='nowhere.Model' cannot be imported"],
+        exit_code=2,
+    ),
+    Case(
+        "cnn_on_flat_data",
+        ["data=synthetic", "data.path={syn}", "model=cnn"],
+        ["model (hydra_ddp.models.CNN) needs image_shape", "in_features, out_features"],
+        exit_code=2,
+    ),
+    Case(
+        "gpt_on_digits",
+        ["model=gpt"],
+        ["model (hydra_ddp.models.GPT) needs vocab_size"],
+        exit_code=2,
+    ),
+    Case(
+        "data_dir_missing",
+        ["data=synthetic", "data.path={no_data}"],
+        ["manifest.json not found", "make_synthetic.py"],
+        exit_code=2,
+    ),
+    Case(
+        "manifest_corrupt",
+        ["data=synthetic", "data.path={bad_manifest}"],
+        ["is not a valid manifest"],
+        exit_code=2,
+    ),
+    Case(
+        "shard_file_missing",
+        ["data=synthetic", "data.path={missing_shard}"],
+        ["train_00000.x.npy is missing"],
+        exit_code=2,
+    ),
+    Case(
+        "shard_file_corrupt",
+        ["data=synthetic", "data.path={corrupt_shard}"],
+        ["train_00000.x.npy is not a readable .npy file"],
+        exit_code=2,
+    ),
+    Case(
+        "sharded_fewer_rows_than_ranks",
+        ["data=synthetic", "data.path={syn1}", "sampler=sharded", "dist.nproc_per_node=2"],
+        ["sampler=sharded needs at least one training row per rank", "1 rows for 2 ranks"],
+        exit_code=2,
+    ),
+    Case(
+        "shard_by_files_fewer_files_than_ranks",
+        [
+            "data=synthetic",
+            "data.path={syn}",
+            "sampler=sharded",
+            "sampler.shard_by=files",
+            "dist.nproc_per_node=2",
+        ],
+        ["sampler.shard_by=files needs at least one file per rank"],
+        exit_code=2,
+    ),
     # Resuming.
-    Case("resume_missing", ["trainer.resume={missing_ckpt}"],
-         ["trainer.resume=", "step_00000099.pt: no such file"], exit_code=2),
-    Case("resume_empty_dir", ["trainer.resume={empty_dir}"], ["holds no complete checkpoint"],
-         exit_code=2),
-    Case("resume_truncated", ["trainer.resume={truncated}"],
-         ["truncated.pt is not a readable checkpoint", "trainer.resume=never"], exit_code=2),
-    Case("resume_garbage", ["trainer.resume={garbage}"],
-         ["garbage.pt is not a readable checkpoint"], exit_code=2),
+    Case(
+        "resume_missing",
+        ["trainer.resume={missing_ckpt}"],
+        ["trainer.resume=", "step_00000099.pt: no such file"],
+        exit_code=2,
+    ),
+    Case(
+        "resume_empty_dir",
+        ["trainer.resume={empty_dir}"],
+        ["holds no complete checkpoint"],
+        exit_code=2,
+    ),
+    Case(
+        "resume_truncated",
+        ["trainer.resume={truncated}"],
+        ["truncated.pt is not a readable checkpoint", "trainer.resume=never"],
+        exit_code=2,
+    ),
+    Case(
+        "resume_garbage",
+        ["trainer.resume={garbage}"],
+        ["garbage.pt is not a readable checkpoint"],
+        exit_code=2,
+    ),
     Case("resume_empty_file", ["trainer.resume={empty}"], ["empty.pt is empty"], exit_code=2),
-    Case("resume_code_in_pickle", ["trainer.resume={evil}"],
-         ["refusing to load", "evil.pt", "would run code", "posix.system"], exit_code=2),
-    Case("resume_other_model", ["trainer.resume={good_ckpt}", "model.hidden=64"],
-         ["is a checkpoint of a different model", "size mismatch", "trainer.resume=never"],
-         exit_code=2),
+    Case(
+        "resume_code_in_pickle",
+        ["trainer.resume={evil}"],
+        ["refusing to load", "evil.pt", "would run code", "posix.system"],
+        exit_code=2,
+    ),
+    Case(
+        "resume_other_model",
+        ["trainer.resume={good_ckpt}", "model.hidden=64"],
+        ["is a checkpoint of a different model", "size mismatch", "trainer.resume=never"],
+        exit_code=2,
+    ),
     # Distributed setup.
     # These two start 2 workers that fail after the process group is up (~15-40 s each).
-    Case("unused_params_without_find_unused",
-         ["model._target_=unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
-         ["worker rank", "got no gradient", "ddp=unused_params"], exit_code=2, slow=True),
-    Case("ddp_none_with_two_ranks", ["ddp=none", "dist.nproc_per_node=2"],
-         ["worker rank", "ddp=none", "diverging copy"], exit_code=2, slow=True),
-    Case("rendezvous_port_in_use", ["dist.timeout_s=20"],
-         ["port {port} is already in use", "MASTER_PORT"],
-         env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "{port}"}, exit_code=2),
-    Case("wandb_shared_offline", ["logger=wandb", "logger.layout=shared", "logger.mode=offline"],
-         ["logger.layout=shared needs W&B online", "logger.layout=gather"], exit_code=2),
+    Case(
+        "unused_params_without_find_unused",
+        ["model._target_=unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
+        ["worker rank", "got no gradient", "ddp=unused_params"],
+        exit_code=2,
+        slow=True,
+    ),
+    Case(
+        "ddp_none_with_two_ranks",
+        ["ddp=none", "dist.nproc_per_node=2"],
+        ["worker rank", "ddp=none", "diverging copy"],
+        exit_code=2,
+        slow=True,
+    ),
+    Case(
+        "rendezvous_port_in_use",
+        ["dist.timeout_s=20"],
+        ["port {port} is already in use", "MASTER_PORT"],
+        env={
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "{port}",
+        },
+        exit_code=2,
+    ),
+    Case(
+        "wandb_shared_offline",
+        ["logger=wandb", "logger.layout=shared", "logger.mode=offline"],
+        ["logger.layout=shared needs W&B online", "logger.layout=gather"],
+        exit_code=2,
+    ),
 ]
 
 
@@ -225,15 +354,20 @@ def _fill(text: str, world: dict[str, Path], port: int) -> str:
     return text.format(port=port, **{k: str(v) for k, v in world.items()})
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow)
-                                  for c in CASES])
-def test_bad_input_fails_cleanly(case: Case, cwd: Path, world: dict[str, Path],
-                                 busy_port: int) -> None:
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow) for c in CASES]
+)
+def test_bad_input_fails_cleanly(
+    case: Case, cwd: Path, world: dict[str, Path], busy_port: int
+) -> None:
     if case.skip_if_cuda and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     before = _snapshot(cwd / PREV)
-    env = user_env(cwd, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(TESTS)]),
-                   **{k: _fill(v, world, busy_port) for k, v in case.env.items()})
+    env = user_env(
+        cwd,
+        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(TESTS)]),
+        **{k: _fill(v, world, busy_port) for k, v in case.env.items()},
+    )
     overrides = [_fill(o, world, busy_port) for o in case.overrides]
     proc = python_train(cwd, *SMALL, *overrides, env=env, timeout=150)
     out = proc.stdout + proc.stderr
@@ -289,12 +423,13 @@ def test_torchrun_worker_error_is_ours_in_one_line(tmp_path: Path) -> None:
     """Under torchrun each failing rank prints our one-line error; torchrun then adds its own
     ChildFailedError report, which we cannot suppress: none of its frames may be ours."""
     env = user_env(tmp_path, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(TESTS)]))
-    proc = torchrun(tmp_path, *SMALL, "model._target_=unused_model.MLPWithUnusedHead", env=env,
-                    timeout=150)
+    proc = torchrun(
+        tmp_path, *SMALL, "model._target_=unused_model.MLPWithUnusedHead", env=env, timeout=150
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "error: some model parameters got no gradient" in out and "ddp=unused_params" in out
     assert out.count("Traceback") <= 1, out[-5000:]
     if "Traceback" in out:
-        tb = out[out.index("Traceback"):]
+        tb = out[out.index("Traceback") :]
         assert "ChildFailedError" in tb and "hydra_ddp" not in tb.split("ChildFailedError")[0]

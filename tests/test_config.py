@@ -22,8 +22,11 @@ from hydra_ddp.errors import UserError
 from hydra_ddp.train import build_components
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = {g.name: sorted(p.stem for p in g.glob("*.yaml"))
-          for g in CONF.iterdir() if g.is_dir() and g.name != "hydra"}
+GROUPS = {
+    g.name: sorted(p.stem for p in g.glob("*.yaml"))
+    for g in CONF.iterdir()
+    if g.is_dir() and g.name != "hydra"
+}
 TYPED = {"ddp": C.DDPConfig, "sampler": C.SamplerConfig, "logger": C.LoggerConfig}
 COMPONENTS = ("data", "model", "optim", "scheduler", "loss")
 
@@ -41,10 +44,26 @@ def typed(*overrides: str) -> C.TrainConfig:
 
 
 def test_every_group_is_present() -> None:
-    assert set(GROUPS) == {"ddp", "sampler", "data", "model", "optim", "scheduler", "loss",
-                           "metrics", "logger"}
-    assert {"default", "unused_params", "static_graph", "fp16_compress", "bf16_compress",
-            "powersgd", "none"} <= set(GROUPS["ddp"])
+    assert set(GROUPS) == {
+        "ddp",
+        "sampler",
+        "data",
+        "model",
+        "optim",
+        "scheduler",
+        "loss",
+        "metrics",
+        "logger",
+    }
+    assert {
+        "default",
+        "unused_params",
+        "static_graph",
+        "fp16_compress",
+        "bf16_compress",
+        "powersgd",
+        "none",
+    } <= set(GROUPS["ddp"])
     assert set(GROUPS["sampler"]) == {"strided", "sharded"}
     # The example data sets and models are exercised by JOBS below (synthetic needs files on
     # disk: test_train.py). A project made with scripts/new_project.py may strip some.
@@ -64,9 +83,12 @@ def test_every_choice_composes(group: str, choice: str) -> None:
 
 
 # Each data set with a model that fits it: every component of the composed job builds.
-JOBS = [["data=digits", "model=mlp"], ["data=digits", "model=cnn", "optim=sgd"],
-        ["data=text", "model=gpt", "model.n_layer=1", "scheduler=constant"],
-        ["data=diabetes", "model=mlp", "loss=huber"]]
+JOBS = [
+    ["data=digits", "model=mlp"],
+    ["data=digits", "model=cnn", "optim=sgd"],
+    ["data=text", "model=gpt", "model.n_layer=1", "scheduler=constant"],
+    ["data=diabetes", "model=mlp", "loss=huber"],
+]
 
 
 @pytest.mark.parametrize("overrides", JOBS, ids=lambda o: ",".join(o))
@@ -118,8 +140,13 @@ def test_presets_set_what_they_say() -> None:
 
 
 def test_command_line_overrides_are_typed() -> None:
-    cfg = typed("trainer.batch_size=128", "trainer.precision=bf16", "dist.backend=gloo",
-                "sampler.shard_by=files", "ddp.bucket_cap_mb=50.5")
+    cfg = typed(
+        "trainer.batch_size=128",
+        "trainer.precision=bf16",
+        "dist.backend=gloo",
+        "sampler.shard_by=files",
+        "ddp.bucket_cap_mb=50.5",
+    )
     assert cfg.trainer.batch_size == 128 and cfg.trainer.precision == C.Precision.bf16
     assert cfg.dist.backend == C.Backend.gloo and cfg.sampler.shard_by == C.ShardBy.files
     assert cfg.ddp.bucket_cap_mb == 50.5
@@ -158,14 +185,19 @@ def _twice() -> list[str]:
     for section, cls in [("trainer", C.TrainerConfig), ("dist", C.DistConfig), *TYPED.items()]:
         defaults = _dataclass_defaults(cls)
         for key, value in (top.get(section) or {}).items():
-            found.append(f"train.yaml: {section}.{key}={value!r} (default {defaults.get(key)!r} "
-                         f"is in {cls.__name__})")
+            found.append(
+                f"train.yaml: {section}.{key}={value!r} (default {defaults.get(key)!r} "
+                f"is in {cls.__name__})"
+            )
     # Components of the template: the YAML holds the value, the signature has no default.
     for group in (*COMPONENTS, "metrics"):
         for path in (CONF / group).glob("*.yaml"):
             doc = _yaml(path)
-            nodes = [doc.get(group, {})] if group == "data" else (
-                list(doc.values()) if group == "metrics" else [doc])
+            nodes = (
+                [doc.get(group, {})]
+                if group == "data"
+                else (list(doc.values()) if group == "metrics" else [doc])
+            )
             for node in nodes:
                 target = node.get("_target_", "")
                 params = inspect.signature(get_object(target)).parameters
@@ -175,8 +207,10 @@ def _twice() -> list[str]:
                         continue
                     if target.startswith("hydra_ddp.") or p.default != value:
                         if target.startswith("hydra_ddp."):
-                            found.append(f"{group}/{path.name}: {key} also defaults to "
-                                         f"{p.default!r} in {target}")
+                            found.append(
+                                f"{group}/{path.name}: {key} also defaults to "
+                                f"{p.default!r} in {target}"
+                            )
     return found
 
 
@@ -192,8 +226,9 @@ def test_the_twice_check_catches_a_repeated_value(tmp_path: Path, monkeypatch) -
 
     shutil.copytree(CONF, copy)
     (copy / "ddp" / "default.yaml").write_text("bucket_cap_mb: 25.0\n")
-    (copy / "train.yaml").write_text((copy / "train.yaml").read_text()
-                                     + "\ntrainer:\n  epochs: 10\n")
+    (copy / "train.yaml").write_text(
+        (copy / "train.yaml").read_text() + "\ntrainer:\n  epochs: 10\n"
+    )
     monkeypatch.setattr(__import__(__name__), "CONF", copy)
     found = _twice()
     assert any("ddp.bucket_cap_mb" in f for f in found), found
@@ -205,30 +240,36 @@ def test_the_twice_check_catches_a_repeated_value(tmp_path: Path, monkeypatch) -
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("override", [
-    "trainer.batchsize=3",  # typo'd key
-    "trainer.batch_size=abc",  # wrong type
-    "trainer.precision=fp8",  # not an Enum member
-    "model=transformer",  # unknown group choice
-    "ddp.bucket_cap=3",  # typo inside a typed group
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.batchsize=3",  # typo'd key
+        "trainer.batch_size=abc",  # wrong type
+        "trainer.precision=fp8",  # not an Enum member
+        "model=transformer",  # unknown group choice
+        "ddp.bucket_cap=3",  # typo inside a typed group
+    ],
+)
 def test_compose_time_errors(override: str) -> None:
     with pytest.raises(ConfigCompositionException):
         typed(override)
 
 
-@pytest.mark.parametrize("override,key", [
-    ("trainer.batch_size=0", "trainer.batch_size"),
-    ("trainer.batch_size=-4", "trainer.batch_size"),
-    ("trainer.epochs=0", "trainer.epochs"),
-    ("trainer.max_steps=0", "trainer.max_steps"),
-    ("trainer.grad_accum=0", "trainer.grad_accum"),
-    ("trainer.log_interval=0", "trainer.log_interval"),
-    ("ddp.bucket_cap_mb=0", "ddp.bucket_cap_mb"),
-    ("ddp.bucket_cap_mb=-1", "ddp.bucket_cap_mb"),
-    ("dist.timeout_s=0", "dist.timeout_s"),
-    ("dist.nproc_per_node=0", "dist.nproc_per_node"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("trainer.batch_size=0", "trainer.batch_size"),
+        ("trainer.batch_size=-4", "trainer.batch_size"),
+        ("trainer.epochs=0", "trainer.epochs"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("trainer.grad_accum=0", "trainer.grad_accum"),
+        ("trainer.log_interval=0", "trainer.log_interval"),
+        ("ddp.bucket_cap_mb=0", "ddp.bucket_cap_mb"),
+        ("ddp.bucket_cap_mb=-1", "ddp.bucket_cap_mb"),
+        ("dist.timeout_s=0", "dist.timeout_s"),
+        ("dist.nproc_per_node=0", "dist.nproc_per_node"),
+    ],
+)
 def test_typed_checks_name_the_key(override: str, key: str) -> None:
     with pytest.raises(UserError) as info:
         typed(override)
@@ -241,25 +282,37 @@ def _build_job(*overrides: str) -> None:
     build_components(cfg, build(cfg.data, "data"), torch.device("cpu"), total_steps=10)
 
 
-@pytest.mark.parametrize("overrides,expect", [
-    (["model.hidden=0"], ["model.hidden=0 is not allowed", "> 0"]),
-    (["model.dropout=1.0"], ["model.dropout=1.0", "[0, 1)"]),
-    (["data.val_fraction=1.5"], ["data.val_fraction=1.5"]),
-    (["data.val_fraction=0.6", "data.test_fraction=0.5"],
-     ["data.val_fraction + data.test_fraction"]),
-    (["model=gpt", "data=text", "model.n_head=3"], ["model.n_embd=128", "n_head=3"]),
-    (["loss.label_smoothing=1.5"], ["loss.label_smoothing=1.5"]),
-    (["scheduler.warmup_steps=-1"], ["scheduler.warmup_steps=-1"]),
-    (["optim.lr=-1"], ["optim (torch.optim.AdamW)", "learning rate"]),
-    # A typo'd or unknown argument: the key, and what the target accepts.
-    (["+model.hiddden=3"], ["model.hiddden is not an argument of hydra_ddp.models.MLP",
-                            "in_features, out_features, hidden, depth, dropout"]),
-    (["+optim.momentum=0.9"], ["optim.momentum is not an argument of torch.optim.AdamW"]),
-    # A model that does not fit the data: what it needs, and what the data provides.
-    (["model=gpt"], ["model (hydra_ddp.models.GPT) needs vocab_size, block_size",
-                     "in_features"]),
-    (["model._target_=nowhere.Model"], ["model._target_='nowhere.Model' cannot be imported"]),
-])
+@pytest.mark.parametrize(
+    "overrides,expect",
+    [
+        (["model.hidden=0"], ["model.hidden=0 is not allowed", "> 0"]),
+        (["model.dropout=1.0"], ["model.dropout=1.0", "[0, 1)"]),
+        (["data.val_fraction=1.5"], ["data.val_fraction=1.5"]),
+        (
+            ["data.val_fraction=0.6", "data.test_fraction=0.5"],
+            ["data.val_fraction + data.test_fraction"],
+        ),
+        (["model=gpt", "data=text", "model.n_head=3"], ["model.n_embd=128", "n_head=3"]),
+        (["loss.label_smoothing=1.5"], ["loss.label_smoothing=1.5"]),
+        (["scheduler.warmup_steps=-1"], ["scheduler.warmup_steps=-1"]),
+        (["optim.lr=-1"], ["optim (torch.optim.AdamW)", "learning rate"]),
+        # A typo'd or unknown argument: the key, and what the target accepts.
+        (
+            ["+model.hiddden=3"],
+            [
+                "model.hiddden is not an argument of hydra_ddp.models.MLP",
+                "in_features, out_features, hidden, depth, dropout",
+            ],
+        ),
+        (["+optim.momentum=0.9"], ["optim.momentum is not an argument of torch.optim.AdamW"]),
+        # A model that does not fit the data: what it needs, and what the data provides.
+        (
+            ["model=gpt"],
+            ["model (hydra_ddp.models.GPT) needs vocab_size, block_size", "in_features"],
+        ),
+        (["model._target_=nowhere.Model"], ["model._target_='nowhere.Model' cannot be imported"]),
+    ],
+)
 def test_component_errors_name_the_key(overrides: list[str], expect: list[str]) -> None:
     with pytest.raises(UserError) as info:
         _build_job(*overrides)

@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import FAST, ok, only_job_dir, summary, torchrun, user_env
 
 USER_CODE = {
-    "my_models.py": '''
+    "my_models.py": """
         import torch.nn as nn
 
         class Wide(nn.Module):
@@ -23,7 +23,7 @@ USER_CODE = {
 
             def forward(self, x):
                 return self.net(x)
-        ''',
+        """,
     "my_data.py": '''
         import numpy as np
         from hydra_ddp.data import InMemoryArrays
@@ -56,7 +56,7 @@ USER_CODE = {
                 logp = F.log_softmax(logits.float(), dim=-1).gather(-1, target[:, None])[:, 0]
                 return (-(1 - logp.exp()) ** self.gamma * logp).mean()
         ''',
-    "my_metrics.py": '''
+    "my_metrics.py": """
         import torch
 
         class ErrorRate:
@@ -67,7 +67,7 @@ USER_CODE = {
 
             def compute(self, totals):
                 return totals[0] / max(totals[1], 1)
-        ''',
+        """,
 }
 USER_CONF = {
     "model/wide.yaml": "_target_: my_models.Wide\nwidth: 64\n",
@@ -98,9 +98,20 @@ def test_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> N
     env = user_env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(code), env["PYTHONPATH"]])
 
-    ok(torchrun(tmp_path, "--config-dir", str(conf), *FAST, "model=wide", "data=blobs",
-                "model.width=32", "+metrics.err._target_=my_metrics.ErrorRate",
-                "trainer.max_steps=60", env=env))
+    ok(
+        torchrun(
+            tmp_path,
+            "--config-dir",
+            str(conf),
+            *FAST,
+            "model=wide",
+            "data=blobs",
+            "model.width=32",
+            "+metrics.err._target_=my_metrics.ErrorRate",
+            "trainer.max_steps=60",
+            env=env,
+        )
+    )
     job = only_job_dir(tmp_path)
     s = summary(job)
     assert s["world_size"] == 2 and s["steps"] == 60

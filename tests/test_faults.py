@@ -24,9 +24,18 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from conftest import (
+    FAST,
+    job_dirs,
+    ok,
+    only_job_dir,
+    python_train,
+    run,
+    summary,
+    torchrun,
+    user_env,
+)
 
-from conftest import (FAST, job_dirs, ok, only_job_dir, python_train, run, summary,
-                      torchrun, user_env)
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
 
@@ -35,10 +44,28 @@ pytestmark = pytest.mark.timeout(600)
 # 2 ranks x 48 rows of digits' 1257 training rows: 14 steps per epoch, so the checkpoints at
 # steps 10, 20 and 30 all sit mid-epoch (epoch 0 batch 10, epoch 1 batch 6, epoch 2 batch 2).
 # The 1024-wide MLP makes a step take tens of ms, so the kill lands well before step 40.
-RUN = [*FAST, "trainer.max_steps=40", "trainer.ckpt_interval=10", "trainer.log_interval=10",
-       "trainer.batch_size=48", "model.hidden=1024", "model.depth=3", "model.dropout=0.2"]
-SAME = ["steps", "epochs", "train_loss", "val_loss", "val_acc", "test_loss", "test_acc",
-        "objective", "world_size", "rows_held_per_rank"]
+RUN = [
+    *FAST,
+    "trainer.max_steps=40",
+    "trainer.ckpt_interval=10",
+    "trainer.log_interval=10",
+    "trainer.batch_size=48",
+    "model.hidden=1024",
+    "model.depth=3",
+    "model.dropout=0.2",
+]
+SAME = [
+    "steps",
+    "epochs",
+    "train_loss",
+    "val_loss",
+    "val_acc",
+    "test_loss",
+    "test_acc",
+    "objective",
+    "world_size",
+    "rows_held_per_rank",
+]
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, a key's shape
 
 
@@ -48,19 +75,35 @@ FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, a key's s
 
 
 def _torchrun_cmd(*overrides: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            *extra, "-m", "hydra_ddp.train", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *extra,
+        "-m",
+        "hydra_ddp.train",
+        *overrides,
+    ]
 
 
 def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
     """Start a job in the background, its output in cwd/launcher.log."""
     with open(cwd / "launcher.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=cwd, env=user_env(cwd), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=user_env(cwd),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
-def _wait_for(pred: Callable[[], object], proc: subprocess.Popen, timeout: float,
-              what: str) -> object:
+def _wait_for(
+    pred: Callable[[], object], proc: subprocess.Popen, timeout: float, what: str
+) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = pred()
@@ -90,9 +133,11 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _checkpoint(cwd: Path, at_least: int = 10) -> Callable[[], list[str]]:
     """A probe for a complete checkpoint of step >= at_least in any job dir under cwd."""
+
     def probe() -> list[str]:
         found = glob.glob(str(cwd / "outputs" / "*" / "*" / "checkpoints" / "step_*.pt"))
         return [p for p in found if int(Path(p).stem.split("_")[1]) >= at_least]
+
     return probe
 
 
@@ -161,12 +206,16 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path: Path, uninterrupted
     _assert_same_result(job, uninterrupted, resumed_from)
 
 
-def test_torchrun_restarts_a_killed_worker_and_finishes(tmp_path: Path,
-                                                        uninterrupted: Path) -> None:
+def test_torchrun_restarts_a_killed_worker_and_finishes(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
     proc = _start(_torchrun_cmd(*RUN, extra=("--max-restarts=1",)), tmp_path)
     _wait_for(_checkpoint(tmp_path), proc, 240, "the first checkpoint")
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if p.environ().get("LOCAL_RANK") == "1"]
+    workers = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if p.environ().get("LOCAL_RANK") == "1"
+    ]
     assert len(workers) == 1, workers
     workers[0].send_signal(signal.SIGKILL)  # one worker dies mid-epoch
     job = only_job_dir(tmp_path)
@@ -208,15 +257,22 @@ _WRITER = textwrap.dedent("""
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
     out = tmp_path / "job"
     folder = out / "checkpoints"
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], cwd=tmp_path,
-                            env=user_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(out)],
+        cwd=tmp_path,
+        env=user_env(tmp_path),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 120
         tmp: Optional[Path] = None
         while time.monotonic() < deadline and tmp is None:
-            tmp = next((p for p in folder.glob(".step_00000020.pt.*.tmp")
-                        if p.stat().st_size > (1 << 20)), None)
+            tmp = next(
+                (p for p in folder.glob(".step_00000020.pt.*.tmp") if p.stat().st_size > (1 << 20)),
+                None,
+            )
         assert tmp is not None, "the writer never got going"
     finally:
         proc.kill()
@@ -255,11 +311,18 @@ def _free_port() -> int:
 
 def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
     """Rank 0 of 2, and rank 1 never starts: one line naming dist.timeout_s, no hang."""
-    env = user_env(tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = user_env(
+        tmp_path,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
     t0 = time.monotonic()
-    proc = python_train(tmp_path, *FAST, "trainer.max_steps=5", "dist.timeout_s=5", env=env,
-                        timeout=120)
+    proc = python_train(
+        tmp_path, *FAST, "trainer.max_steps=5", "dist.timeout_s=5", env=env, timeout=120
+    )
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
@@ -277,8 +340,9 @@ def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
 
 def _poisoned_data(synthetic, rows: slice) -> Path:
     """Two training shards; rows of shard 1 (rank 1's under shard_by=files) set to NaN."""
-    data = synthetic("nan", "--rows", "256", "--shards", "2", "--features", "8",
-                     "--eval-rows", "32")
+    data = synthetic(
+        "nan", "--rows", "256", "--shards", "2", "--features", "8", "--eval-rows", "32"
+    )
     x = np.load(data / "train_00001.x.npy", mmap_mode="r+")
     x[rows] = np.nan
     x.flush()
@@ -286,14 +350,22 @@ def _poisoned_data(synthetic, rows: slice) -> Path:
     return data
 
 
-NAN_RUN = [*FAST, "data=synthetic", "sampler=sharded", "sampler.shard_by=files",
-           "trainer.batch_size=16", "trainer.log_interval=2", "dist.nproc_per_node=2"]
+NAN_RUN = [
+    *FAST,
+    "data=synthetic",
+    "sampler=sharded",
+    "sampler.shard_by=files",
+    "trainer.batch_size=16",
+    "trainer.log_interval=2",
+    "dist.nproc_per_node=2",
+]
 
 
 def test_nan_loss_stops_naming_the_step_and_rank(tmp_path: Path, synthetic) -> None:
     data = _poisoned_data(synthetic, slice(None))
-    proc = python_train(tmp_path, *NAN_RUN, f"data.path={data}", "trainer.max_steps=10",
-                        timeout=240)
+    proc = python_train(
+        tmp_path, *NAN_RUN, f"data.path={data}", "trainer.max_steps=10", timeout=240
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-4000:]
     assert "non-finite loss at step 1 on rank(s) 1:" in out, out[-4000:]
@@ -303,8 +375,16 @@ def test_nan_loss_stops_naming_the_step_and_rank(tmp_path: Path, synthetic) -> N
 
 def test_nan_policy_skip_drops_those_steps_and_finishes(tmp_path: Path, synthetic) -> None:
     data = _poisoned_data(synthetic, slice(0, 3))
-    proc = ok(python_train(tmp_path, *NAN_RUN, f"data.path={data}", "trainer.max_steps=16",
-                           "trainer.nan_policy=skip", timeout=240))
+    proc = ok(
+        python_train(
+            tmp_path,
+            *NAN_RUN,
+            f"data.path={data}",
+            "trainer.max_steps=16",
+            "trainer.nan_policy=skip",
+            timeout=240,
+        )
+    )
     out = proc.stdout + proc.stderr
     skipped = [ln for ln in out.splitlines() if "skipping step" in ln]
     assert skipped and all("on rank(s) 1" in ln for ln in skipped), out[-4000:]
@@ -316,8 +396,15 @@ def test_nan_policy_skip_drops_those_steps_and_finishes(tmp_path: Path, syntheti
 
 
 def test_exploding_lr_stops_with_overflowed_gradients(tmp_path: Path) -> None:
-    proc = python_train(tmp_path, *FAST, "trainer.max_steps=20", "optim.lr=1e10",
-                        "scheduler.warmup_steps=0", "trainer.grad_clip=0", timeout=120)
+    proc = python_train(
+        tmp_path,
+        *FAST,
+        "trainer.max_steps=20",
+        "optim.lr=1e10",
+        "scheduler.warmup_steps=0",
+        "trainer.grad_clip=0",
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert "non-finite" in out and "at step " in out and "lower optim.lr" in out, out[-3000:]
@@ -333,10 +420,22 @@ def test_wandb_api_key_is_never_written(tmp_path: Path) -> None:
     """A key in the environment, W&B offline, one W&B run per rank: nothing the job writes
     (logs, .hydra/ dumps, stats, W&B files and config) nor prints contains it."""
     env = user_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
-    proc = ok(run(_torchrun_cmd("logger=wandb", "logger.mode=offline", "logger.layout=group",
-                                "trainer.progress=false", "trainer.max_steps=4",
-                                "trainer.log_interval=2", "model.hidden=32"),
-                  tmp_path, env=env, timeout=300))
+    proc = ok(
+        run(
+            _torchrun_cmd(
+                "logger=wandb",
+                "logger.mode=offline",
+                "logger.layout=group",
+                "trainer.progress=false",
+                "trainer.max_steps=4",
+                "trainer.log_interval=2",
+                "model.hidden=32",
+            ),
+            tmp_path,
+            env=env,
+            timeout=300,
+        )
+    )
     job = only_job_dir(tmp_path)
     assert (job / ".hydra" / "config.yaml").is_file()
     assert len(list(job.glob("wandb/offline-run-*"))) == 2, "expected one W&B run per rank"

@@ -24,11 +24,19 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-from conftest import (FAST, REPO, job_dirs, ok, only_job_dir, python_train, run, summary,
-                      torchrun, user_env)
-
 import wandb_records  # noqa: E402  (a test helper next to conftest.py)
+from conftest import (
+    FAST,
+    REPO,
+    job_dirs,
+    ok,
+    only_job_dir,
+    python_train,
+    run,
+    summary,
+    torchrun,
+    user_env,
+)
 
 TINY = [*FAST, "trainer.max_steps=20"]
 
@@ -91,14 +99,21 @@ def test_self_launch_two_workers_one_job_dir(tmp_path: Path) -> None:
 def test_launch_single_node_script_builds_the_torchrun_command(tmp_path: Path) -> None:
     script = REPO / "scripts" / "launch_single_node.sh"
     env = user_env(tmp_path, DRY_RUN="1", PYTHON=sys.executable)
-    out = ok(run(["bash", str(script), "-n", "2", "model=cnn", "optim.lr=1e-3"], tmp_path,
-                 env=env, timeout=60)).stdout
-    assert "-m torch.distributed.run --standalone --nproc_per_node=2 -m hydra_ddp.train " \
-           "model=cnn optim.lr=1e-3" in out, out
+    out = ok(
+        run(
+            ["bash", str(script), "-n", "2", "model=cnn", "optim.lr=1e-3"],
+            tmp_path,
+            env=env,
+            timeout=60,
+        )
+    ).stdout
+    assert (
+        "-m torch.distributed.run --standalone --nproc_per_node=2 -m hydra_ddp.train "
+        "model=cnn optim.lr=1e-3" in out
+    ), out
     # No -n: one rank per visible GPU, and 1 (with a note) where there is none.
     env_cpu = {**env, "CUDA_VISIBLE_DEVICES": ""}
-    proc = ok(run(["bash", str(script), "trainer.epochs=1"], tmp_path, env=env_cpu,
-                  timeout=60))
+    proc = ok(run(["bash", str(script), "trainer.epochs=1"], tmp_path, env=env_cpu, timeout=60))
     assert "--nproc_per_node=1 -m hydra_ddp.train trainer.epochs=1" in proc.stdout
     assert "no GPU visible" in proc.stderr
     bad = run(["bash", str(script), "-n", "two"], tmp_path, env=env, timeout=60)
@@ -113,15 +128,28 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
     (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = user_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                   SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-node-[07-08]",
-                   SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="32",
-                   SLURM_SUBMIT_DIR=str(tmp_path))
+    env = user_env(
+        tmp_path,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu-node-[07-08]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_CPUS_PER_TASK="32",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+    )
     script = str(REPO / "scripts" / "slurm_example.sbatch")
     out = ok(run(["bash", script, "model=cnn"], tmp_path, env=env, timeout=60)).stdout
-    for part in ("srun --kill-on-bad-exit=1", "--nnodes=2", "--nproc_per_node=4",
-                 "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-node-07:29500", "--rdzv-id=4242",
-                 "--max-restarts=0", "-m hydra_ddp.train model=cnn"):
+    for part in (
+        "srun --kill-on-bad-exit=1",
+        "--nnodes=2",
+        "--nproc_per_node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu-node-07:29500",
+        "--rdzv-id=4242",
+        "--max-restarts=0",
+        "-m hydra_ddp.train model=cnn",
+    ):
         assert part in out, (part, out)
 
 
@@ -137,10 +165,17 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Co
     #1 optim.lr=0.001 trains (after a failed job in the same process),
     #2 optim.lr=-1 fails validation in the launching process, before any worker starts."""
     tmp = tmp_path_factory.mktemp("sweep")
-    proc = python_train(tmp, "-m", "dist.nproc_per_node=2", "logger=wandb",
-                        "trainer.progress=false", "trainer.max_steps=20",
-                        "optim.lr=1e30,0.001,-1", env=user_env(tmp, WANDB_MODE="offline"),
-                        timeout=240)
+    proc = python_train(
+        tmp,
+        "-m",
+        "dist.nproc_per_node=2",
+        "logger=wandb",
+        "trainer.progress=false",
+        "trainer.max_steps=20",
+        "optim.lr=1e30,0.001,-1",
+        env=user_env(tmp, WANDB_MODE="offline"),
+        timeout=240,
+    )
     return tmp, proc
 
 
@@ -224,17 +259,30 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -
                 p.wait()
     codes = [p.returncode for p in procs]
     if codes != [0] * len(procs):
-        tails = "\n".join(f"--- {log.name} (exit {c})\n{log.read_text()[-4000:]}"
-                          for log, c in zip(logs, codes))
+        tails = "\n".join(
+            f"--- {log.name} (exit {c})\n{log.read_text()[-4000:]}" for log, c in zip(logs, codes)
+        )
         pytest.fail(f"agents exited {codes}\n{tails}")
 
 
-def _two_agents(tmp: Path, env: dict[str, str], *args: str,
-                overrides: tuple[str, ...] = ()) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
-           f"--rdzv-id=two-nodes-{tmp.name}", *args, "-m", "hydra_ddp.train", *TINY,
-           *overrides]
+def _two_agents(
+    tmp: Path, env: dict[str, str], *args: str, overrides: tuple[str, ...] = ()
+) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{free_port()}",
+        f"--rdzv-id=two-nodes-{tmp.name}",
+        *args,
+        "-m",
+        "hydra_ddp.train",
+        *TINY,
+        *overrides,
+    ]
     logs = [tmp / "node0.log", tmp / "node1.log"]
     first = _agent(cmd, tmp, env, logs[0])
     time.sleep(2)
@@ -249,8 +297,9 @@ def test_two_agents_c10d_rendezvous_one_job_dir(tmp_path: Path) -> None:
     job = only_job_dir(tmp_path)
     assert_one_ddp_job(job)
     assert len(hydra_dumps(tmp_path)) == 1
-    assert [p for p in tmp_path.rglob("summary.json") if p.parent.name != "stats"] == \
-        [job / "summary.json"]
+    assert [p for p in tmp_path.rglob("summary.json") if p.parent.name != "stats"] == [
+        job / "summary.json"
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,9 +308,17 @@ def test_two_agents_c10d_rendezvous_one_job_dir(tmp_path: Path) -> None:
 
 
 def test_submitit_local_two_tasks_one_job(tmp_path: Path) -> None:
-    ok(python_train(tmp_path, "-m", "hydra/launcher=submitit_local",
-                    "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", *TINY,
-                    timeout=150))
+    ok(
+        python_train(
+            tmp_path,
+            "-m",
+            "hydra/launcher=submitit_local",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.timeout_min=5",
+            *TINY,
+            timeout=150,
+        )
+    )
     sweep = sweep_dir(tmp_path)
     dirs = job_dirs(sweep)
     assert len(dirs) == 1, dirs
@@ -277,8 +334,9 @@ def test_submitit_local_two_tasks_one_job(tmp_path: Path) -> None:
         assert f"rank={rank}/2" in text, text
 
 
-@pytest.mark.parametrize("preset,tasks,gpus", [("slurm", 8, 8), ("slurm_cpu", 4, None),
-                                               ("local", 2, None)])
+@pytest.mark.parametrize(
+    "preset,tasks,gpus", [("slurm", 8, 8), ("slurm_cpu", 4, None), ("local", 2, None)]
+)
 def test_launcher_presets_compose(preset: str, tasks: int, gpus: int | None) -> None:
     from hydra import compose, initialize_config_dir
 
@@ -292,9 +350,11 @@ def test_launcher_presets_compose(preset: str, tasks: int, gpus: int | None) -> 
     assert launcher._target_.endswith("LocalLauncher" if preset == "local" else "SlurmLauncher")
     if preset == "slurm":  # one task per GPU follows gpus_per_node
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            cfg = compose("train", overrides=["hydra/launcher=slurm",
-                                              "hydra.launcher.gpus_per_node=4"],
-                          return_hydra_config=True)
+            cfg = compose(
+                "train",
+                overrides=["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4"],
+                return_hydra_config=True,
+            )
         assert cfg.hydra.launcher.tasks_per_node == 4
 
 
@@ -330,9 +390,17 @@ def _fail_once_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_self_launch_restart_reuses_the_job(tmp_path: Path) -> None:
-    proc = ok(python_train(tmp_path, "dist.nproc_per_node=2", "dist.max_restarts=1",
-                           "dist.timeout_s=60", *TINY, env=_fail_once_env(tmp_path),
-                           timeout=200))
+    proc = ok(
+        python_train(
+            tmp_path,
+            "dist.nproc_per_node=2",
+            "dist.max_restarts=1",
+            "dist.timeout_s=60",
+            *TINY,
+            env=_fail_once_env(tmp_path),
+            timeout=200,
+        )
+    )
     assert "exitcode: 7" in proc.stdout + proc.stderr  # the first attempt did fail
     assert_one_ddp_job(only_job_dir(tmp_path))
 
@@ -347,9 +415,17 @@ def test_torchrun_restart_reuses_the_job_dir(tmp_path: Path, store: str) -> None
     advises with restarts, see torch#135712): no store outlives an attempt, so the dir is named
     by the run id, which does."""
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if store == "per_attempt" else {}
-    proc = ok(torchrun(tmp_path, *TINY, "dist.timeout_s=60", nproc=2,
-                       env=_fail_once_env(tmp_path, **extra), timeout=200,
-                       extra_args=("--max-restarts=1",)))
+    proc = ok(
+        torchrun(
+            tmp_path,
+            *TINY,
+            "dist.timeout_s=60",
+            nproc=2,
+            env=_fail_once_env(tmp_path, **extra),
+            timeout=200,
+            extra_args=("--max-restarts=1",),
+        )
+    )
     assert "exitcode: 7" in proc.stdout + proc.stderr  # the first attempt did fail
     job = only_job_dir(tmp_path)
     if store == "per_attempt":
@@ -377,8 +453,14 @@ def test_two_agents_restart_with_a_store_per_attempt(tmp_path: Path) -> None:
 # The resolvers, in process
 # --------------------------------------------------------------------------------------------
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 @pytest.fixture
@@ -403,8 +485,12 @@ def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) 
     from hydra_ddp.dist import job_dir
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    os.environ.update(TORCHELASTIC_RUN_ID="run-a", TORCHELASTIC_USE_AGENT_STORE="True",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="run-a",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(server.port),
+    )
 
     def resolve(rank: int, default: str) -> str:
         os.environ["RANK"] = str(rank)
@@ -427,18 +513,20 @@ def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
 
     assert job_dir("outputs/d/t") == "outputs/d/t"
     job_dir.cache_clear()
-    os.environ.update(TORCHELASTIC_RUN_ID="4242", TORCHELASTIC_USE_AGENT_STORE="False",
-                      RANK="3")
+    os.environ.update(TORCHELASTIC_RUN_ID="4242", TORCHELASTIC_USE_AGENT_STORE="False", RANK="3")
     assert job_dir("outputs/d/t") == os.path.join("outputs", "torchrun", "4242")
 
 
-@pytest.mark.parametrize("env,rank", [
-    ({}, 0),
-    ({"RANK": "1"}, 1),
-    ({"SLURM_PROCID": "3"}, 3),
-    ({"SUBMITIT_LOCAL_GLOBALID": "1"}, 1),
-    ({"RANK": "0", "SLURM_PROCID": "5"}, 0),  # torchrun inside an srun task: RANK wins
-])
+@pytest.mark.parametrize(
+    "env,rank",
+    [
+        ({}, 0),
+        ({"RANK": "1"}, 1),
+        ({"SLURM_PROCID": "3"}, 3),
+        ({"SUBMITIT_LOCAL_GLOBALID": "1"}, 1),
+        ({"RANK": "0", "SLURM_PROCID": "5"}, 0),  # torchrun inside an srun task: RANK wins
+    ],
+)
 def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
     from hydra_ddp.dist import hydra_subdir
 
@@ -446,15 +534,30 @@ def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
     assert hydra_subdir(".hydra") == (".hydra" if rank == 0 else None)
 
 
-@pytest.mark.parametrize("env,name", [
-    ({}, "train"),
-    ({"RANK": "1"}, "train_rank1"),
-    ({"RANK": "0"}, "train_rank0"),
-    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2",
-      "SUBMITIT_LOCAL_GLOBALID": "1"}, "train_rank1"),
-    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "1",
-      "SUBMITIT_LOCAL_GLOBALID": "0"}, "train"),
-])
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({}, "train"),
+        ({"RANK": "1"}, "train_rank1"),
+        ({"RANK": "0"}, "train_rank0"),
+        (
+            {
+                "SUBMITIT_EXECUTOR": "local",
+                "SUBMITIT_LOCAL_NTASKS": "2",
+                "SUBMITIT_LOCAL_GLOBALID": "1",
+            },
+            "train_rank1",
+        ),
+        (
+            {
+                "SUBMITIT_EXECUTOR": "local",
+                "SUBMITIT_LOCAL_NTASKS": "1",
+                "SUBMITIT_LOCAL_GLOBALID": "0",
+            },
+            "train",
+        ),
+    ],
+)
 def test_each_rank_logs_to_its_own_file(clean_env, env: dict, name: str) -> None:
     from hydra_ddp.dist import log_name
 
@@ -466,10 +569,15 @@ def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
     from hydra_ddp.config import Device, DistConfig
     from hydra_ddp.dist import env_from_environ, export_submitit_env, under_launcher
 
-    os.environ.update(SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_NTASKS="2",
-                      SUBMITIT_LOCAL_JOB_NUM_NODES="1", SUBMITIT_LOCAL_NODEID="0",
-                      SUBMITIT_LOCAL_GLOBALID="1", SUBMITIT_LOCAL_LOCALID="1",
-                      SUBMITIT_LOCAL_JOB_ID="12345")
+    os.environ.update(
+        SUBMITIT_EXECUTOR="local",
+        SUBMITIT_LOCAL_NTASKS="2",
+        SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+        SUBMITIT_LOCAL_NODEID="0",
+        SUBMITIT_LOCAL_GLOBALID="1",
+        SUBMITIT_LOCAL_LOCALID="1",
+        SUBMITIT_LOCAL_JOB_ID="12345",
+    )
     assert under_launcher()
     export_submitit_env()
     assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"

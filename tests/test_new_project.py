@@ -21,30 +21,52 @@ OLD = "hydra_ddp"
 
 def copy_checkout(dst: Path, *, commit: bool) -> Path:
     """Copy the checkout's files into dst; with commit, make dst a git repo with one commit."""
-    names = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others",
-                            "--exclude-standard"], check=True, capture_output=True,
-                           text=True).stdout.split("\0")
+    names = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\0")
     for name in filter(None, names):
         src = REPO / name
         if src.is_file():  # a tracked file deleted in the working tree is left out
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / name)
     if commit:
-        git = ["git", "-C", str(dst), "-c", "user.email=test@example.com", "-c", "user.name=test",
-               "-c", "commit.gpgsign=false", "-c", "init.defaultBranch=main"]
+        git = [
+            "git",
+            "-C",
+            str(dst),
+            "-c",
+            "user.email=test@example.com",
+            "-c",
+            "user.name=test",
+            "-c",
+            "commit.gpgsign=false",
+            "-c",
+            "init.defaultBranch=main",
+        ]
         for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "template"]):
             subprocess.run(git + args, check=True, capture_output=True, timeout=60)
     return dst
 
 
 def new_project(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(root / "scripts" / "new_project.py"), *args],
-                          cwd=root, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / "new_project.py"), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*")
-            if p.is_file() and ".git" not in p.relative_to(root).parts}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and ".git" not in p.relative_to(root).parts
+    }
 
 
 def leftovers(root: Path, files: list[str]) -> list[str]:
@@ -61,32 +83,53 @@ def leftovers(root: Path, files: list[str]) -> list[str]:
 
 def renamed_env(root: Path, tmp: Path) -> dict[str, str]:
     """A user's environment for the renamed copy: its src/ only, W&B offline under tmp."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-            if p and not Path(p).resolve().is_relative_to(REPO)]
-    env.update(PYTHONPATH=os.pathsep.join([str(root / "src"), *keep]), WANDB_MODE="offline",
-               WANDB_DIR=str(tmp / "wandb"), WANDB_CONFIG_DIR=str(tmp / "wandb-config"),
-               WANDB_CACHE_DIR=str(tmp / "wandb-cache"), WANDB_DATA_DIR=str(tmp / "wandb-data"),
-               NETRC=str(tmp / "no-netrc"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    keep = [
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not Path(p).resolve().is_relative_to(REPO)
+    ]
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(root / "src"), *keep]),
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp / "wandb"),
+        WANDB_CONFIG_DIR=str(tmp / "wandb-config"),
+        WANDB_CACHE_DIR=str(tmp / "wandb-cache"),
+        WANDB_DATA_DIR=str(tmp / "wandb-data"),
+        NETRC=str(tmp / "no-netrc"),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
 def check(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert proc.returncode == 0, (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                                  f"\n--- stderr\n{proc.stderr[-6000:]}")
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+        f"\n--- stderr\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
-@pytest.mark.parametrize("args,says", [
-    (["myproj", "--strip", "model/mlp"], "default"),   # the default model
-    (["myproj", "--strip", "model/nope"], "model/nope"),  # no such file
-    (["myproj", "--strip", "model/gpt", "--strip", "ddp/default"], "default"),  # all checked first
-    (["My-Proj"], "My-Proj"),
-    ([OLD], OLD),
-    (["class"], "keyword"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["myproj", "--strip", "model/mlp"], "default"),  # the default model
+        (["myproj", "--strip", "model/nope"], "model/nope"),  # no such file
+        (
+            ["myproj", "--strip", "model/gpt", "--strip", "ddp/default"],
+            "default",
+        ),  # all checked first
+        (["My-Proj"], "My-Proj"),
+        ([OLD], OLD),
+        (["class"], "keyword"),
+    ],
+)
 def test_refusals_change_nothing(tmp_path: Path, args: list[str], says: str) -> None:
     root = copy_checkout(tmp_path, commit=False)
     before = snapshot(root)
@@ -101,7 +144,8 @@ def test_refuses_a_choice_another_config_chooses(tmp_path: Path) -> None:
     root = copy_checkout(tmp_path, commit=False)
     (root / "conf" / "model" / "tiny.yaml").write_text("hidden: 8\n")
     (root / "conf" / "data" / "mine.yaml").write_text(
-        "# @package _global_\ndefaults:\n  - override /model: tiny\n")
+        "# @package _global_\ndefaults:\n  - override /model: tiny\n"
+    )
     before = snapshot(root)
     proc = new_project(root, "myproj", "--strip", "model/tiny")
     assert proc.returncode == 2 and "conf/data/mine.yaml" in proc.stderr, proc.stderr
@@ -127,8 +171,12 @@ def test_rename_without_git_then_refuse_a_second_time(tmp_path: Path) -> None:
     now = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
     assert len(now) == len(files) - 2 and leftovers(root, now) == []  # itself and its test
     assert 'name = "my-proj"' in (root / "pyproject.toml").read_text()
-    again = subprocess.run([sys.executable, str(REPO / "scripts" / "new_project.py"), "other",
-                            "--root", str(root)], capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "new_project.py"), "other", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 2 and again.stderr.startswith("error: "), again.stderr
     clash = copy_checkout(tmp_path / "clash", commit=False)
     (clash / "src" / "taken").mkdir()
@@ -145,8 +193,9 @@ def test_renamed_copy_passes_its_config_tests_and_trains_on_two_ranks(tmp_path: 
 
     assert (root / "src" / "myproj").is_dir() and not (root / "src" / OLD).exists()
     assert not (root / "conf" / "data" / "synthetic.yaml").exists()
-    tracked = subprocess.run(["git", "-C", str(root), "ls-files"], check=True, text=True,
-                             capture_output=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "-C", str(root), "ls-files"], check=True, text=True, capture_output=True
+    ).stdout.split()
     assert "src/myproj/train.py" in tracked and not any(OLD in t for t in tracked)  # git mv
     assert "conf/data/synthetic.yaml" not in tracked
     assert leftovers(root, [t for t in tracked if (root / t).is_file()]) == []
@@ -154,18 +203,58 @@ def test_renamed_copy_passes_its_config_tests_and_trains_on_two_ranks(tmp_path: 
     assert re.search(r'^myproj-train = "myproj\.train:main"$', pyproject, re.M), pyproject
 
     env = renamed_env(root, tmp_path)
-    where = check(subprocess.run([sys.executable, "-c", "import myproj; print(myproj.__file__)"],
-                                 cwd=root, env=env, capture_output=True, text=True, timeout=120))
+    where = check(
+        subprocess.run(
+            [sys.executable, "-c", "import myproj; print(myproj.__file__)"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    )
     assert Path(where.stdout.strip()).resolve().is_relative_to(root.resolve())
 
-    check(subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_config.py"], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=400))
+    check(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_config.py",
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    )
 
-    check(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=2", "-m", "myproj.train", "logger=none",
-                          "trainer.progress=false", "trainer.max_steps=5"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=300))
+    check(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "myproj.train",
+                "logger=none",
+                "trainer.progress=false",
+                "trainer.max_steps=5",
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     summaries = [p for p in (root / "outputs").rglob("summary.json") if p.parent.name != "stats"]
     assert len(summaries) == 1, summaries
     assert re.search(r'"world_size":\s*2\b', summaries[0].read_text())

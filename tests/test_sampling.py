@@ -127,7 +127,8 @@ def test_feistel_rejects_bad_input() -> None:
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_strided_padded_partition(world_size: int, n: int, shuffle: bool) -> None:
     samplers = [
-        StridedSampler(n, r, world_size, batch_size=3, shuffle=shuffle, seed=5) for r in range(world_size)
+        StridedSampler(n, r, world_size, batch_size=3, shuffle=shuffle, seed=5)
+        for r in range(world_size)
     ]
     per_rank = [s.indices(0) for s in samplers]
     expected_len = -(-n // world_size)
@@ -169,7 +170,8 @@ def test_strided_drop_last_partition(world_size: int, n: int) -> None:
         pytest.skip("drop_last needs n >= world_size")
     bs = 2
     samplers = [
-        StridedSampler(n, r, world_size, batch_size=bs, shuffle=True, drop_last=True) for r in range(world_size)
+        StridedSampler(n, r, world_size, batch_size=bs, shuffle=True, drop_last=True)
+        for r in range(world_size)
     ]
     per_rank = [s.indices(0) for s in samplers]
     num_samples = n // world_size
@@ -194,7 +196,9 @@ def test_strided_equals_distributed_sampler_unshuffled(
         return
     for rank in range(world_size):
         ours = StridedSampler(n, rank, world_size, batch_size, shuffle=False, drop_last=drop_last)
-        theirs = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last)
+        theirs = DistributedSampler(
+            range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last
+        )
         assert ours.num_samples == theirs.num_samples
         # The standard torch pipeline: DataLoader(batch_size, drop_last) wraps
         # the DistributedSampler in a BatchSampler with the same drop_last.
@@ -209,7 +213,9 @@ def test_strided_padding_larger_than_dataset_repeats() -> None:
     # n=2, W=5: DistributedSampler pads 3 > 2 rows by repeating the list.
     n, w = 2, 5
     ours = [StridedSampler(n, r, w, 1, shuffle=False).indices(0).tolist() for r in range(w)]
-    theirs = [list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=False)) for r in range(w)]
+    theirs = [
+        list(DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=False)) for r in range(w)
+    ]
     assert ours == theirs == [[0], [1], [0], [1], [0]]
 
 
@@ -220,7 +226,7 @@ def test_strided_shuffled_padding_repeats_order_prefix() -> None:
     order = np.concatenate([StridedSampler(n, 0, 1, 1, shuffle=True, seed=seed).indices(2)] * 2)
     for r in range(w):
         got = StridedSampler(n, r, w, 2, shuffle=True, seed=seed).indices(2)
-        assert got.tolist() == order[r : 12 : w].tolist()
+        assert got.tolist() == order[r:12:w].tolist()
 
 
 def test_strided_same_seed_reproducible_and_rank_consistent() -> None:
@@ -232,7 +238,9 @@ def test_strided_same_seed_reproducible_and_rank_consistent() -> None:
     # All ranks share one global order: rank r's sequence is its stride of rank 0 in a W=1 view.
     global_order = StridedSampler(1000, 0, 1, 32, seed=42).indices(0)
     for r in range(4):
-        assert np.array_equal(StridedSampler(1000, r, 4, 32, seed=42).indices(0), global_order[r::4])
+        assert np.array_equal(
+            StridedSampler(1000, r, 4, 32, seed=42).indices(0), global_order[r::4]
+        )
 
 
 def test_strided_identical_across_processes() -> None:
@@ -242,7 +250,8 @@ def test_strided_identical_across_processes() -> None:
         "import json, sys\n"
         "from hydra_ddp.sampling import StridedSampler, ShardedSampler\n"
         "cfgs = json.loads(sys.argv[1])\n"
-        "out = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist() for n, r, w, b, s, e in cfgs]\n"
+        "out = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist()\n"
+        "       for n, r, w, b, s, e in cfgs]\n"
         "out.append(ShardedSampler(50, 40, 2, 8, seed=9).indices(3).tolist())\n"
         "print(json.dumps(out))\n"
     )
@@ -252,7 +261,11 @@ def test_strided_identical_across_processes() -> None:
     env["PYTHONHASHSEED"] = "12345"
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps(configs)],
-        capture_output=True, text=True, env=env, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
     )
     child = json.loads(proc.stdout)
     here = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist() for n, r, w, b, s, e in configs]
@@ -338,8 +351,21 @@ def test_load_state_dict_validation() -> None:
         ({"num_rows": 5, "rank": 2, "world_size": 2, "batch_size": 1}, "rank"),
         ({"num_rows": 5, "rank": 0, "world_size": 0, "batch_size": 1}, "world_size"),
         ({"num_rows": 5, "rank": 0, "world_size": 2, "batch_size": 0}, "batch_size"),
-        ({"num_rows": 5, "rank": 0, "world_size": 2, "batch_size": 1, "drop_last": True, "pad": False}, "pad"),
-        ({"num_rows": 2, "rank": 0, "world_size": 3, "batch_size": 1, "drop_last": True}, "num_rows"),
+        (
+            {
+                "num_rows": 5,
+                "rank": 0,
+                "world_size": 2,
+                "batch_size": 1,
+                "drop_last": True,
+                "pad": False,
+            },
+            "pad",
+        ),
+        (
+            {"num_rows": 2, "rank": 0, "world_size": 3, "batch_size": 1, "drop_last": True},
+            "num_rows",
+        ),
     ],
 )
 def test_strided_validation(kwargs: dict, name: str) -> None:
@@ -362,7 +388,9 @@ def test_sharded_uneven_ranks_same_batch_count_local_indices_only() -> None:
     local = [103, 97, 120, 99]
     spe = min(local)
     for drop_last in (False, True):
-        samplers = [ShardedSampler(m, spe, r, 8, seed=3, drop_last=drop_last) for r, m in enumerate(local)]
+        samplers = [
+            ShardedSampler(m, spe, r, 8, seed=3, drop_last=drop_last) for r, m in enumerate(local)
+        ]
         batch_counts = set()
         for s, m in zip(samplers, local):
             batches = _batches(s)
@@ -458,7 +486,9 @@ def test_partition_files_cover_and_rotation(world_size: int) -> None:
         assert len(parts) == world_size
         assert _covered(parts) == list(range(int(offsets[-1])))
         # Ranges are whole files.
-        file_ranges = {(int(offsets[f]), int(offsets[f + 1])) for f in range(len(file_rows)) if file_rows[f]}
+        file_ranges = {
+            (int(offsets[f]), int(offsets[f + 1])) for f in range(len(file_rows)) if file_rows[f]
+        }
         assert all(r in file_ranges for ranges in parts for r in ranges)
         if prev is not None and world_size > 1:
             assert all(p != q for p, q in zip(parts, prev))

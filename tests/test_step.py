@@ -55,7 +55,7 @@ def test_accumulated_micro_batches_equal_one_big_batch() -> None:
     four, opt4, _ = _setup()
     loss_fn = CrossEntropy(label_smoothing=0.0)
     big, _ = train_step(one, [(x, y)], loss_fn, opt1, scaler, FP32, max_norm=1.0)
-    micro = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
+    micro = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
     acc, _ = train_step(four, micro, loss_fn, opt4, scaler, FP32, max_norm=1.0)
     torch.testing.assert_close(acc, big)
     for a, b in zip(one.parameters(), four.parameters()):
@@ -68,8 +68,9 @@ def test_non_finite_gradients_skip_the_update() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     x = x.clone()
     x[0, 0] = float("nan")
-    loss, norm = train_step(model, [(x, y)], CrossEntropy(label_smoothing=0.0), opt, scaler,
-                            FP32, max_norm=1.0)
+    loss, norm = train_step(
+        model, [(x, y)], CrossEntropy(label_smoothing=0.0), opt, scaler, FP32, max_norm=1.0
+    )
     assert not torch.isfinite(norm) and not torch.isfinite(loss)
     for a, b in zip(model.parameters(), before):
         assert torch.equal(a, b)

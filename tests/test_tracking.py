@@ -30,16 +30,34 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
     """A subprocess environment with W&B isolated under ``tmp`` and forced offline."""
-    return user_env(tmp, **{"WANDB_MODE": "offline",
-                            "WANDB_ARTIFACT_DIR": str(tmp / "wandb-artifacts"), **extra})
+    return user_env(
+        tmp,
+        **{"WANDB_MODE": "offline", "WANDB_ARTIFACT_DIR": str(tmp / "wandb-artifacts"), **extra},
+    )
 
 
-def _torchrun(tmp: Path, out: Path, *args: str, env: Optional[dict[str, str]] = None,
-              ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), "--out", str(out), "--steps", str(STEPS), *args]
-    return subprocess.run(cmd, cwd=tmp, env=env or _env(tmp), capture_output=True, text=True,
-                          timeout=120)
+def _torchrun(
+    tmp: Path,
+    out: Path,
+    *args: str,
+    env: Optional[dict[str, str]] = None,
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=tmp, env=env or _env(tmp), capture_output=True, text=True, timeout=120
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:
@@ -88,8 +106,14 @@ def test_gather_layout_one_run_with_every_rank(gather_run: Path) -> None:
     train = [r for r in rows if "rank0/loss" in r]
     assert [r["trainer/step"] for r in train] == list(range(1, STEPS + 1))
     for row in train:
-        assert {"rank1/loss", "rank0/rss_mb", "rank1/data_wait", "agg/step_time_max",
-                "agg/step_time_mean", "agg/data_wait_min"} <= row.keys()
+        assert {
+            "rank1/loss",
+            "rank0/rss_mb",
+            "rank1/data_wait",
+            "agg/step_time_max",
+            "agg/step_time_mean",
+            "agg/data_wait_min",
+        } <= row.keys()
         assert row["rank1/step_time"] > row["rank0/step_time"]
         assert row["agg/slowest_rank"] == 1
         assert row["agg/step_time_max"] == pytest.approx(row["rank1/step_time"])
@@ -123,8 +147,13 @@ def test_wandb_rows_rate_limited_local_copy_complete(tmp_path: Path) -> None:
 
 def test_plot_run_draws_per_rank_pngs(gather_run: Path, tmp_path: Path) -> None:
     plots = tmp_path / "plots"
-    proc = subprocess.run([sys.executable, str(PLOT), str(gather_run), "--out", str(plots)],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(PLOT), str(gather_run), "--out", str(plots)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     _ok(proc)
     for stat in ("loss", "step_time", "data_wait", "rss_mb", "samples_per_s"):
         data = (plots / f"{stat}.png").read_bytes()
@@ -134,8 +163,9 @@ def test_plot_run_draws_per_rank_pngs(gather_run: Path, tmp_path: Path) -> None:
 
 
 def test_plot_run_without_stats_exits_2(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(PLOT), str(tmp_path)], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(PLOT), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no stats files found" in proc.stderr
 
@@ -165,8 +195,9 @@ def test_group_layout_one_run_per_rank(tmp_path: Path) -> None:
 def test_shared_layout_offline_fails_on_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # mode=auto with no credentials anywhere resolves to offline.
-    proc = _torchrun(tmp_path, out, "--layout", "shared", "--mode", "auto",
-                     env=_env(tmp_path, WANDB_MODE=None))
+    proc = _torchrun(
+        tmp_path, out, "--layout", "shared", "--mode", "auto", env=_env(tmp_path, WANDB_MODE=None)
+    )
     assert proc.returncode != 0
     for rank in (0, 1):
         code, message = (out / f"exit-rank{rank}.txt").read_text().splitlines()
@@ -191,9 +222,23 @@ def test_backend_none_writes_jsonl_only(tmp_path: Path) -> None:
 def test_sequential_trackers_in_one_process(tmp_path: Path) -> None:
     # Hydra's basic launcher runs a sweep's jobs one after another in one process.
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--scenario",
-                           "sequential", "--steps", str(STEPS)], cwd=tmp_path,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(WORKER),
+            "--out",
+            str(out),
+            "--scenario",
+            "sequential",
+            "--steps",
+            str(STEPS),
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     _ok(proc)
     ids = []
     for job, want_exit in (("job0", 0), ("job1", 1)):
@@ -210,8 +255,9 @@ def test_sequential_trackers_in_one_process(tmp_path: Path) -> None:
 def test_api_key_never_lands_in_output_dir(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # group layout: both ranks write a run; --leak-key also puts the key into the config.
-    proc = _torchrun(tmp_path, out, "--layout", "group", "--leak-key",
-                     env=_env(tmp_path, WANDB_API_KEY=FAKE_KEY))
+    proc = _torchrun(
+        tmp_path, out, "--layout", "group", "--leak-key", env=_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
+    )
     _ok(proc)
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(_runs(out)) == 2 and len(files) > 10
@@ -231,13 +277,16 @@ print(json.dumps({m: resolve_mode(WandbMode(m))[0] for m in ("auto", "offline", 
 """
 
 
-@pytest.mark.parametrize("setup, auto", [
-    ("nothing", "offline"),
-    ("api_key", "online"),
-    ("netrc", "online"),
-    ("netrc_other_host", "offline"),
-    ("wandb_mode", "offline"),
-])
+@pytest.mark.parametrize(
+    "setup, auto",
+    [
+        ("nothing", "offline"),
+        ("api_key", "online"),
+        ("netrc", "online"),
+        ("netrc_other_host", "offline"),
+        ("wandb_mode", "offline"),
+    ],
+)
 def test_auto_mode_resolution(tmp_path: Path, setup: str, auto: str) -> None:
     netrc = tmp_path / "netrc"
     extra: dict[str, Optional[str]] = {"WANDB_MODE": None, "NETRC": str(netrc)}
@@ -251,8 +300,14 @@ def test_auto_mode_resolution(tmp_path: Path, setup: str, auto: str) -> None:
         extra.update(WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY)
     if netrc.exists():
         netrc.chmod(0o600)
-    proc = subprocess.run([sys.executable, "-c", _RESOLVE], env=_env(tmp_path, **extra),
-                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE],
+        env=_env(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     _ok(proc)
     modes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert modes == {"auto": auto, "offline": "offline", "online": "online"}

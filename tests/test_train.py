@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import FAST, job_dirs, ok, only_job_dir, python_train, summary, torchrun
 
 
@@ -17,8 +16,7 @@ def final_params(job_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpts[-1], weights_only=True)["model"]
 
 
-def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-                       atol: float) -> None:
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
     assert a.keys() == b.keys()
     for k in a:
         diff = (a[k] - b[k]).abs().max().item()
@@ -58,8 +56,13 @@ def test_ddp_matches_one_process_with_the_global_batch(tmp_path: Path, shuffle: 
     The strided permutation depends on the seed and epoch only, so the union of the ranks'
     batches is the single process's batch.
     """
-    common = [*FAST, "trainer.max_steps=12", "model.dropout=0", f"sampler.shuffle={shuffle}",
-              "trainer.grad_clip=1.0"]
+    common = [
+        *FAST,
+        "trainer.max_steps=12",
+        "model.dropout=0",
+        f"sampler.shuffle={shuffle}",
+        "trainer.grad_clip=1.0",
+    ]
     runs = {
         "ddp_b8": (2, ["trainer.batch_size=8"]),
         "one_b16": (1, ["trainer.batch_size=16"]),
@@ -94,9 +97,19 @@ def test_uneven_shards_take_equal_steps_and_finish(tmp_path: Path, synthetic) ->
     manifest = json.loads((data / "manifest.json").read_text())
     sizes = [f["rows"] for f in manifest["splits"]["train"]]
     assert len(set(sizes)) == 3
-    ok(torchrun(tmp_path, *FAST, "data=synthetic", f"data.path={data}", "sampler=sharded",
-                "sampler.shard_by=files", "trainer.epochs=2", "trainer.batch_size=32",
-                timeout=120))
+    ok(
+        torchrun(
+            tmp_path,
+            *FAST,
+            "data=synthetic",
+            f"data.path={data}",
+            "sampler=sharded",
+            "sampler.shard_by=files",
+            "trainer.epochs=2",
+            "trainer.batch_size=32",
+            timeout=120,
+        )
+    )
     s = summary(only_job_dir(tmp_path))
     held = s["rows_held_per_rank"]
     assert held == [sizes[0] + sizes[2], sizes[1]]
@@ -105,8 +118,17 @@ def test_uneven_shards_take_equal_steps_and_finish(tmp_path: Path, synthetic) ->
 
 def test_sharded_memory_mapped_rank_reads_only_its_rows(tmp_path: Path, synthetic) -> None:
     data = synthetic("mm", "--rows", "4000", "--shards", "2", "--features", "8")
-    ok(torchrun(tmp_path, *FAST, "data=synthetic", f"data.path={data}", "sampler=sharded",
-                "data.in_memory=false", "trainer.max_steps=10"))
+    ok(
+        torchrun(
+            tmp_path,
+            *FAST,
+            "data=synthetic",
+            f"data.path={data}",
+            "sampler=sharded",
+            "data.in_memory=false",
+            "trainer.max_steps=10",
+        )
+    )
     s = summary(only_job_dir(tmp_path))
     assert s["rows_held_per_rank"] == [2000, 2000]
     # float32 features + int16 labels of 2000 rows
@@ -114,9 +136,22 @@ def test_sharded_memory_mapped_rank_reads_only_its_rows(tmp_path: Path, syntheti
 
 
 def test_text_gpt_loss_falls(tmp_path: Path) -> None:
-    ok(torchrun(tmp_path, *FAST, "data=text", "model=gpt", "model.n_layer=1", "model.n_embd=32",
-                "model.n_head=2", "data.block_size=32", "trainer.max_steps=40",
-                "trainer.batch_size=16", "optim.lr=0.003", "trainer.log_interval=5"))
+    ok(
+        torchrun(
+            tmp_path,
+            *FAST,
+            "data=text",
+            "model=gpt",
+            "model.n_layer=1",
+            "model.n_embd=32",
+            "model.n_head=2",
+            "data.block_size=32",
+            "trainer.max_steps=40",
+            "trainer.batch_size=16",
+            "optim.lr=0.003",
+            "trainer.log_interval=5",
+        )
+    )
     job = only_job_dir(tmp_path)
     s = summary(job)
     rows = [json.loads(line) for line in (job / "stats" / "rank0.jsonl").open()]
@@ -140,14 +175,30 @@ def test_bf16_compress_on_gloo_is_refused_clearly(tmp_path: Path) -> None:
 
 
 def test_ddp_none_single_process_and_bf16_autocast(tmp_path: Path) -> None:
-    ok(python_train(tmp_path, *FAST, "ddp=none", "trainer.precision=bf16", "model=cnn",
-                    "trainer.max_steps=20"))
+    ok(
+        python_train(
+            tmp_path,
+            *FAST,
+            "ddp=none",
+            "trainer.precision=bf16",
+            "model=cnn",
+            "trainer.max_steps=20",
+        )
+    )
     assert summary(only_job_dir(tmp_path))["steps"] == 20
 
 
 def test_sgd_and_gradient_accumulation_two_ranks(tmp_path: Path) -> None:
-    ok(torchrun(tmp_path, *FAST, "optim=sgd", "trainer.grad_accum=3", "trainer.max_steps=15",
-                "trainer.eval_interval=5"))
+    ok(
+        torchrun(
+            tmp_path,
+            *FAST,
+            "optim=sgd",
+            "trainer.grad_accum=3",
+            "trainer.max_steps=15",
+            "trainer.eval_interval=5",
+        )
+    )
     job = only_job_dir(tmp_path)
     s = summary(job)
     assert s["steps"] == 15 and s["world_size"] == 2
@@ -170,16 +221,24 @@ def test_wandb_gather_layout_through_the_entry(tmp_path: Path) -> None:
     stats, the resolved config as the run config, and a clean finish."""
     import wandb_records
 
-    ok(torchrun(tmp_path, "trainer.progress=false", "trainer.max_steps=30",
-                "trainer.log_interval=10"))
+    ok(
+        torchrun(
+            tmp_path, "trainer.progress=false", "trainer.max_steps=30", "trainer.log_interval=10"
+        )
+    )
     job = only_job_dir(tmp_path)
     files = _wandb_files(job)
     assert len(files) == 1, files
     rows = wandb_records.history_rows(files[0])
     keys = set().union(*rows)
     for rank in (0, 1):
-        assert {f"rank{rank}/loss", f"rank{rank}/step_time", f"rank{rank}/data_wait",
-                f"rank{rank}/rss_mb", f"rank{rank}/grad_norm"} <= keys, sorted(keys)
+        assert {
+            f"rank{rank}/loss",
+            f"rank{rank}/step_time",
+            f"rank{rank}/data_wait",
+            f"rank{rank}/rss_mb",
+            f"rank{rank}/grad_norm",
+        } <= keys, sorted(keys)
     assert {"agg/step_time_max", "agg/slowest_rank", "test/acc"} <= keys
     info = wandb_records.run_info(files[0])
     assert info["config"]["trainer"]["max_steps"] == 30
@@ -189,8 +248,7 @@ def test_wandb_gather_layout_through_the_entry(tmp_path: Path) -> None:
 def test_wandb_group_layout_one_run_per_rank(tmp_path: Path) -> None:
     import wandb_records
 
-    ok(torchrun(tmp_path, "trainer.progress=false", "trainer.max_steps=10",
-                "logger.layout=group"))
+    ok(torchrun(tmp_path, "trainer.progress=false", "trainer.max_steps=10", "logger.layout=group"))
     files = _wandb_files(only_job_dir(tmp_path))
     assert len(files) == 2, files
     infos = [wandb_records.run_info(f) for f in files]

@@ -14,8 +14,9 @@ from hydra_ddp.models import MLP
 
 
 class MLPWithUnusedHead(MLP):
-    def __init__(self, in_features: int, out_features: int, hidden: int, depth: int,
-                 dropout: float):
+    def __init__(
+        self, in_features: int, out_features: int, hidden: int, depth: int, dropout: float
+    ):
         super().__init__(in_features, out_features, hidden, depth, dropout)
         self.spare = nn.Linear(hidden, out_features)  # never called in forward
 

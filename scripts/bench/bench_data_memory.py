@@ -93,38 +93,57 @@ class Sampler(threading.Thread):
             per = {pid: m for pid, m in per.items() if m}
             if per:
                 training = self.stats_file.exists() and self.stats_file.stat().st_size > 0
-                self.samples.append({
-                    "t": time.time(), "training": training, "procs": len(per),
-                    "pss": sum(m.get("Pss", 0) for m in per.values()),
-                    "private": sum(m.get("Private_Clean", 0) + m.get("Private_Dirty", 0)
-                                   for m in per.values()),
-                    "rss": sum(m.get("Rss", 0) for m in per.values()),
-                    "pss_per_proc": sorted(m.get("Pss", 0) for m in per.values()),
-                })
+                self.samples.append(
+                    {
+                        "t": time.time(),
+                        "training": training,
+                        "procs": len(per),
+                        "pss": sum(m.get("Pss", 0) for m in per.values()),
+                        "private": sum(
+                            m.get("Private_Clean", 0) + m.get("Private_Dirty", 0)
+                            for m in per.values()
+                        ),
+                        "rss": sum(m.get("Rss", 0) for m in per.values()),
+                        "pss_per_proc": sorted(m.get("Pss", 0) for m in per.values()),
+                    }
+                )
             self.stop.wait(self.interval)
 
 
 def user_env(scratch: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(NETRC=str(scratch / "no-netrc"), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     return env
 
 
 def run_job(name: str, args: argparse.Namespace, scratch: Path, rep: int) -> dict:
     run_dir = scratch / "runs" / f"{name}-{rep}"
-    cmd = [shutil.which("torchrun") or "torchrun", "--standalone",
-           f"--nproc_per_node={args.nproc}", "-m", "hydra_ddp.train", "model=mlp",
-           "logger=none", "trainer.progress=false", "trainer.epochs=1",
-           f"trainer.batch_size={args.batch_size}", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        shutil.which("torchrun") or "torchrun",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "hydra_ddp.train",
+        "model=mlp",
+        "logger=none",
+        "trainer.progress=false",
+        "trainer.epochs=1",
+        f"trainer.batch_size={args.batch_size}",
+        f"hydra.run.dir={run_dir}",
+    ]
     if name != "baseline":
         cmd += ["data=synthetic", f"data.path={args.data}"]
     cmd += CONFIGS[name]
     t0 = time.time()
     with open(scratch / f"{name}-{rep}.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=scratch, env=user_env(scratch), stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=scratch, env=user_env(scratch), stdout=log, stderr=subprocess.STDOUT
+        )
         sampler = Sampler(proc.pid, args.interval, run_dir / "stats" / "rank0.jsonl")
         sampler.start()
         try:
@@ -135,8 +154,7 @@ def run_job(name: str, args: argparse.Namespace, scratch: Path, rep: int) -> dic
             if proc.poll() is None:
                 proc.kill()
     if rc != 0 and (run_dir / "summary.json").exists():
-        print(f"  ! {name} exited rc {rc} after writing summary.json (teardown); kept",
-              flush=True)
+        print(f"  ! {name} exited rc {rc} after writing summary.json (teardown); kept", flush=True)
     elif rc != 0:
         raise SystemExit(f"{name} failed (rc {rc}); see {scratch / f'{name}-{rep}.log'}")
     s = sampler.samples
@@ -145,15 +163,23 @@ def run_job(name: str, args: argparse.Namespace, scratch: Path, rep: int) -> dic
     summary = json.loads((run_dir / "summary.json").read_text())
     peak = max(s, key=lambda x: x["pss"])
     train = [x["pss"] for x in s if x["training"]]
-    out = {"config": name, "repeat": rep, "rc": rc, "wall_s": time.time() - t0,
-           "samples": len(s),
-           "procs": max(x["procs"] for x in s), "peak_pss": peak["pss"],
-           "peak_pss_per_proc": peak["pss_per_proc"], "peak_private": peak["private"],
-           "peak_rss": peak["rss"],
-           "training_median_pss": statistics.median(train) if train else None,
-           "rows_held_per_rank": summary["rows_held_per_rank"],
-           "bytes_held_per_rank": summary["bytes_held_per_rank"],
-           "epochs": summary["epochs"], "steps": summary["steps"]}
+    out = {
+        "config": name,
+        "repeat": rep,
+        "rc": rc,
+        "wall_s": time.time() - t0,
+        "samples": len(s),
+        "procs": max(x["procs"] for x in s),
+        "peak_pss": peak["pss"],
+        "peak_pss_per_proc": peak["pss_per_proc"],
+        "peak_private": peak["private"],
+        "peak_rss": peak["rss"],
+        "training_median_pss": statistics.median(train) if train else None,
+        "rows_held_per_rank": summary["rows_held_per_rank"],
+        "bytes_held_per_rank": summary["bytes_held_per_rank"],
+        "epochs": summary["epochs"],
+        "steps": summary["steps"],
+    }
     if not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
@@ -163,11 +189,13 @@ def data_size(root: Path) -> dict:
     manifest = json.loads((root / "manifest.json").read_text())
     split = {}
     for name, files in manifest["splits"].items():
-        split[name] = {"rows": sum(f["rows"] for f in files),
-                       "bytes": sum((root / f["x"]).stat().st_size + (root / f["y"]).stat().st_size
-                                    for f in files),
-                       "data_bytes": sum(f["rows"] * (4 * manifest["features"] + 2)
-                                         for f in files)}
+        split[name] = {
+            "rows": sum(f["rows"] for f in files),
+            "bytes": sum(
+                (root / f["x"]).stat().st_size + (root / f["y"]).stat().st_size for f in files
+            ),
+            "data_bytes": sum(f["rows"] * (4 * manifest["features"] + 2) for f in files),
+        }
     return split
 
 
@@ -187,16 +215,31 @@ def main() -> int:
 
     if not (args.data / "manifest.json").exists():
         print(f"# writing the data set to {args.data}", flush=True)
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_synthetic.py"), "--out",
-                        str(args.data), "--size-gib", str(args.size_gib), "--features", "256",
-                        "--shards", "8"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_synthetic.py"),
+                "--out",
+                str(args.data),
+                "--size-gib",
+                str(args.size_gib),
+                "--features",
+                "256",
+                "--shards",
+                "8",
+            ],
+            check=True,
+        )
     sizes = data_size(args.data)
     D = sizes["train"]["data_bytes"]  # x and y of the training split (the .npy headers aside)
     n_train = sizes["train"]["rows"]
     total_disk = sum(v["bytes"] for v in sizes.values())
-    print(f"# data set {args.data}: train {n_train} rows, D = {D / GiB:.3f} GiB; "
-          f"val+test {(total_disk - sizes['train']['bytes']) / GiB:.3f} GiB; all files "
-          f"{total_disk / GiB:.3f} GiB", flush=True)
+    print(
+        f"# data set {args.data}: train {n_train} rows, D = {D / GiB:.3f} GiB; "
+        f"val+test {(total_disk - sizes['train']['bytes']) / GiB:.3f} GiB; all files "
+        f"{total_disk / GiB:.3f} GiB",
+        flush=True,
+    )
     configs = args.configs.split(",")
     scratch = Path(tempfile.mkdtemp(prefix="bench_mem_", dir="/tmp"))
     rows: list[dict] = []
@@ -204,24 +247,42 @@ def main() -> int:
         for name in configs:  # baseline first: every repeat has its own
             r = run_job(name, args, scratch, rep)
             rows.append(r)
-            print("  " + json.dumps({k: (round(v / GiB, 3) if isinstance(v, (int, float))
-                                         and v > 2**20 else v) for k, v in r.items()
-                                     if k not in ("peak_pss_per_proc", "bytes_held_per_rank")}),
-                  flush=True)
+            print(
+                "  "
+                + json.dumps(
+                    {
+                        k: (round(v / GiB, 3) if isinstance(v, (int, float)) and v > 2**20 else v)
+                        for k, v in r.items()
+                        if k not in ("peak_pss_per_proc", "bytes_held_per_rank")
+                    }
+                ),
+                flush=True,
+            )
 
     W = args.nproc
     base = {r["repeat"]: r["peak_pss"] / W for r in rows if r["config"] == "baseline"}
     base_all = statistics.median(base.values()) if base else 0.0
-    expect_rows = {"strided": [n_train] * W,
-                   "sharded": [(r + 1) * n_train // W - r * n_train // W for r in range(W)]}
-    print(f"\nbaseline (digits, same model): peak PSS per rank, median {base_all / GiB:.3f} GiB "
-          f"({', '.join(f'{b / GiB:.3f}' for b in base.values())})")
-    print("\n| config | peak PSS sum GiB | per rank GiB | training median GiB | (peak - ranks x "
-          "baseline) / D | limit GiB (1.15 D + ranks x baseline) | rows held per rank | "
-          "bytes held per rank GiB | verdict |")
+    expect_rows = {
+        "strided": [n_train] * W,
+        "sharded": [(r + 1) * n_train // W - r * n_train // W for r in range(W)],
+    }
+    print(
+        f"\nbaseline (digits, same model): peak PSS per rank, median {base_all / GiB:.3f} GiB "
+        f"({', '.join(f'{b / GiB:.3f}' for b in base.values())})"
+    )
+    print(
+        "\n| config | peak PSS sum GiB | per rank GiB | training median GiB | (peak - ranks x "
+        "baseline) / D | limit GiB (1.15 D + ranks x baseline) | rows held per rank | "
+        "bytes held per rank GiB | verdict |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    results: dict = {"D": D, "train_rows": n_train, "baseline_per_rank": base_all,
-                     "rows": rows, "verdicts": {}}
+    results: dict = {
+        "D": D,
+        "train_rows": n_train,
+        "baseline_per_rank": base_all,
+        "rows": rows,
+        "verdicts": {},
+    }
     for name in configs:
         if name == "baseline":
             continue
@@ -235,20 +296,28 @@ def main() -> int:
         want = expect_rows["strided" if name.startswith("strided") else "sharded"]
         rows_ok = held_rows == want
         if name == "strided-mem":
-            verdict = (f"costs {over:.2f} x D (expected ~{W} x D)"
-                       + ("" if rows_ok else "; ROWS WRONG"))
+            verdict = f"costs {over:.2f} x D (expected ~{W} x D)" + (
+                "" if rows_ok else "; ROWS WRONG"
+            )
         else:
             ok = peak <= limit and rows_ok
-            verdict = ("MET" if ok else "MISSED") + ("" if rows_ok else f" (rows held {held_rows},"
-                                                      f" expected {want})")
-        results["verdicts"][name] = {"peak": peak, "limit": limit, "over_D": over,
-                                     "verdict": verdict}
+            verdict = ("MET" if ok else "MISSED") + (
+                "" if rows_ok else f" (rows held {held_rows}, expected {want})"
+            )
+        results["verdicts"][name] = {
+            "peak": peak,
+            "limit": limit,
+            "over_D": over,
+            "verdict": verdict,
+        }
         training = [r["training_median_pss"] for r in runs if r["training_median_pss"]]
         tr = f"{statistics.median(training) / GiB:.3f}" if training else "-"
         per = ", ".join(f"{x / GiB:.3f}" for x in runs[0]["peak_pss_per_proc"])
-        print(f"| {name} | {peak / GiB:.3f} | {per} | {tr} | {over:.2f} | {limit / GiB:.3f} | "
-              f"{', '.join(map(str, held_rows))} | "
-              f"{', '.join(f'{x / GiB:.3f}' for x in held_bytes)} | {verdict} |")
+        print(
+            f"| {name} | {peak / GiB:.3f} | {per} | {tr} | {over:.2f} | {limit / GiB:.3f} | "
+            f"{', '.join(map(str, held_rows))} | "
+            f"{', '.join(f'{x / GiB:.3f}' for x in held_bytes)} | {verdict} |"
+        )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if not args.keep:

@@ -93,7 +93,11 @@ def run_worker(args: argparse.Namespace) -> dict:
         t_count = time.perf_counter() - t0
     else:
         sampler = DistributedSampler(
-            range(args.n), num_replicas=args.world_size, rank=args.rank, shuffle=True, seed=args.seed
+            range(args.n),
+            num_replicas=args.world_size,
+            rank=args.rank,
+            shuffle=True,
+            seed=args.seed,
         )
         it = iter(sampler)
         first_index = int(next(it))
@@ -122,9 +126,22 @@ def run_worker(args: argparse.Namespace) -> dict:
 def _spawn(worker: str, args: argparse.Namespace) -> dict:
     """Run one worker in a fresh interpreter and parse its JSON result."""
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", worker,
-        "--n", str(args.n), "--world-size", str(args.world_size), "--rank", str(args.rank),
-        "--count", str(args.count), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        worker,
+        "--n",
+        str(args.n),
+        "--world-size",
+        str(args.world_size),
+        "--rank",
+        str(args.rank),
+        "--count",
+        str(args.count),
+        "--batch-size",
+        str(args.batch_size),
+        "--seed",
+        str(args.seed),
     ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SRC), env.get("PYTHONPATH")) if p)
@@ -163,12 +180,14 @@ def _report(args: argparse.Namespace, ours: dict, theirs: dict) -> str:
         f"### N={args.n:,}, world_size={args.world_size}, rank={args.rank}, shuffle=True, "
         f"batch_size={args.batch_size}, count={args.count:,}",
         "",
-        f"{datetime.datetime.now().isoformat(timespec='seconds')} · Python {platform.python_version()} · "
+        f"{datetime.datetime.now().isoformat(timespec='seconds')} · "
+        f"Python {platform.python_version()} · "
         f"{os.cpu_count()} CPUs · {platform.machine()}",
         "",
         *rows,
         "",
-        f"- memory ours/torch: {mem_ratio:.2e} (target <= 1/20 = 5.00e-02: {'met' if mem_ok else 'NOT met'})",
+        f"- memory ours/torch: {mem_ratio:.2e} "
+        f"(target <= 1/20 = 5.00e-02: {'met' if mem_ok else 'NOT met'})",
         f"- time to first index ours/torch: {first_ratio:.2e} "
         f"(target <= 1/10 = 1.00e-01: {'met' if first_ok else 'NOT met'})",
         f"- time to {args.count:,} indices ours/torch: {count_ratio:.2e}",
@@ -179,14 +198,20 @@ def _report(args: argparse.Namespace, ours: dict, theirs: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags; run as parent (spawn both workers, report) or as a worker."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=10**8, help="dataset rows")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--rank", type=int, default=3)
     parser.add_argument("--count", type=int, default=10**6, help="indices to produce")
-    parser.add_argument("--batch-size", type=int, default=1024, help="batch size for StridedSampler")
+    parser.add_argument(
+        "--batch-size", type=int, default=1024, help="batch size for StridedSampler"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="markdown file to append the results to")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="markdown file to append the results to"
+    )
     parser.add_argument("--worker", choices=("ours", "torch"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 

@@ -3,7 +3,7 @@
     python scripts/bench/bench_speed.py                # 10 interleaved repeats, 2 ranks, 40 epochs
     python scripts/bench/bench_speed.py --repeats 15 --no-wandb --out /tmp/speed.json
     python scripts/bench/bench_speed.py --alt patched=/tmp/copy/src  # also time a patched checkout
-    python scripts/bench/bench_speed.py --step-costs   # per-step cost: ours against the minimal loop
+    python scripts/bench/bench_speed.py --step-costs   # per-step cost: ours vs the minimal loop
 
 Every job is started the way a user starts it, with torchrun, from a scratch directory under
 /tmp (so Hydra's outputs land there):
@@ -68,12 +68,19 @@ VARIANTS = ("minimal", "ours", "ours-startup", "wandb", "wandb-startup")
 
 def user_env(scratch: Path, wandb: bool, src: str | None = None) -> dict[str, str]:
     """A user's environment with no W&B login: offline, nothing read from $HOME."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(NETRC=str(scratch / "no-netrc"), WANDB_CONFIG_DIR=str(scratch / "wandb-config"),
-               WANDB_CACHE_DIR=str(scratch / "wandb-cache"),
-               WANDB_DATA_DIR=str(scratch / "wandb-data"), PYTHONUNBUFFERED="1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "TORCHELASTIC_", "SLURM_", "SUBMITIT_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        NETRC=str(scratch / "no-netrc"),
+        WANDB_CONFIG_DIR=str(scratch / "wandb-config"),
+        WANDB_CACHE_DIR=str(scratch / "wandb-cache"),
+        WANDB_DATA_DIR=str(scratch / "wandb-data"),
+        PYTHONUNBUFFERED="1",
+    )
     if wandb:
         env["WANDB_MODE"] = "offline"
     if src:  # another checkout's hydra_ddp (and, through train.py's config_path, its conf/)
@@ -82,12 +89,14 @@ def user_env(scratch: Path, wandb: bool, src: str | None = None) -> dict[str, st
 
 
 def command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
-    torchrun = [shutil.which("torchrun") or "torchrun", "--standalone",
-                f"--nproc_per_node={args.nproc}"]
+    torchrun = [
+        shutil.which("torchrun") or "torchrun",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+    ]
     if variant == "minimal":
         return torchrun + [str(MINIMAL), "--epochs", str(args.epochs), "--skip", str(args.skip)]
-    cmd = torchrun + ["-m", "hydra_ddp.train", "trainer.progress=false",
-                      f"hydra.run.dir={run_dir}"]
+    cmd = torchrun + ["-m", "hydra_ddp.train", "trainer.progress=false", f"hydra.run.dir={run_dir}"]
     cmd.append("logger=wandb" if variant.startswith("wandb") else "logger=none")
     if variant.endswith("startup"):
         cmd += ["trainer.log_interval=1", f"trainer.max_steps={args.startup_steps}"]
@@ -171,8 +180,14 @@ def run_one(variant: str, args: argparse.Namespace, scratch: Path, rep: int) -> 
         errlog = scratch / f"stderr-{variant}-{rep}-{attempt}.log"
         with open(errlog, "w") as err:
             t_launch = time.time()
-            proc = subprocess.Popen(cmd, cwd=scratch, env=env, text=True, stderr=err,
-                                    stdout=subprocess.PIPE if minimal else subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=scratch,
+                env=env,
+                text=True,
+                stderr=err,
+                stdout=subprocess.PIPE if minimal else subprocess.DEVNULL,
+            )
             mon = Monitor(proc, None if minimal else run_dir / "stats" / "rank0.jsonl")
             mon.start()
             try:
@@ -185,19 +200,30 @@ def run_one(variant: str, args: argparse.Namespace, scratch: Path, rep: int) -> 
         if rc == 0:
             errlog.unlink()
             break
-        complete = (any(l.startswith("MINIMAL_DDP ") for l in mon.stdout) if minimal
-                    else (run_dir / "summary.json").exists())
+        complete = (
+            any(ln.startswith("MINIMAL_DDP ") for ln in mon.stdout)
+            if minimal
+            else (run_dir / "summary.json").exists()
+        )
         if complete:  # the results were written: the job died tearing down (see the docs)
-            print(f"  ! {variant} repeat {rep} exited rc {rc} after writing its results; "
-                  f"kept (stderr in {errlog})", flush=True)
+            print(
+                f"  ! {variant} repeat {rep} exited rc {rc} after writing its results; "
+                f"kept (stderr in {errlog})",
+                flush=True,
+            )
             break
         print(f"  ! {variant} repeat {rep} failed (rc {rc}); stderr in {errlog}", flush=True)
     else:
         raise SystemExit(f"{variant} failed {args.retries + 1} times; see {scratch}")
-    out = {"variant": variant, "repeat": rep, "command_s": t_exit - t_launch,
-           "attempts": attempt + 1, "rc": rc}
+    out = {
+        "variant": variant,
+        "repeat": rep,
+        "command_s": t_exit - t_launch,
+        "attempts": attempt + 1,
+        "rc": rc,
+    }
     if minimal:
-        line = next(l for l in mon.stdout if l.startswith("MINIMAL_DDP "))
+        line = next(ln for ln in mon.stdout if ln.startswith("MINIMAL_DDP "))
         m = json.loads(line.split(" ", 1)[1])
         world = m["world_size"]
         marks = {s: (t, n) for s, t, n in m["every10"]}  # step -> (time, samples per rank)
@@ -206,8 +232,9 @@ def run_one(variant: str, args: argparse.Namespace, scratch: Path, rep: int) -> 
         out["first_step_s"] = m["first_step"] - t_launch
         out["loop_sps"] = m["samples_per_rank"] * world / (m["loop_end"] - m["loop_start"])
     else:
-        lines = [json.loads(l)
-                 for l in (run_dir / "stats" / "rank0.jsonl").read_text().splitlines()]
+        lines = [
+            json.loads(ln) for ln in (run_dir / "stats" / "rank0.jsonl").read_text().splitlines()
+        ]
         summary = json.loads((run_dir / "summary.json").read_text())
         world = summary["world_size"]
         if variant.endswith("startup"):
@@ -216,18 +243,22 @@ def run_one(variant: str, args: argparse.Namespace, scratch: Path, rep: int) -> 
             out["steps"] = lines[-1]["step"]
             _cleanup(args, run_dir)
             return out
-        marks = {l["step"]: (l["time"], l["samples_seen"]) for l in lines}
+        marks = {row["step"]: (row["time"], row["samples_seen"]) for row in lines}
         cpu = (mon.cpu_at.get(args.skip), mon.cpu_at.get(lines[-1]["step"]))
         out["loop_sps"] = summary["samples_per_s"]
     steps = sorted(s for s in marks if s >= args.skip)
     if not steps or steps[0] != args.skip:
-        raise SystemExit(f"{variant}: no stamp at step {args.skip} (--skip must be a multiple "
-                         "of trainer.log_interval)")
+        raise SystemExit(
+            f"{variant}: no stamp at step {args.skip} (--skip must be a multiple "
+            "of trainer.log_interval)"
+        )
     (t0, n0), (t1, n1) = marks[args.skip], marks[steps[-1]]
     out["steps"] = steps[-1]
     out["steady_sps"] = (n1 - n0) * world / (t1 - t0)
-    windows = [(marks[b][1] - marks[a][1]) * world / (marks[b][0] - marks[a][0])
-               for a, b in zip(steps, steps[1:])]
+    windows = [
+        (marks[b][1] - marks[a][1]) * world / (marks[b][0] - marks[a][0])
+        for a, b in zip(steps, steps[1:])
+    ]
     out["window_median_sps"] = statistics.median(windows)
     if None not in cpu:
         out["cpu_ms_per_1k"] = (cpu[1] - cpu[0]) * 1e6 / ((n1 - n0) * world)
@@ -307,8 +338,9 @@ def step_costs(rounds: int) -> None:
             if minimal:  # minimal_ddp.py's model is this nn.Sequential without the flatten
                 self.m = self.m.net
             self.batches = minimal_batches() if minimal or minimal_data else our_batches()
-            self.opt = torch.optim.AdamW(param_groups(self.m), lr=0.002, betas=(0.9, 0.999),
-                                         weight_decay=0.01, fused=True)
+            self.opt = torch.optim.AdamW(
+                param_groups(self.m), lr=0.002, betas=(0.9, 0.999), weight_decay=0.01, fused=True
+            )
             self.sched = warmup_cosine(self.opt, 10**6, warmup_steps=20, min_lr_ratio=0.1)
             self.loss_fn = torch.nn.CrossEntropyLoss() if minimal else CrossEntropy(0.0)
             self.scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -326,8 +358,9 @@ def step_costs(rounds: int) -> None:
                 return
             # train.py's loop body around train_step (fp32: no autocast context, scaler off)
             batch = [tuple(t.to("cpu", non_blocking=True) for t in next(self.batches))]
-            _, grad_norm = train_step(self.m, batch, self.loss_fn, self.opt, self.scaler,
-                                      contextlib.nullcontext(), 1.0)
+            _, grad_norm = train_step(
+                self.m, batch, self.loss_fn, self.opt, self.scaler, contextlib.nullcontext(), 1.0
+            )
             if not self.scaler.is_enabled() and not torch.isfinite(grad_norm):
                 raise RuntimeError("non-finite gradients")
             self.sched.step()
@@ -341,7 +374,7 @@ def step_costs(rounds: int) -> None:
     res: dict[str, list[float]] = {k: [] for k in loops}
     names = list(loops)
     for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             for _ in range(3):
                 loops[k].step()
             t = time.thread_time()
@@ -364,19 +397,36 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=40, help="epochs of the throughput jobs")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument("--skip", type=int, default=20, help="first steps left out of steady state")
-    p.add_argument("--startup-steps", type=int, default=30,
-                   help="trainer.max_steps of the first-step (startup) jobs")
+    p.add_argument(
+        "--startup-steps",
+        type=int,
+        default=30,
+        help="trainer.max_steps of the first-step (startup) jobs",
+    )
     p.add_argument("--no-wandb", action="store_true", help="skip the logger=wandb variants")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--retries", type=int, default=2, help="reruns of a job that failed")
     p.add_argument("--keep", action="store_true", help="keep the jobs' output dirs")
     p.add_argument("--out", type=Path, help="write every measurement here as JSON")
-    p.add_argument("--alt", action="append", default=[], metavar="NAME=SRC",
-                   help="also time our loop from another source tree (a patched copy's src/ "
-                        "dir) as variant NAME, logger=none, interleaved like the others")
-    p.add_argument("--step-costs", type=int, nargs="?", const=80, metavar="ROUNDS",
-                   help="instead: time the loop body's pieces in one process (no torchrun)")
-    p.add_argument("extra", nargs="*", help="extra overrides for our jobs (e.g. trainer.grad_clip=0)")
+    p.add_argument(
+        "--alt",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="also time our loop from another source tree (a patched copy's src/ "
+        "dir) as variant NAME, logger=none, interleaved like the others",
+    )
+    p.add_argument(
+        "--step-costs",
+        type=int,
+        nargs="?",
+        const=80,
+        metavar="ROUNDS",
+        help="instead: time the loop body's pieces in one process (no torchrun)",
+    )
+    p.add_argument(
+        "extra", nargs="*", help="extra overrides for our jobs (e.g. trainer.grad_clip=0)"
+    )
     args = p.parse_args()
     if args.step_costs:
         step_costs(args.step_costs)
@@ -388,34 +438,54 @@ def main() -> int:
     args.alt = dict(a.split("=", 1) for a in args.alt)
     variants += list(args.alt)
     scratch = Path(tempfile.mkdtemp(prefix="bench_speed_", dir="/tmp"))
-    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "src", "conf"],
-                           capture_output=True, text=True).stdout.strip()
-    print(f"# bench_speed: {args.repeats} repeats x {variants}, nproc {args.nproc}, epochs "
-          f"{args.epochs}, skip {args.skip}; commit {git}{' (src/conf modified)' if dirty else ''}"
-          f"; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; scratch {scratch}",
-          flush=True)
+    git = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "src", "conf"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    print(
+        f"# bench_speed: {args.repeats} repeats x {variants}, nproc {args.nproc}, epochs "
+        f"{args.epochs}, skip {args.skip}; commit {git}{' (src/conf modified)' if dirty else ''}"
+        f"; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; scratch {scratch}",
+        flush=True,
+    )
     rows: list[dict] = []
     for rep in range(args.repeats):
-        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for v in order:
             r = run_one(v, args, scratch, rep)
             rows.append(r)
-            print("  " + json.dumps({k: round(x, 4) if isinstance(x, float) else x
-                                     for k, x in r.items()}), flush=True)
+            print(
+                "  "
+                + json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in r.items()}),
+                flush=True,
+            )
     print(f"# load after: {os.getloadavg()[0]:.2f}")
 
-    keys = ("steady_sps", "window_median_sps", "loop_sps", "cpu_ms_per_1k", "first_step_s",
-            "command_s")
-    print("\n| variant | steady samples/s | window-median samples/s | loop samples/s | "
-          "CPU ms / 1k samples | time to first step s | command s | runs |")
+    keys = (
+        "steady_sps",
+        "window_median_sps",
+        "loop_sps",
+        "cpu_ms_per_1k",
+        "first_step_s",
+        "command_s",
+    )
+    print(
+        "\n| variant | steady samples/s | window-median samples/s | loop samples/s | "
+        "CPU ms / 1k samples | time to first step s | command s | runs |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for v in variants:
         n = sum(r["variant"] == v for r in rows)
         cells = [median(rows, v, k) for k in keys]
-        print(f"| {v} | " + " | ".join("-" if c != c else f"{c:,.0f}" if c > 1000 else f"{c:.2f}"
-                                       for c in cells) + f" | {n} |")
+        print(
+            f"| {v} | "
+            + " | ".join("-" if c != c else f"{c:,.0f}" if c > 1000 else f"{c:.2f}" for c in cells)
+            + f" | {n} |"
+        )
     print("(medians over the repeats)")
 
     results: dict = {"rows": rows, "commit": git, "dirty": bool(dirty)}
@@ -425,35 +495,57 @@ def main() -> int:
     def line(name: str, vals: list[float], target: str, ok) -> None:
         med = statistics.median(vals) if vals else float("nan")
         verdict = "-" if ok is None else ("MET" if ok(med) else "MISSED")
-        print(f"| {name} | {', '.join(f'{x:.3f}' for x in vals)} | {med:.3f} | {target} | "
-              f"{verdict} |")
+        print(
+            f"| {name} | {', '.join(f'{x:.3f}' for x in vals)} | {med:.3f} | {target} | {verdict} |"
+        )
         results[name] = {"values": vals, "median": med, "verdict": verdict}
 
     def speed_lines(num: str, den: str, target: str, ok) -> None:
         line(f"steady samples/s {num}/{den}", paired(rows, num, den, "steady_sps"), target, ok)
-        line(f"window-median samples/s {num}/{den}",
-             paired(rows, num, den, "window_median_sps"), "(report)", None)
+        line(
+            f"window-median samples/s {num}/{den}",
+            paired(rows, num, den, "window_median_sps"),
+            "(report)",
+            None,
+        )
         line(f"loop samples/s {num}/{den}", paired(rows, num, den, "loop_sps"), "(report)", None)
-        line(f"CPU per sample {den}/{num}", paired(rows, den, num, "cpu_ms_per_1k"),
-             "(report)", None)
+        line(
+            f"CPU per sample {den}/{num}", paired(rows, den, num, "cpu_ms_per_1k"), "(report)", None
+        )
 
     speed_lines("ours", "minimal", ">= 0.95", lambda m: m >= 0.95)
-    line("first step ours - minimal (s)",
-         paired(rows, "ours-startup", "minimal", "first_step_s", diff=True), "<= 2.0",
-         lambda m: m <= 2.0)
+    line(
+        "first step ours - minimal (s)",
+        paired(rows, "ours-startup", "minimal", "first_step_s", diff=True),
+        "<= 2.0",
+        lambda m: m <= 2.0,
+    )
     for name in args.alt:
         speed_lines(name, "minimal", "(report)", None)
-        line(f"steady samples/s {name}/ours", paired(rows, name, "ours", "steady_sps"),
-             "(report)", None)
-        line(f"CPU per sample ours/{name}", paired(rows, "ours", name, "cpu_ms_per_1k"),
-             "(report)", None)
+        line(
+            f"steady samples/s {name}/ours",
+            paired(rows, name, "ours", "steady_sps"),
+            "(report)",
+            None,
+        )
+        line(
+            f"CPU per sample ours/{name}",
+            paired(rows, "ours", name, "cpu_ms_per_1k"),
+            "(report)",
+            None,
+        )
     if not args.no_wandb:
         speed_lines("wandb", "minimal", "(report)", None)
-        line("first step wandb - minimal (s)",
-             paired(rows, "wandb-startup", "minimal", "first_step_s", diff=True), "(report)",
-             None)
-    print(f"\nratio of medians, steady ours/minimal: "
-          f"{median(rows, 'ours', 'steady_sps') / median(rows, 'minimal', 'steady_sps'):.3f}")
+        line(
+            "first step wandb - minimal (s)",
+            paired(rows, "wandb-startup", "minimal", "first_step_s", diff=True),
+            "(report)",
+            None,
+        )
+    print(
+        f"\nratio of medians, steady ours/minimal: "
+        f"{median(rows, 'ours', 'steady_sps') / median(rows, 'minimal', 'steady_sps'):.3f}"
+    )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if not args.keep and not list(scratch.glob("stderr-*.log")):

@@ -42,7 +42,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 bunch = load_digits()
 x, y = (bunch.data / 16.0).astype(np.float32), bunch.target.astype(np.int64)
 order = np.random.default_rng(0).permutation(len(x))
-train = order[round(len(x) * 0.15) + round(len(x) * 0.15):]
+train = order[round(len(x) * 0.15) + round(len(x) * 0.15) :]
 dataset = TensorDataset(torch.from_numpy(x[train]), torch.from_numpy(y[train]))
 sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
@@ -54,9 +54,16 @@ for _ in range(2):
     width = 256
 model = DDP(nn.Sequential(*layers, nn.Linear(width, 10)))
 params = list(model.parameters())
-opt = torch.optim.AdamW([{"params": [q for q in params if q.ndim >= 2]},
-                         {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}],
-                        lr=2e-3, betas=(0.9, 0.999), weight_decay=0.01, fused=True)
+opt = torch.optim.AdamW(
+    [
+        {"params": [q for q in params if q.ndim >= 2]},
+        {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0},
+    ],
+    lr=2e-3,
+    betas=(0.9, 0.999),
+    weight_decay=0.01,
+    fused=True,
+)
 total_steps = args.epochs * len(loader)
 warmup = min(20, total_steps - 1)
 
@@ -92,8 +99,19 @@ for epoch in range(args.epochs):
                 print("MINIMAL_DDP_SKIP", flush=True)
 t_end = time.time()
 if rank == 0:
-    print("MINIMAL_DDP " + json.dumps({**marks, "loop_start": t_loop, "loop_end": t_end,
-                                       "steps": step, "samples_per_rank": samples,
-                                       "world_size": world}), flush=True)
+    print(
+        "MINIMAL_DDP "
+        + json.dumps(
+            {
+                **marks,
+                "loop_start": t_loop,
+                "loop_end": t_end,
+                "steps": step,
+                "samples_per_rank": samples,
+                "world_size": world,
+            }
+        ),
+        flush=True,
+    )
 dist.barrier()  # without it gloo often aborts at exit (terminate called ...) on torch 2.13
 dist.destroy_process_group()

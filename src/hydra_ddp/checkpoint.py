@@ -121,13 +121,17 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
     if path.is_dir():
         found = latest(path.parent if path.name == "checkpoints" else path)
         if found is None:
-            raise UserError(f"trainer.resume={resume}: the directory holds no complete "
-                            "checkpoint (checkpoints/step_*.pt); give a checkpoint file, or "
-                            "trainer.resume=never to start fresh")
+            raise UserError(
+                f"trainer.resume={resume}: the directory holds no complete "
+                "checkpoint (checkpoints/step_*.pt); give a checkpoint file, or "
+                "trainer.resume=never to start fresh"
+            )
         return found
     if not path.is_file():
-        raise UserError(f"trainer.resume={resume}: no such file; give a checkpoint path, "
-                        "trainer.resume=auto (newest in the output dir) or never")
+        raise UserError(
+            f"trainer.resume={resume}: no such file; give a checkpoint path, "
+            "trainer.resume=auto (newest in the output dir) or never"
+        )
     return path
 
 
@@ -136,16 +140,18 @@ def _first_line(e: BaseException, limit: int = 160) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     text = lines[0] if lines else type(e).__name__
     if len(text) > limit and ". " in text:
-        text = text[:text.index(". ") + 1]
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+        text = text[: text.index(". ") + 1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
     """Read a checkpoint safely; every failure is one clear line naming the file."""
     path = Path(path)
     if path.is_file() and path.stat().st_size == 0:
-        raise UserError(f"{path} is empty (a checkpoint whose write never completed?): point "
-                        "trainer.resume at another one, or trainer.resume=never")
+        raise UserError(
+            f"{path} is empty (a checkpoint whose write never completed?): point "
+            "trainer.resume at another one, or trainer.resume=never"
+        )
     try:
         with warnings.catch_warnings():
             # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
@@ -154,23 +160,29 @@ def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]
     except pickle.UnpicklingError as e:
         # weights_only names a forbidden global ("unsupported GLOBAL posix.system") when the
         # file asks to import and call code; any other unpickling failure means bad bytes.
-        banned = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln.upper()),
-                      None)
+        banned = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln.upper()), None)
         if banned is not None:
-            raise UserError(f"refusing to load {path}: it holds objects that would run code "
-                            f"when unpickled ({banned}); torch.load(weights_only=True) rejected "
-                            "it. Only load checkpoints you trust, re-saved as plain tensors"
-                            ) from e
-        raise UserError(f"{path} is not a readable checkpoint (not a torch.save archive, or "
-                        "corrupt): point trainer.resume at another one, or "
-                        "trainer.resume=never") from e
+            raise UserError(
+                f"refusing to load {path}: it holds objects that would run code "
+                f"when unpickled ({banned}); torch.load(weights_only=True) rejected "
+                "it. Only load checkpoints you trust, re-saved as plain tensors"
+            ) from e
+        raise UserError(
+            f"{path} is not a readable checkpoint (not a torch.save archive, or "
+            "corrupt): point trainer.resume at another one, or "
+            "trainer.resume=never"
+        ) from e
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
-        raise UserError(f"{path} is not a readable checkpoint ({_first_line(e)}): it may be "
-                        "truncated or corrupt; point trainer.resume at another one, or "
-                        "trainer.resume=never") from e
+        raise UserError(
+            f"{path} is not a readable checkpoint ({_first_line(e)}): it may be "
+            "truncated or corrupt; point trainer.resume at another one, or "
+            "trainer.resume=never"
+        ) from e
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise UserError(f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
-                        "a file from <output dir>/checkpoints/, or trainer.resume=never")
+        raise UserError(
+            f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
+            "a file from <output dir>/checkpoints/, or trainer.resume=never"
+        )
     return state
 
 
@@ -179,16 +191,31 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], path: Path) 
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
-        detail = next((ln.strip() for ln in str(e).splitlines()
-                       if "size mismatch" in ln or "Missing key" in ln or "Unexpected key" in ln),
-                      str(e).splitlines()[0])
-        raise UserError(f"{path} is a checkpoint of a different model ({detail}): resume with "
-                        "the model config it was trained with, or trainer.resume=never") from e
+        detail = next(
+            (
+                ln.strip()
+                for ln in str(e).splitlines()
+                if "size mismatch" in ln or "Missing key" in ln or "Unexpected key" in ln
+            ),
+            str(e).splitlines()[0],
+        )
+        raise UserError(
+            f"{path} is a checkpoint of a different model ({detail}): resume with "
+            "the model config it was trained with, or trainer.resume=never"
+        ) from e
 
 
-def save_training_state(output_dir: Path, position: dict[str, int], keep: int, env: DistEnv, *,
-                        model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler: Any, scaler: torch.amp.GradScaler) -> None:
+def save_training_state(
+    output_dir: Path,
+    position: dict[str, int],
+    keep: int,
+    env: DistEnv,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler,
+) -> None:
     """Collective: gather every rank's RNG state, then global rank 0 alone writes the file.
 
     `position` is the loop's position (step, epoch, batch_in_epoch, samples_seen)."""
@@ -197,18 +224,31 @@ def save_training_state(output_dir: Path, position: dict[str, int], keep: int, e
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
     rngs = all_gather_objects(rng, env)
     if env.is_main:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                 **position, "world_size": env.world_size, "rng": rngs}
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            **position,
+            "world_size": env.world_size,
+            "rng": rngs,
+        }
         path = save(state, output_dir, position["step"], keep)
         log.info("checkpoint: %s", path)
     # Nobody races ahead and dies before the file is complete.
     barrier(env)
 
 
-def restore_training_state(path: Path, env: DistEnv, position_keys: list[str], *,
-                           model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           scheduler: Any, scaler: torch.amp.GradScaler) -> dict[str, int]:
+def restore_training_state(
+    path: Path,
+    env: DistEnv,
+    position_keys: list[str],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler,
+) -> dict[str, int]:
     """Load a checkpoint into the given objects and this rank's RNG; return the position."""
     state = load(path)
     load_model_state(model, state, path)
@@ -219,13 +259,20 @@ def restore_training_state(path: Path, env: DistEnv, position_keys: list[str], *
         position = {k: int(state.get(k, 0)) for k in position_keys}
         position["step"] = int(state["step"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise UserError(f"{path} does not match this job's optimizer/scheduler setup "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                        "resume with the optim.* and scheduler.* config it was trained with, "
-                        "or trainer.resume=never") from e
+        raise UserError(
+            f"{path} does not match this job's optimizer/scheduler setup "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+            "resume with the optim.* and scheduler.* config it was trained with, "
+            "or trainer.resume=never"
+        ) from e
     if state.get("world_size") != env.world_size:
-        log.warning("%s was written by %s ranks, this job has %d: the rest of its epoch is "
-                    "partitioned differently", path, state.get("world_size"), env.world_size)
+        log.warning(
+            "%s was written by %s ranks, this job has %d: the rest of its epoch is "
+            "partitioned differently",
+            path,
+            state.get("world_size"),
+            env.world_size,
+        )
     rngs = state.get("rng") or []
     if env.rank < len(rngs):
         torch.set_rng_state(rngs[env.rank]["torch"].cpu())

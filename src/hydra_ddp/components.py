@@ -30,14 +30,17 @@ def build(cfg: Mapping[str, Any], key: str, **runtime: Any) -> Any:
     """Instantiate the component configured at `key` (e.g. "model"), passing the `runtime`
     keywords its signature asks for."""
     if not isinstance(cfg, Mapping) or "_target_" not in cfg:
-        raise UserError(f"{key} has no _target_: pick a choice of the {key.split('.')[0]} group "
-                        f"(conf/{key.split('.')[0]}/*.yaml), or set {key}._target_=<class>")
+        raise UserError(
+            f"{key} has no _target_: pick a choice of the {key.split('.')[0]} group "
+            f"(conf/{key.split('.')[0]}/*.yaml), or set {key}._target_=<class>"
+        )
     target = cfg["_target_"]
     try:
         obj = get_object(target)
     except Exception as e:
-        raise UserError(f"{key}._target_={target!r} cannot be imported: "
-                        f"{str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"{key}._target_={target!r} cannot be imported: {str(e).splitlines()[0]}"
+        ) from None
     given = {k for k in cfg if not (k.startswith("_") and k.endswith("_"))}
     params = _parameters(obj)
     if params is None:  # no inspectable signature (some builtins): let the call decide
@@ -48,18 +51,26 @@ def build(cfg: Mapping[str, Any], key: str, **runtime: Any) -> Any:
         accepted = ", ".join(names) or "no arguments"
         unknown = sorted(given - set(names)) if not takes_any else []
         if unknown:
-            raise UserError(f"{key}.{unknown[0]} is not an argument of {target}: it accepts "
-                            f"{accepted}")
+            raise UserError(
+                f"{key}.{unknown[0]} is not an argument of {target}: it accepts {accepted}"
+            )
         passed = {k: v for k, v in runtime.items() if k in names and k not in given}
-        missing = [p.name for p in params if p.default is p.empty
-                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                   and p.name not in given and p.name not in passed]
+        missing = [
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in given
+            and p.name not in passed
+        ]
         if missing:
             offered = ", ".join(sorted(runtime)) or "nothing"
-            raise UserError(f"{key} ({target}) needs {', '.join(missing)}, which neither the "
-                            f"config nor the template provides here (it provides {offered}): "
-                            f"set {key}.{missing[0]}=..., or pick a {key.split('.')[0]} that "
-                            "fits this data")
+            raise UserError(
+                f"{key} ({target}) needs {', '.join(missing)}, which neither the "
+                f"config nor the template provides here (it provides {offered}): "
+                f"set {key}.{missing[0]}=..., or pick a {key.split('.')[0]} that "
+                "fits this data"
+            )
     try:
         # Runtime objects (parameters, an optimizer) go to the call itself, not through
         # OmegaConf; the config's own values arrive as plain dicts and lists.
@@ -72,13 +83,20 @@ def build(cfg: Mapping[str, Any], key: str, **runtime: Any) -> Any:
             raise cause from None
         if not isinstance(cause, (ValueError, TypeError, AssertionError)):
             raise
-        message = _name_keys(str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
-                             key, given | set(passed))
+        message = _name_keys(
+            str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
+            key,
+            given | set(passed),
+        )
         if f"{key}." not in message:
             # A library's own message ("Invalid learning rate: -1") names no argument: name the
             # one whose value it quotes, when exactly one does.
-            quoted = [k for k in sorted(given) if not isinstance(cfg[k], (bool, dict, list))
-                      and re.search(rf"(?<![\w.-]){re.escape(str(cfg[k]))}(?![\w.])", message)]
+            quoted = [
+                k
+                for k in sorted(given)
+                if not isinstance(cfg[k], (bool, dict, list))
+                and re.search(rf"(?<![\w.-]){re.escape(str(cfg[k]))}(?![\w.])", message)
+            ]
             if len(quoted) == 1:
                 message = f"{key}.{quoted[0]}={cfg[quoted[0]]!r}: {message}"
         raise UserError(f"{key} ({target}): {message}") from cause
@@ -96,8 +114,9 @@ def _name_keys(message: str, key: str, names: set[str]) -> str:
     """'hidden=0 is not allowed' -> 'model.hidden=0 is not allowed': a component's own check
     names its argument; the user needs the config key."""
     for name in sorted(names, key=len, reverse=True):
-        message = re.sub(rf"(?<![\w.]){re.escape(name)}(?=\s*[=+<>]|\s+must)", f"{key}.{name}",
-                         message)
+        message = re.sub(
+            rf"(?<![\w.]){re.escape(name)}(?=\s*[=+<>]|\s+must)", f"{key}.{name}", message
+        )
     return message
 
 

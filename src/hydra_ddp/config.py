@@ -74,8 +74,12 @@ class DDPConfig:
     def __post_init__(self) -> None:
         _require(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
         _require(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
-        _require(self.powersgd_start_iter >= 1, "ddp.powersgd_start_iter", ">= 1",
-                 self.powersgd_start_iter)
+        _require(
+            self.powersgd_start_iter >= 1,
+            "ddp.powersgd_start_iter",
+            ">= 1",
+            self.powersgd_start_iter,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,8 +167,12 @@ class LoggerConfig:
     min_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(self.min_interval_s >= 0, "logger.min_interval_s", ">= 0 (0: every interval)",
-                 self.min_interval_s)
+        _require(
+            self.min_interval_s >= 0,
+            "logger.min_interval_s",
+            ">= 0 (0: every interval)",
+            self.min_interval_s,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,22 +225,36 @@ class TrainerConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.max_steps == -1 or self.max_steps > 0, "trainer.max_steps",
-                 "> 0, or -1 to run trainer.epochs", self.max_steps)
+        _require(
+            self.max_steps == -1 or self.max_steps > 0,
+            "trainer.max_steps",
+            "> 0, or -1 to run trainer.epochs",
+            self.max_steps,
+        )
         _require(self.epochs > 0, "trainer.epochs", "> 0", self.epochs)
-        _require(self.batch_size > 0, "trainer.batch_size", "> 0 (samples per rank)",
-                 self.batch_size)
+        _require(
+            self.batch_size > 0, "trainer.batch_size", "> 0 (samples per rank)", self.batch_size
+        )
         _require(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
         _require(self.grad_clip >= 0, "trainer.grad_clip", ">= 0 (0 disables)", self.grad_clip)
         _require(self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval)
-        _require(self.eval_interval >= 0, "trainer.eval_interval", ">= 0 (steps; 0: at the end)",
-                 self.eval_interval)
-        _require(self.ckpt_interval >= 0, "trainer.ckpt_interval", ">= 0 (steps; 0: at the end)",
-                 self.ckpt_interval)
+        _require(
+            self.eval_interval >= 0,
+            "trainer.eval_interval",
+            ">= 0 (steps; 0: at the end)",
+            self.eval_interval,
+        )
+        _require(
+            self.ckpt_interval >= 0,
+            "trainer.ckpt_interval",
+            ">= 0 (steps; 0: at the end)",
+            self.ckpt_interval,
+        )
         _require(self.keep_ckpts >= 1, "trainer.keep_ckpts", ">= 1", self.keep_ckpts)
         _require(self.num_workers >= 0, "trainer.num_workers", ">= 0", self.num_workers)
-        _require(bool(self.resume), "trainer.resume", "auto, never or a checkpoint path",
-                 self.resume)
+        _require(
+            bool(self.resume), "trainer.resume", "auto, never or a checkpoint path", self.resume
+        )
 
 
 class Backend(Enum):
@@ -283,8 +305,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
-            raise UserError("trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "
-                            "use trainer.precision=bf16 or fp32")
+            raise UserError(
+                "trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "
+                "use trainer.precision=bf16 or fp32"
+            )
 
     @property
     def precision_needs_cuda(self) -> bool:

@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console as RichConsole
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.tree import Tree
 
 from hydra_ddp.dist import DistEnv
@@ -32,7 +38,8 @@ class Console:
             return
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(
-                    handler, logging.FileHandler):
+                handler, logging.FileHandler
+            ):
                 handler.setLevel(logging.WARNING)
 
     def info_main(self, msg: str, *args: Any) -> None:
@@ -47,30 +54,45 @@ class Console:
             _add(tree, key, value)
         self.rich.print(tree)
 
-    def progress(self, total: int, done: int) -> "_Bar":
+    def progress(self, total: int, done: int) -> _Bar:
         return _Bar(self.rich, total, done, self.enabled and self.env.is_main)
 
-    def log_step(self, step: int, total: int, stats: dict[str, float],
-                 last_aggregate: tuple[int, dict[str, float]], unit: str) -> None:
+    def log_step(
+        self,
+        step: int,
+        total: int,
+        stats: dict[str, float],
+        last_aggregate: tuple[int, dict[str, float]],
+        unit: str,
+    ) -> None:
         """One line per log interval (nanoGPT-style), with the slowest rank when there are
         several, so a straggler shows on the console too. The cross-rank figures are those of
         the newest gathered interval (`Tracker.last_aggregate`), one interval behind."""
         agg_step, agg = last_aggregate
-        line = (f"step {step}/{total} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
-                f"{unit}/s {stats[f'{unit}_per_s']:.0f} (rank 0) | "
-                f"step {1000 * stats['step_time']:.1f} ms | data wait "
-                f"{1000 * stats['data_wait']:.2f} ms")
+        line = (
+            f"step {step}/{total} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
+            f"{unit}/s {stats[f'{unit}_per_s']:.0f} (rank 0) | "
+            f"step {1000 * stats['step_time']:.1f} ms | data wait "
+            f"{1000 * stats['data_wait']:.2f} ms"
+        )
         if self.env.world_size > 1 and "step_time_max" in agg:
-            line += (f" | slowest rank {int(agg['slowest_rank'])} "
-                     f"({1000 * agg['step_time_max']:.1f} ms to step {agg_step})")
+            line += (
+                f" | slowest rank {int(agg['slowest_rank'])} "
+                f"({1000 * agg['step_time_max']:.1f} ms to step {agg_step})"
+            )
         log.info(line)
 
     def show_summary(self, summary: dict[str, Any], output_dir: Path) -> None:
         if not self.env.is_main:
             return
-        keys = ["world_size", "steps", "train_loss",
-                *(k for k in summary if k.startswith(("val_", "test_"))),
-                *(k for k in summary if k.endswith("_per_s")), "wall_time_s"]
+        keys = [
+            "world_size",
+            "steps",
+            "train_loss",
+            *(k for k in summary if k.startswith(("val_", "test_"))),
+            *(k for k in summary if k.endswith("_per_s")),
+            "wall_time_s",
+        ]
         parts = [f"{k} {_short(summary[k])}" for k in keys if k in summary]
         log.info("done | %s | %s", " | ".join(parts), output_dir / "summary.json")
 
@@ -94,9 +116,16 @@ class _Bar:
     def __init__(self, rich: RichConsole, total: int, done: int, enabled: bool):
         self.progress: Progress | None = None
         if enabled and sys.stderr.isatty():
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.description}"), TimeElapsedColumn(),
-                                     TimeRemainingColumn(), console=rich, transient=False)
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=rich,
+                transient=False,
+            )
             self.task = self.progress.add_task("", total=total, completed=done)
             self.progress.start()
 

@@ -36,8 +36,13 @@ from hydra_ddp.components import check
 from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.errors import UserError
-from hydra_ddp.sampling import (ShardedSampler, StridedSampler, partition_files, partition_rows,
-                                samples_per_epoch)
+from hydra_ddp.sampling import (
+    ShardedSampler,
+    StridedSampler,
+    partition_files,
+    partition_rows,
+    samples_per_epoch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +147,25 @@ class DataSource:
 def check_fractions(val_fraction: float, test_fraction: float) -> None:
     check(0 < val_fraction < 1, "val_fraction", "in (0, 1)", val_fraction)
     check(0 < test_fraction < 1, "test_fraction", "in (0, 1)", test_fraction)
-    check(val_fraction + test_fraction < 1, "val_fraction + test_fraction", "< 1",
-          val_fraction + test_fraction)
+    check(
+        val_fraction + test_fraction < 1,
+        "val_fraction + test_fraction",
+        "< 1",
+        val_fraction + test_fraction,
+    )
 
 
-def _split_rows(n: int, val_fraction: float, test_fraction: float,
-                seed: int) -> dict[str, np.ndarray]:
+def _split_rows(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> dict[str, np.ndarray]:
     """A seeded shuffle of range(n) cut into val, test and train row indices."""
     order = np.random.default_rng(seed).permutation(n)
     n_val, n_test = round(n * val_fraction), round(n * test_fraction)
-    return {"val": order[:n_val], "test": order[n_val:n_val + n_test],
-            "train": order[n_val + n_test:]}
+    return {
+        "val": order[:n_val],
+        "test": order[n_val : n_val + n_test],
+        "train": order[n_val + n_test :],
+    }
 
 
 class InMemoryArrays(DataSource):
@@ -224,14 +237,19 @@ class CharText(DataSource):
         tokens = tokens.astype(np.uint8 if len(chars) <= 256 else np.int32)
         n = len(tokens)
         n_test, n_val = int(n * test_fraction), int(n * val_fraction)
-        bounds = {"train": (0, n - n_val - n_test), "val": (n - n_val - n_test, n - n_test),
-                  "test": (n - n_test, n)}
+        bounds = {
+            "train": (0, n - n_val - n_test),
+            "val": (n - n_val - n_test, n - n_test),
+            "test": (n - n_test, n),
+        }
         self.streams = {s: tokens[a:b] for s, (a, b) in bounds.items()}
         self.block = self.items_per_row = block_size
         for s, stream in self.streams.items():
             if (len(stream) - 1) // block_size < 1:
-                raise UserError(f"data.block_size={block_size} is longer than the {s} split "
-                                f"({len(stream)} characters): lower data.block_size")
+                raise UserError(
+                    f"data.block_size={block_size} is longer than the {s} split "
+                    f"({len(stream)} characters): lower data.block_size"
+                )
         self.spec = {"vocab_size": len(chars), "block_size": block_size}
 
     def num_rows(self, split: str) -> int:
@@ -241,8 +259,9 @@ class CharText(DataSource):
         stream = self.streams[split]
         ranges = ranges if ranges is not None else [(0, self.num_rows(split))]
         # +1: a window needs the character after its last one as a target.
-        return TokenWindows([stream[a * self.block:b * self.block + 1] for a, b in ranges],
-                            self.block)
+        return TokenWindows(
+            [stream[a * self.block : b * self.block + 1] for a, b in ranges], self.block
+        )
 
 
 class SyntheticArrays(DataSource):
@@ -254,15 +273,19 @@ class SyntheticArrays(DataSource):
         self.root, self.in_memory = Path(path), in_memory
         manifest = self.root / "manifest.json"
         if not manifest.is_file():
-            raise UserError(f"data.path={path}: {manifest} not found; create the data set "
-                            f"with `python scripts/make_synthetic.py --out {path}`")
+            raise UserError(
+                f"data.path={path}: {manifest} not found; create the data set "
+                f"with `python scripts/make_synthetic.py --out {path}`"
+            )
         try:
             meta = json.loads(manifest.read_text())
             self.files = {s: meta["splits"][s] for s in SPLITS}
             features, classes = int(meta["features"]), int(meta["classes"])
         except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{manifest} is not a valid manifest ({e!r}): recreate it with "
-                            f"`python scripts/make_synthetic.py --out {path}`") from e
+            raise UserError(
+                f"{manifest} is not a valid manifest ({e!r}): recreate it with "
+                f"`python scripts/make_synthetic.py --out {path}`"
+            ) from e
         self.spec = {"in_features": features, "out_features": classes}
 
     def num_rows(self, split: str) -> int:
@@ -276,14 +299,20 @@ class SyntheticArrays(DataSource):
         try:
             arr = np.load(path, mmap_mode="r")
         except FileNotFoundError as e:
-            raise UserError(f"{path} is missing (listed in {self.root / 'manifest.json'}): "
-                            "recreate the data set with scripts/make_synthetic.py") from e
+            raise UserError(
+                f"{path} is missing (listed in {self.root / 'manifest.json'}): "
+                "recreate the data set with scripts/make_synthetic.py"
+            ) from e
         except (ValueError, OSError) as e:
-            raise UserError(f"{path} is not a readable .npy file ({e}): recreate the data set "
-                            "with scripts/make_synthetic.py") from e
+            raise UserError(
+                f"{path} is not a readable .npy file ({e}): recreate the data set "
+                "with scripts/make_synthetic.py"
+            ) from e
         if len(arr) != rows:
-            raise UserError(f"{path} holds {len(arr)} rows but the manifest says {rows}: "
-                            "recreate the data set with scripts/make_synthetic.py")
+            raise UserError(
+                f"{path} holds {len(arr)} rows but the manifest says {rows}: "
+                "recreate the data set with scripts/make_synthetic.py"
+            )
         return arr
 
     def load(self, split: str, ranges: Ranges | None) -> Rows:
@@ -297,8 +326,8 @@ class SyntheticArrays(DataSource):
                 lo, hi = max(a, starts[i]), min(b, starts[i + 1])
                 if lo >= hi:
                     continue
-                x = self._open(f["x"], int(f["rows"]))[lo - starts[i]:hi - starts[i]]
-                y = self._open(f["y"], int(f["rows"]))[lo - starts[i]:hi - starts[i]]
+                x = self._open(f["x"], int(f["rows"]))[lo - starts[i] : hi - starts[i]]
+                y = self._open(f["y"], int(f["rows"]))[lo - starts[i] : hi - starts[i]]
                 xs.append(np.array(x) if self.in_memory else x)
                 ys.append(np.array(y) if self.in_memory else y)
         return Rows(xs, ys)
@@ -316,26 +345,48 @@ class TrainData:
     rank gets the same number of batches per epoch (`steps_per_epoch`), which DDP needs.
     """
 
-    def __init__(self, source: DataSource, cfg: SamplerConfig, env: DistEnv, batch_size: int,
-                 seed: int, num_workers: int = 0):
+    def __init__(
+        self,
+        source: DataSource,
+        cfg: SamplerConfig,
+        env: DistEnv,
+        batch_size: int,
+        seed: int,
+        num_workers: int = 0,
+    ):
         self.source, self.cfg, self.env = source, cfg, env
         self.num_workers, self.batch_size = num_workers, batch_size
         n, world = source.num_rows("train"), env.world_size
         check_sampling(source, cfg, world, batch_size)
         if cfg.policy == SamplerPolicy.strided:
             self.dataset = source.load("train", None)
-            self.sampler = StridedSampler(n, env.rank, world, batch_size, shuffle=cfg.shuffle,
-                                          seed=seed, drop_last=cfg.drop_last)
+            self.sampler = StridedSampler(
+                n,
+                env.rank,
+                world,
+                batch_size,
+                shuffle=cfg.shuffle,
+                seed=seed,
+                drop_last=cfg.drop_last,
+            )
             self._part_epoch: int | None = None
         else:
             parts = self._parts(0)
-            self.sampler = ShardedSampler(_rows_in(parts[env.rank]), samples_per_epoch(parts),
-                                          env.rank, batch_size, shuffle=cfg.shuffle, seed=seed,
-                                          drop_last=cfg.drop_last)
+            self.sampler = ShardedSampler(
+                _rows_in(parts[env.rank]),
+                samples_per_epoch(parts),
+                env.rank,
+                batch_size,
+                shuffle=cfg.shuffle,
+                seed=seed,
+                drop_last=cfg.drop_last,
+            )
             self._load_part(0)
         if len(self.sampler) == 0:
-            raise UserError(f"trainer.batch_size={batch_size} with sampler.drop_last=true leaves "
-                            "no full batch per rank: lower trainer.batch_size")
+            raise UserError(
+                f"trainer.batch_size={batch_size} with sampler.drop_last=true leaves "
+                "no full batch per rank: lower trainer.batch_size"
+            )
         self.loader = self._make_loader()
 
     def _parts(self, epoch: int) -> list[Ranges]:
@@ -356,11 +407,15 @@ class TrainData:
         # Its own generator: without one, every iter() draws a seed from the global RNG, so a
         # run resumed mid-epoch (one extra iter() after the RNG state is restored) would get
         # other dropout masks than the uninterrupted run.
-        return DataLoader(self.dataset, sampler=self.sampler, batch_size=None,
-                          num_workers=self.num_workers,
-                          pin_memory=self.env.device.type == "cuda",
-                          persistent_workers=self.num_workers > 0,
-                          generator=torch.Generator())
+        return DataLoader(
+            self.dataset,
+            sampler=self.sampler,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.env.device.type == "cuda",
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator(),
+        )
 
     @property
     def steps_per_epoch(self) -> int:
@@ -376,8 +431,11 @@ class TrainData:
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator:
         """Batches of `epoch`, skipping the first `start_batch` (resuming mid-epoch)."""
-        if (self.cfg.policy == SamplerPolicy.sharded and self.cfg.rotate
-                and self._part_epoch != epoch):
+        if (
+            self.cfg.policy == SamplerPolicy.sharded
+            and self.cfg.rotate
+            and self._part_epoch != epoch
+        ):
             self._load_part(epoch)
             self.loader = self._make_loader()
         self.sampler.load_state_dict({"epoch": epoch, "start_batch": start_batch})
@@ -389,22 +447,30 @@ def check_sampling(source: DataSource, cfg: SamplerConfig, world: int, batch_siz
     n = source.num_rows("train")
     if cfg.policy == SamplerPolicy.strided:
         if cfg.drop_last and n < world:
-            raise UserError(f"sampler.drop_last=true needs at least one training row per rank: "
-                            f"{n} rows for {world} ranks; use fewer processes")
+            raise UserError(
+                f"sampler.drop_last=true needs at least one training row per rank: "
+                f"{n} rows for {world} ranks; use fewer processes"
+            )
         return
     if n < world:
-        raise UserError(f"sampler=sharded needs at least one training row per rank: the training "
-                        f"split has {n} rows for {world} ranks; use fewer processes or "
-                        "sampler=strided")
+        raise UserError(
+            f"sampler=sharded needs at least one training row per rank: the training "
+            f"split has {n} rows for {world} ranks; use fewer processes or "
+            "sampler=strided"
+        )
     files = source.file_rows("train")
     if cfg.shard_by == ShardBy.files and len(files) < world:
-        raise UserError(f"sampler.shard_by=files needs at least one file per rank: {len(files)} "
-                        f"file(s) for {world} ranks; use sampler.shard_by=rows or write more "
-                        "shards (scripts/make_synthetic.py --shards)")
+        raise UserError(
+            f"sampler.shard_by=files needs at least one file per rank: {len(files)} "
+            f"file(s) for {world} ranks; use sampler.shard_by=rows or write more "
+            "shards (scripts/make_synthetic.py --shards)"
+        )
     if cfg.drop_last and n // world < batch_size:
-        raise UserError(f"sampler=sharded with drop_last=true: each rank holds about {n // world} "
-                        f"rows, fewer than trainer.batch_size={batch_size}; lower "
-                        "trainer.batch_size")
+        raise UserError(
+            f"sampler=sharded with drop_last=true: each rank holds about {n // world} "
+            f"rows, fewer than trainer.batch_size={batch_size}; lower "
+            "trainer.batch_size"
+        )
 
 
 def _rows_in(ranges: Ranges) -> int:
@@ -415,19 +481,26 @@ class EvalData:
     """A held-out split, partitioned so each row is evaluated exactly once across ranks
     (no DistributedSampler padding: ranks may hold one row more or less)."""
 
-    def __init__(self, source: DataSource, split: str, policy: SamplerPolicy, env: DistEnv,
-                 batch_size: int):
+    def __init__(
+        self, source: DataSource, split: str, policy: SamplerPolicy, env: DistEnv, batch_size: int
+    ):
         n = source.num_rows(split)
         if policy == SamplerPolicy.strided:
             self.dataset = source.load(split, None)
-            self.sampler = StridedSampler(n, env.rank, env.world_size, batch_size, shuffle=False,
-                                          pad=False)
+            self.sampler = StridedSampler(
+                n, env.rank, env.world_size, batch_size, shuffle=False, pad=False
+            )
         else:
             # Each rank reads only its own contiguous part of the split.
             part = partition_rows(n, env.world_size)[env.rank]
             self.dataset = source.load(split, part)
-            self.sampler = StridedSampler(max(len(self.dataset), 1), 0, 1, batch_size,
-                                          shuffle=False, pad=False) if len(self.dataset) else None
+            self.sampler = (
+                StridedSampler(
+                    max(len(self.dataset), 1), 0, 1, batch_size, shuffle=False, pad=False
+                )
+                if len(self.dataset)
+                else None
+            )
 
     def __iter__(self) -> Iterator:
         if self.sampler is None:

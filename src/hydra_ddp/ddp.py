@@ -23,26 +23,33 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn
     model = model.to(env.device)
     if not cfg.enabled:
         if env.world_size > 1:
-            raise UserError(f"ddp=none (ddp.enabled=false) with {env.world_size} processes would "
-                            "let every rank train its own diverging copy: use ddp=default, or "
-                            "run one process")
+            raise UserError(
+                f"ddp=none (ddp.enabled=false) with {env.world_size} processes would "
+                "let every rank train its own diverging copy: use ddp=default, or "
+                "run one process"
+            )
         return model
     if not env.distributed:
         return model
     on_cuda = env.device.type == "cuda"
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same per-forward meaning;
     # the sync at construction is init_sync's job); older releases know only the old name.
-    buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in
-                  inspect.signature(DDP.__init__).parameters else "broadcast_buffers")
-    ddp = DDP(model,
-              device_ids=[env.device.index] if on_cuda else None,
-              output_device=env.device.index if on_cuda else None,
-              **{buffers_kw: cfg.broadcast_buffers},
-              bucket_cap_mb=cfg.bucket_cap_mb,
-              find_unused_parameters=cfg.find_unused_parameters,
-              gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-              static_graph=cfg.static_graph,
-              init_sync=cfg.init_sync)
+    buffers_kw = (
+        "forward_sync_buffers"
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+        else "broadcast_buffers"
+    )
+    ddp = DDP(
+        model,
+        device_ids=[env.device.index] if on_cuda else None,
+        output_device=env.device.index if on_cuda else None,
+        **{buffers_kw: cfg.broadcast_buffers},
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        find_unused_parameters=cfg.find_unused_parameters,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+        init_sync=cfg.init_sync,
+    )
     _register_comm_hook(ddp, cfg)
     return ddp
 
@@ -51,17 +58,21 @@ def _register_comm_hook(ddp: torch.nn.Module, cfg: DDPConfig) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if cfg.comm_hook == CommHook.bf16_compress and dist.get_backend() != "nccl":
-        raise UserError("ddp=bf16_compress (ddp.comm_hook=bf16_compress) needs CUDA with NCCL "
-                        f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
-                        "ddp=fp16_compress or ddp=powersgd there")
+        raise UserError(
+            "ddp=bf16_compress (ddp.comm_hook=bf16_compress) needs CUDA with NCCL "
+            f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
+            "ddp=fp16_compress or ddp=powersgd there"
+        )
     if cfg.comm_hook == CommHook.fp16_compress:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif cfg.comm_hook == CommHook.bf16_compress:
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif cfg.comm_hook == CommHook.powersgd:
-        state = powerSGD_hook.PowerSGDState(process_group=None,
-                                            matrix_approximation_rank=cfg.powersgd_rank,
-                                            start_powerSGD_iter=cfg.powersgd_start_iter)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_iter,
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
@@ -71,8 +82,10 @@ def explain(e: BaseException) -> UserError | None:
     Called on the error path only, never per step."""
     # DDP's own message for this case is a paragraph about reductions and buckets.
     if isinstance(e, RuntimeError) and "Expected to have finished reduction" in str(e):
-        return UserError("some model parameters got no gradient in a step and DDP was not told "
-                         "to expect that: use ddp=unused_params (sets "
-                         "ddp.find_unused_parameters=true), or make every parameter take part "
-                         "in the loss")
+        return UserError(
+            "some model parameters got no gradient in a step and DDP was not told "
+            "to expect that: use ddp=unused_params (sets "
+            "ddp.find_unused_parameters=true), or make every parameter take part "
+            "in the loss"
+        )
     return None

@@ -88,29 +88,38 @@ def env_from_environ(cfg: DistConfig) -> DistEnv:
         raise UserError(
             f"the environment sets {', '.join(present)} but not {', '.join(missing)}: start the "
             "job with torchrun (or set all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
-            "MASTER_PORT)")
+            "MASTER_PORT)"
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world,
-                   local_world_size=local_world, device=_pick_device(cfg, local_rank),
-                   launched=True)
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        device=_pick_device(cfg, local_rank),
+        launched=True,
+    )
 
 
 def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
-    want_cuda = cfg.device == Device.cuda or (cfg.device == Device.auto
-                                               and torch.cuda.is_available())
+    want_cuda = cfg.device == Device.cuda or (
+        cfg.device == Device.auto and torch.cuda.is_available()
+    )
     if not want_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UserError("dist.device=cuda but CUDA is not available here: use dist.device=cpu "
-                        "or auto")
+        raise UserError(
+            "dist.device=cuda but CUDA is not available here: use dist.device=cpu or auto"
+        )
     count = torch.cuda.device_count()
     if local_rank >= count:
         raise UserError(
             f"local rank {local_rank} has no GPU: this node has {count} visible GPU(s) but more "
             "processes per node were started; set --nproc_per_node (or dist.nproc_per_node) to "
-            f"at most {count}, or use dist.device=cpu")
+            f"at most {count}, or use dist.device=cpu"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -118,8 +127,10 @@ def backend_for(cfg: DistConfig, device: torch.device) -> str:
     if cfg.backend == Backend.auto:
         return "nccl" if device.type == "cuda" else "gloo"
     if cfg.backend == Backend.nccl and device.type != "cuda":
-        raise UserError("dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
-                        "dist.backend=gloo (or auto)")
+        raise UserError(
+            "dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
+            "dist.backend=gloo (or auto)"
+        )
     return cfg.backend.value
 
 
@@ -146,13 +157,19 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
                 f"{os.environ.get('MASTER_PORT')} is already in use on this machine (another "
                 "job?); pick a free MASTER_PORT (torchrun --master-port), or let one be chosen "
                 "(torchrun --standalone, or python -m hydra_ddp.train dist.nproc_per_node=N)"
-                ) from e
+            ) from e
         raise UserError(
             f"rank {env.rank} could not join the process group at {where} within "
             f"dist.timeout_s={cfg.timeout_s:g}s ({str(e).splitlines()[0]}): check that every "
-            "rank was started and can reach the master, or raise dist.timeout_s") from e
-    log.info("process group up: backend=%s rank=%d/%d device=%s", backend, env.rank,
-             env.world_size, env.device)
+            "rank was started and can reach the master, or raise dist.timeout_s"
+        ) from e
+    log.info(
+        "process group up: backend=%s rank=%d/%d device=%s",
+        backend,
+        env.rank,
+        env.world_size,
+        env.device,
+    )
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
@@ -167,21 +184,32 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     # Several agents (nodes) do not agree on the restart count (only the agent whose worker
     # failed counts one), so the prefix would split the group: there the documented
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a fresh store instead.
-    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
+    ):
         return None
-    attempt = "/".join(os.environ.get(k, "") for k in
-                       ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE"))
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           is_master=False, timeout=timeout)
+    attempt = "/".join(
+        os.environ.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE")
+    )
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"hydra_ddp/pg/{attempt}/", client)
 
 
 def lost_peer(e: BaseException) -> bool:
     """True for the error a collective raises when another rank died mid-job."""
     return isinstance(e, RuntimeError) and any(
-        s in str(e) for s in ("Connection reset by peer", "Connection closed by peer",
-                              "Broken pipe", "NCCL communicator was aborted"))
+        s in str(e)
+        for s in (
+            "Connection reset by peer",
+            "Connection closed by peer",
+            "Broken pipe",
+            "NCCL communicator was aborted",
+        )
+    )
 
 
 def destroy_process_group() -> None:
@@ -226,8 +254,9 @@ def sum_by_name(sums: dict[str, list[float]], env: DistEnv) -> dict[str, list[fl
     merged: dict[str, list[float]] = {}
     for part in all_gather_objects(sums, env):
         for name, values in part.items():
-            merged[name] = [a + b for a, b in zip(merged[name], values)] \
-                if name in merged else list(values)
+            merged[name] = (
+                [a + b for a, b in zip(merged[name], values)] if name in merged else list(values)
+            )
     return merged
 
 
@@ -253,7 +282,7 @@ def launcher_rank() -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def job_dir(default: str) -> str:
     """hydra.run.dir for this process.
 
@@ -268,15 +297,20 @@ def job_dir(default: str) -> str:
             return _agree_through_store(default)
         return os.path.join("outputs", "torchrun", os.environ["TORCHELASTIC_RUN_ID"])
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
-        return os.path.join("outputs", "slurm",
-                            f"{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_STEP_ID', 0)}")
+        return os.path.join(
+            "outputs", "slurm", f"{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_STEP_ID', 0)}"
+        )
     return default
 
 
 def _agree_through_store(default: str) -> str:
     key = f"hydra_ddp/job_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=300))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
     if launcher_rank() == 0:
         # compare_set writes only if the key is absent and returns what the key holds.
         return store.compare_set(key, "", default).decode()
@@ -294,7 +328,10 @@ def log_name(default: str) -> str:
 
 
 def register_resolvers() -> None:
-    for name, fn in [("ddp_job_dir", job_dir), ("ddp_hydra_subdir", hydra_subdir),
-                     ("ddp_log_name", log_name)]:
+    for name, fn in [
+        ("ddp_job_dir", job_dir),
+        ("ddp_hydra_subdir", hydra_subdir),
+        ("ddp_log_name", log_name),
+    ]:
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)

@@ -51,14 +51,23 @@ def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
     for old in errors.glob("rank*.txt"):
         old.unlink()
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.dist.nproc_per_node,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.dist.nproc_per_node,
         run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
         # c10d rendezvous on a free local port, as `torchrun --standalone` does.
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",
-        max_restarts=cfg.dist.max_restarts, monitor_interval=0.2, start_method="spawn",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=cfg.dist.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
     )
-    log.info("starting %d workers (max_restarts=%d); logs: %s", cfg.dist.nproc_per_node,
-             cfg.dist.max_restarts, Path(run.output_dir) / "train_rank*.log")
+    log.info(
+        "starting %d workers (max_restarts=%d); logs: %s",
+        cfg.dist.nproc_per_node,
+        cfg.dist.max_restarts,
+        Path(run.output_dir) / "train_rank*.log",
+    )
     # The workers' process group gets a fresh store from worker rank 0 at every attempt instead
     # of the agent's store, which outlives restarts: on that one a restarted rank can read the
     # previous attempt's addresses and hang (pytorch/pytorch#135712, still so in torch 2.13).
@@ -74,14 +83,20 @@ def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
     except ChildFailedError as e:
         # Name the lowest rank that said why it stopped (the agent may record only the rank
         # that exited first, or a rank it terminated itself); else the lowest failed rank.
-        said = sorted(int(p.stem[len("rank"):]) for p in errors.glob("rank*.txt")
-                      if p.stem[len("rank"):].isdigit())
+        said = sorted(
+            int(p.stem[len("rank") :])
+            for p in errors.glob("rank*.txt")
+            if p.stem[len("rank") :].isdigit()
+        )
         rank = said[0] if said else min(e.failures)
         failure = e.failures.get(rank)
-        why = _first_error(errors, rank) or (f"exit code {failure.exitcode}" if failure
-                                             else "it stopped")
-        raise UserError(f"worker rank {rank} failed: {why} (log: "
-                        f"{Path(run.output_dir) / f'train_rank{rank}.log'})") from None
+        why = _first_error(errors, rank) or (
+            f"exit code {failure.exitcode}" if failure else "it stopped"
+        )
+        raise UserError(
+            f"worker rank {rank} failed: {why} (log: "
+            f"{Path(run.output_dir) / f'train_rank{rank}.log'})"
+        ) from None
     finally:
         agent_log.removeFilter(_drop_traceback)
         if saved is None:
@@ -181,13 +196,25 @@ class SweepReport(Callback):
             else:
                 status, detail = "FAILED", "no summary.json (the job died)"
             logs = sorted(str(p) for p in job_dir.glob("*.log"))
-            jobs.append({"job": job_dir.name, "status": status, "objective": objective,
-                         "detail": detail, "dir": str(job_dir), "logs": logs})
+            jobs.append(
+                {
+                    "job": job_dir.name,
+                    "status": status,
+                    "objective": objective,
+                    "detail": detail,
+                    "dir": str(job_dir),
+                    "logs": logs,
+                }
+            )
         (sweep_dir / "sweep_report.json").write_text(json.dumps(jobs, indent=2) + "\n")
         failed = [j for j in jobs if j["status"] != "ok"]
         _sweep_failed = bool(failed)
-        log.info("sweep done: %d job(s), %d failed; report: %s", len(jobs), len(failed),
-                 sweep_dir / "sweep_report.json")
+        log.info(
+            "sweep done: %d job(s), %d failed; report: %s",
+            len(jobs),
+            len(failed),
+            sweep_dir / "sweep_report.json",
+        )
         for j in jobs:
             line = f"  {j['status']:6s} {j['job']}: {j['detail']}"
             if j["status"] != "ok":
@@ -204,16 +231,21 @@ class SweepReport(Callback):
             # A job that raised past train.py's own handling (a bug) still gets marked.
             record_failure(output_dir, repr(job_return._return_value))
         if _is_multirun(job_return.hydra_cfg):
-            value = job_return._return_value if job_return.status == JobStatus.COMPLETED \
-                else None
+            value = job_return._return_value if job_return.status == JobStatus.COMPLETED else None
             number = float(value) if isinstance(value, (int, float)) else None
-            (output_dir / _JOB_RETURN).write_text(json.dumps({
-                "status": job_return.status.name,
-                "return_type": type(value).__name__,
-                # JSON has no NaN: a failed job's NaN objective is written as null.
-                "return_value": number if number is not None and math.isfinite(number)
-                else None,
-            }) + "\n")
+            (output_dir / _JOB_RETURN).write_text(
+                json.dumps(
+                    {
+                        "status": job_return.status.name,
+                        "return_type": type(value).__name__,
+                        # JSON has no NaN: a failed job's NaN objective is written as null.
+                        "return_value": number
+                        if number is not None and math.isfinite(number)
+                        else None,
+                    }
+                )
+                + "\n"
+            )
 
 
 _JOB_RETURN = "job_return.json"

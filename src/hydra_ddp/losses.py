@@ -23,5 +23,8 @@ class CrossEntropy(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                               label_smoothing=self.label_smoothing)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            target.reshape(-1),
+            label_smoothing=self.label_smoothing,
+        )

@@ -31,8 +31,9 @@ class Metric:
 
 
 def _nll_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                             target.reshape(-1), reduction="sum")
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="sum"
+    )
 
 
 class Accuracy(Metric):
@@ -50,8 +51,9 @@ class Perplexity(Metric):
     """exp of the mean next-token negative log-likelihood (without label smoothing)."""
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.stack([_nll_sum(output, target).double(),
-                            torch.tensor(target.numel(), dtype=torch.float64)])
+        return torch.stack(
+            [_nll_sum(output, target).double(), torch.tensor(target.numel(), dtype=torch.float64)]
+        )
 
     def compute(self, totals: list[float]) -> float:
         return math.exp(min(totals[0] / max(totals[1], 1), 700.0))
@@ -78,8 +80,14 @@ class R2Score(Metric):
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         y = target.double().view_as(output)
-        return torch.stack([((output.double() - y) ** 2).sum(), y.sum(), (y ** 2).sum(),
-                            torch.tensor(y.numel(), dtype=torch.float64)])
+        return torch.stack(
+            [
+                ((output.double() - y) ** 2).sum(),
+                y.sum(),
+                (y**2).sum(),
+                torch.tensor(y.numel(), dtype=torch.float64),
+            ]
+        )
 
     def compute(self, totals: list[float]) -> float:
         sse, total, squares, n = totals
@@ -88,9 +96,14 @@ class R2Score(Metric):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data, env: DistEnv, loss_fn: Callable,
-             metrics: Mapping[str, Metric],
-             autocast: AbstractContextManager) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    data,
+    env: DistEnv,
+    loss_fn: Callable,
+    metrics: Mapping[str, Metric],
+    autocast: AbstractContextManager,
+) -> dict[str, float]:
     """The loss and every metric over a whole split, every row counted once across ranks.
 
     `model` must be the unwrapped module: a DDP forward may broadcast buffers, a collective
@@ -130,9 +143,11 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     global _process
     if _process is None or _process.pid != os.getpid():  # one per process; a fork gets its own
         _process = psutil.Process()
-    stats = {"rss_mb": _process.memory_info().rss / _MB,
-             # ru_maxrss is in KiB on Linux.
-             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    stats = {
+        "rss_mb": _process.memory_info().rss / _MB,
+        # ru_maxrss is in KiB on Linux.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     if device.type == "cuda":
         stats["cuda_mem_mb"] = torch.cuda.memory_allocated(device) / _MB
         stats["cuda_peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / _MB

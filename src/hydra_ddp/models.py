@@ -26,8 +26,9 @@ def _check_dropout(dropout: float) -> None:
 class MLP(nn.Module):
     """Flattened input, `depth` hidden layers of width `hidden`, `out_features` outputs."""
 
-    def __init__(self, in_features: int, out_features: int, hidden: int, depth: int,
-                 dropout: float):
+    def __init__(
+        self, in_features: int, out_features: int, hidden: int, depth: int, dropout: float
+    ):
         super().__init__()
         check(hidden > 0, "hidden", "> 0", hidden)
         check(depth >= 1, "depth", ">= 1", depth)
@@ -47,8 +48,14 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     """Two 3x3 conv layers and a small classifier: enough for 8x8 digits."""
 
-    def __init__(self, image_shape: tuple[int, int, int], out_features: int, channels: int,
-                 hidden: int, dropout: float):
+    def __init__(
+        self,
+        image_shape: tuple[int, int, int],
+        out_features: int,
+        channels: int,
+        hidden: int,
+        dropout: float,
+    ):
         super().__init__()
         check(channels > 0, "channels", "> 0", channels)
         check(hidden > 0, "hidden", "> 0", hidden)
@@ -56,14 +63,19 @@ class CNN(nn.Module):
         c, h, w = image_shape
         self.shape = tuple(image_shape)
         self.features = nn.Sequential(
-            nn.Conv2d(c, channels, 3, padding=1), nn.GELU(),
-            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.GELU(),
+            nn.Conv2d(c, channels, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.GELU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Dropout(dropout),
-            nn.Linear(2 * channels * (h // 2) * (w // 2), hidden), nn.GELU(),
-            nn.Dropout(dropout), nn.Linear(hidden, out_features),
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            nn.Linear(2 * channels * (h // 2) * (w // 2), hidden),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, out_features),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +89,12 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-                                 nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd),
+            nn.GELU(),
+            nn.Linear(4 * n_embd, n_embd),
+            nn.Dropout(dropout),
+        )
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +102,9 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         # is_causal instead of a mask buffer: no buffer for DDP to broadcast every forward.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(self.ln2(x))
 
@@ -95,13 +112,24 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small GPT-style character model (nanoGPT's shape: pre-norm blocks, tied embeddings)."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        dropout: float,
+    ):
         super().__init__()
         check(n_layer >= 1, "n_layer", ">= 1", n_layer)
         check(n_head >= 1, "n_head", ">= 1", n_head)
-        check(n_embd > 0 and n_embd % n_head == 0, "n_embd",
-              f"> 0 and divisible by n_head={n_head}", n_embd)
+        check(
+            n_embd > 0 and n_embd % n_head == 0,
+            "n_embd",
+            f"> 0 and divisible by n_head={n_head}",
+            n_embd,
+        )
         _check_dropout(dropout)
         self.tok = nn.Embedding(vocab_size, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)

@@ -80,7 +80,7 @@ def _mix64_inplace(z: np.ndarray) -> np.ndarray:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    """Return ``value`` as int, raising ValueError naming ``name`` if it is not an int >= minimum."""
+    """``value`` as an int; a ValueError naming ``name`` if it is not an int >= minimum."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     value = int(value)
@@ -258,7 +258,7 @@ class _BatchSamplerBase(Sampler[np.ndarray]):
                 # Set before yielding: once the consumer holds this batch it counts
                 # as consumed for checkpointing purposes.
                 self.start_batch = batch + i + 1
-                yield rows[i * self.batch_size:(i + 1) * self.batch_size]
+                yield rows[i * self.batch_size : (i + 1) * self.batch_size]
             batch += count
             chunk = min(2 * chunk, max(1, _CHUNK_INDICES // self.batch_size))
         self.epoch = epoch + 1
@@ -361,8 +361,15 @@ class StridedSampler(_BatchSamplerBase):
         logger.debug(
             "StridedSampler(num_rows=%d, rank=%d/%d, batch_size=%d, shuffle=%s, drop_last=%s, "
             "pad=%s): %d samples, %d batches per epoch",
-            self.num_rows, self.rank, self.world_size, self.batch_size, self.shuffle,
-            self.drop_last, self.pad, self.num_samples, len(self),
+            self.num_rows,
+            self.rank,
+            self.world_size,
+            self.batch_size,
+            self.shuffle,
+            self.drop_last,
+            self.pad,
+            self.num_samples,
+            len(self),
         )
 
     def _order(self, epoch: int) -> FeistelPermutation | None:
@@ -428,7 +435,10 @@ class ShardedSampler(_BatchSamplerBase):
         self.num_samples = spe
         logger.debug(
             "ShardedSampler(rank=%d): local_rows=%d, samples_per_epoch=%d, %d batches per epoch",
-            self.rank, local_rows, spe, len(self),
+            self.rank,
+            local_rows,
+            spe,
+            len(self),
         )
 
     @property
@@ -439,7 +449,9 @@ class ShardedSampler(_BatchSamplerBase):
     def _order(self, epoch: int) -> FeistelPermutation | None:
         if not self.shuffle:
             return None
-        return FeistelPermutation(self.local_rows, _combine(_TAG_SHARDED, self.seed, epoch, self.rank))
+        return FeistelPermutation(
+            self.local_rows, _combine(_TAG_SHARDED, self.seed, epoch, self.rank)
+        )
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
         if order is None:

@@ -80,8 +80,13 @@ class RunInfo:
 # W&B mode resolution (no network, no prompt)
 # --------------------------------------------------------------------------------------------
 
-_ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
-              "disabled": "disabled"}
+_ENV_MODES = {
+    "online": "online",
+    "run": "online",
+    "offline": "offline",
+    "dryrun": "offline",
+    "disabled": "disabled",
+}
 
 
 def wandb_credentials_source() -> Optional[str]:
@@ -127,8 +132,9 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
         return _ENV_MODES[env_mode], f"WANDB_MODE={env_mode}"
     source = wandb_credentials_source()
     if source is None:
-        return "offline", ("logger.mode=auto found no W&B login: no WANDB_API_KEY and no netrc "
-                           "entry")
+        return "offline", (
+            "logger.mode=auto found no W&B login: no WANDB_API_KEY and no netrc entry"
+        )
     return "online", f"logger.mode=auto found W&B credentials in {source}"
 
 
@@ -153,8 +159,14 @@ def _clip(text: str, limit: int = _WANDB_MAX_LEN) -> str:
 def _redact(value: Any, secret: Optional[str]) -> Any:
     """Copy of a config with secret-looking entries (and the live API key) blanked."""
     if isinstance(value, Mapping):
-        return {k: (_REDACTED if isinstance(k, str) and _SECRET_KEY.search(k) and v
-                    else _redact(v, secret)) for k, v in value.items()}
+        return {
+            k: (
+                _REDACTED
+                if isinstance(k, str) and _SECRET_KEY.search(k) and v
+                else _redact(v, secret)
+            )
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [_redact(v, secret) for v in value]
     if isinstance(value, str) and secret and secret in value:
@@ -171,8 +183,15 @@ def shared_run_id(cfg: LoggerConfig, run: RunInfo) -> str:
     finished one.
     """
     parts = [cfg.entity or "", cfg.project, str(run.output_dir), run.job_name, run.group]
-    parts += [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                                               "SLURM_JOB_ID", "SLURM_STEP_ID")]
+    parts += [
+        os.environ.get(k, "")
+        for k in (
+            "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_RESTART_COUNT",
+            "SLURM_JOB_ID",
+            "SLURM_STEP_ID",
+        )
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -243,9 +262,9 @@ class Tracker:
             if cfg.layout == Layout.shared and self._wandb_mode == "offline":
                 raise UserError(
                     f"logger.layout=shared needs W&B online ({reason}); use logger.layout="
-                    "gather or group, or log in (`wandb login` or WANDB_API_KEY)")
-            logger.info("W&B mode %s (%s), layout %s", self._wandb_mode, reason,
-                        cfg.layout.value)
+                    "gather or group, or log in (`wandb login` or WANDB_API_KEY)"
+                )
+            logger.info("W&B mode %s (%s), layout %s", self._wandb_mode, reason, cfg.layout.value)
 
         try:
             self._stats_dir = Path(run.output_dir) / "stats"
@@ -294,9 +313,13 @@ class Tracker:
             settings["x_label"] = f"rank{env.rank}"
         elif self._layout == Layout.shared:
             kwargs["id"] = shared_run_id(cfg, info)
-            settings.update(mode="shared", x_label=f"rank{env.rank}", x_primary=env.is_main,
-                            # Only the primary decides whether the run finished or failed.
-                            x_update_finish_state=env.is_main)
+            settings.update(
+                mode="shared",
+                x_label=f"rank{env.rank}",
+                x_primary=env.is_main,
+                # Only the primary decides whether the run finished or failed.
+                x_update_finish_state=env.is_main,
+            )
         if self._layout != Layout.gather and env.device.type == "cuda":
             # System stats of this rank's own GPU only; gather's single run watches them all.
             index = env.device.index if env.device.index is not None else env.local_rank
@@ -318,17 +341,22 @@ class Tracker:
                 **kwargs,
             )
         except (wandb.errors.AuthenticationError, wandb.errors.UsageError) as e:
-            raise UserError(f"W&B could not start a run for logger.project={cfg.project!r} "
-                            f"({str(e).splitlines()[0]}): check logger.* and your W&B login, "
-                            "or set logger.mode=offline") from None
+            raise UserError(
+                f"W&B could not start a run for logger.project={cfg.project!r} "
+                f"({str(e).splitlines()[0]}): check logger.* and your W&B login, "
+                "or set logger.mode=offline"
+            ) from None
 
         wb_run.define_metric(STEP_METRIC)
         if self._layout == Layout.group:
             families = ["train/*"]
         else:
             # W&B globs only match a trailing '*', hence one pattern per rank.
-            families = [f"rank{r}/*" for r in range(env.world_size)] if env.is_main else [
-                f"rank{env.rank}/*"]
+            families = (
+                [f"rank{r}/*" for r in range(env.world_size)]
+                if env.is_main
+                else [f"rank{env.rank}/*"]
+            )
         if env.is_main:
             families += ["agg/*", "val/*", "test/*"]
         for pattern in families:
@@ -338,8 +366,9 @@ class Tracker:
 
     # ---------------------------------------------------------------------------- logging
 
-    def _start_gather(self, step: int, keys: List[str], values: List[float],
-                      now: float) -> "_Interval":
+    def _start_gather(
+        self, step: int, keys: List[str], values: List[float], now: float
+    ) -> _Interval:
         """Start one all_gather of [key signature, *values] from every rank (float64)."""
         interval = _Interval(step, keys, values, now)
         if not self._env.distributed:
@@ -347,15 +376,16 @@ class Tracker:
         # A hash of the key names rides along so mismatched keys fail loudly, not silently
         # mislabelled; crc32 fits a float64 exactly.
         interval.signature = float(zlib.crc32("\0".join(keys).encode()))
-        local = torch.tensor([interval.signature, *values], dtype=torch.float64,
-                             device=self._env.device)
+        local = torch.tensor(
+            [interval.signature, *values], dtype=torch.float64, device=self._env.device
+        )
         interval.parts = [torch.empty_like(local) for _ in range(self._env.world_size)]
         # Asynchronous: the result is read at the next log point (or at close), so the
         # collective overlaps the next steps instead of stalling every rank at each interval.
         interval.work = dist.all_gather(interval.parts, local, async_op=True)
         return interval
 
-    def _finish(self, interval: "_Interval") -> None:
+    def _finish(self, interval: _Interval) -> None:
         """Wait for an interval's gather; write its aggregates (rank 0) and W&B row."""
         keys, values, step = interval.keys, interval.values, interval.step
         if interval.work is None:
@@ -365,8 +395,10 @@ class Tracker:
             rows = torch.stack(interval.parts).cpu().tolist()
             if any(row[0] != interval.signature for row in rows):
                 # Every rank sees every signature, so all ranks raise here together.
-                raise RuntimeError(f"Tracker.log at step {step}: ranks passed different stat "
-                                   "keys; every rank must log the same keys at every interval")
+                raise RuntimeError(
+                    f"Tracker.log at step {step}: ranks passed different stat "
+                    "keys; every rank must log the same keys at every interval"
+                )
             table = {r: row[1:] for r, row in enumerate(rows)}
         agg = _aggregate(table, keys) if self._env.is_main else {}
         if self._env.is_main:
@@ -466,8 +498,10 @@ class Tracker:
             except Exception:  # closing must not mask the error that made us close
                 logger.exception("could not finish W&B run %s", run.id)
             if self._wandb_mode == "offline" and self._env.is_main:
-                logger.info("W&B offline run saved; upload it later with `wandb sync %s`",
-                            Path(run.dir).parent)
+                logger.info(
+                    "W&B offline run saved; upload it later with `wandb sync %s`",
+                    Path(run.dir).parent,
+                )
         for attr in ("_own", "_agg", "_eval"):
             handle = getattr(self, attr)
             setattr(self, attr, None)

@@ -36,9 +36,19 @@ from hydra_ddp.config import NanPolicy, Precision, TrainConfig, register_configs
 from hydra_ddp.console import Console
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_sampling
 from hydra_ddp.ddp import explain, wrap_model
-from hydra_ddp.dist import (DistEnv, all_gather_floats, all_reduce_sum, barrier,
-                            destroy_process_group, env_from_environ, export_submitit_env,
-                            init_process_group, lost_peer, register_resolvers, under_launcher)
+from hydra_ddp.dist import (
+    DistEnv,
+    all_gather_floats,
+    all_reduce_sum,
+    barrier,
+    destroy_process_group,
+    env_from_environ,
+    export_submitit_env,
+    init_process_group,
+    lost_peer,
+    register_resolvers,
+    under_launcher,
+)
 from hydra_ddp.errors import UserError
 from hydra_ddp.metrics import evaluate, memory_stats
 from hydra_ddp.optim import param_groups
@@ -52,10 +62,15 @@ register_resolvers()
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def train_step(model: torch.nn.Module, micro_batches: list[Batch], loss_fn: Callable,
-               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               autocast: contextlib.AbstractContextManager,
-               max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    autocast: contextlib.AbstractContextManager,
+    max_norm: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over `micro_batches` (gradient accumulation when more than one).
 
     Returns the mean loss and the gradient norm before clipping, both left on the device. A
@@ -104,17 +119,20 @@ class Components:
     scheduler: Any
 
 
-def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
-                     total_steps: int) -> Components:
+def build_components(
+    cfg: TrainConfig, source: DataSource, device: torch.device, total_steps: int
+) -> Components:
     """Model, loss, metrics, optimizer and schedule, each from its config group."""
     model = build(cfg.model, "model", **source.spec).to(device)
     optimizer = build(cfg.optim, "optim", params=param_groups(model))
     return Components(
-        source=source, model=model, loss_fn=build(cfg.loss, "loss"),
+        source=source,
+        model=model,
+        loss_fn=build(cfg.loss, "loss"),
         metrics={name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()},
         optimizer=optimizer,
-        scheduler=build(cfg.scheduler, "scheduler", optimizer=optimizer,
-                        total_steps=total_steps))
+        scheduler=build(cfg.scheduler, "scheduler", optimizer=optimizer, total_steps=total_steps),
+    )
 
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
@@ -126,19 +144,29 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     # Everything that can fail on bad input happens before the process group starts.
     torch.manual_seed(tcfg.seed)
     source = build(cfg.data, "data")
-    train_data = TrainData(source, cfg.sampler, env, tcfg.batch_size, cfg.sampler_seed,
-                           tcfg.num_workers)
-    evals = {s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size)
-             for s in ("val", "test")}
-    total_steps = (tcfg.max_steps if tcfg.max_steps > 0
-                   else max(tcfg.epochs * train_data.steps_per_epoch // tcfg.grad_accum, 1))
+    train_data = TrainData(
+        source, cfg.sampler, env, tcfg.batch_size, cfg.sampler_seed, tcfg.num_workers
+    )
+    evals = {
+        s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size) for s in ("val", "test")
+    }
+    total_steps = (
+        tcfg.max_steps
+        if tcfg.max_steps > 0
+        else max(tcfg.epochs * train_data.steps_per_epoch // tcfg.grad_accum, 1)
+    )
     parts = build_components(cfg, source, env.device, total_steps)
     raw_model, opt, sched = parts.model, parts.optimizer, parts.scheduler
     scaler = torch.amp.GradScaler(env.device.type, enabled=tcfg.precision == Precision.fp16)
     # nanoGPT's idiom: in fp32 no autocast context is entered at all.
-    autocast = (contextlib.nullcontext() if tcfg.precision == Precision.fp32 else torch.autocast(
-        env.device.type, dtype=torch.bfloat16 if tcfg.precision == Precision.bf16
-        else torch.float16))
+    autocast = (
+        contextlib.nullcontext()
+        if tcfg.precision == Precision.fp32
+        else torch.autocast(
+            env.device.type,
+            dtype=torch.bfloat16 if tcfg.precision == Precision.bf16 else torch.float16,
+        )
+    )
     state = {"model": raw_model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
 
@@ -148,10 +176,18 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         model = wrap_model(raw_model, env, cfg.ddp)
         pos = Position()
         if resume_from is not None:
-            pos = Position(**checkpoint.restore_training_state(
-                resume_from, env, [f.name for f in fields(Position)], **state))
-            log.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, pos.step,
-                     pos.epoch, pos.batch_in_epoch)
+            pos = Position(
+                **checkpoint.restore_training_state(
+                    resume_from, env, [f.name for f in fields(Position)], **state
+                )
+            )
+            log.info(
+                "resumed from %s at step %d (epoch %d, batch %d)",
+                resume_from,
+                pos.step,
+                pos.epoch,
+                pos.batch_in_epoch,
+            )
         else:
             # Different dropout masks per rank; the weights are already equal (same seed, and
             # DDP broadcasts rank 0's at construction).
@@ -160,9 +196,15 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         tracker = make_tracker(cfg.logger, env, run)
         console.show_config(run.config)
         unit = source.unit
-        log.info("%d rank(s) | %d train rows held by rank %d (%.1f MiB) | %d steps/epoch | "
-                 "%d steps", env.world_size, train_data.rows_held, env.rank,
-                 train_data.bytes_held / 2**20, train_data.steps_per_epoch, total_steps)
+        log.info(
+            "%d rank(s) | %d train rows held by rank %d (%.1f MiB) | %d steps/epoch | %d steps",
+            env.world_size,
+            train_data.rows_held,
+            env.rank,
+            train_data.bytes_held / 2**20,
+            train_data.steps_per_epoch,
+            total_steps,
+        )
 
         batches = _batches(train_data, pos)
         window = _Window()
@@ -175,10 +217,13 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
             t_step = time.perf_counter()
             micro_batches = [next(batches) for _ in range(tcfg.grad_accum)]
             window.data_wait += time.perf_counter() - t_step
-            micro_batches = [(x.to(env.device, non_blocking=True),
-                              y.to(env.device, non_blocking=True)) for x, y in micro_batches]
-            loss, grad_norm = train_step(model, micro_batches, parts.loss_fn, opt, scaler,
-                                         autocast, tcfg.grad_clip)
+            micro_batches = [
+                (x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True))
+                for x, y in micro_batches
+            ]
+            loss, grad_norm = train_step(
+                model, micro_batches, parts.loss_fn, opt, scaler, autocast, tcfg.grad_clip
+            )
             if not scaler.is_enabled() and not torch.isfinite(grad_norm):
                 _non_finite(pos.step + 1, loss, env, tcfg.nan_policy)
             sched.step()
@@ -191,30 +236,40 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 
             if pos.step % tcfg.log_interval == 0 or pos.step == total_steps:
                 stats = window.flush(grad_norm, sched.get_last_lr()[0], unit)
-                stats.update(memory_stats(env.device), samples_seen=pos.samples_seen,
-                             data_rows=train_data.rows_held, data_bytes=train_data.bytes_held,
-                             epoch=pos.epoch)
+                stats.update(
+                    memory_stats(env.device),
+                    samples_seen=pos.samples_seen,
+                    data_rows=train_data.rows_held,
+                    data_bytes=train_data.bytes_held,
+                    epoch=pos.epoch,
+                )
                 tracker.log(pos.step, stats)
                 progress.describe(f"loss {stats['loss']:.4f}")
                 if env.is_main and not progress.visible:
                     console.log_step(pos.step, total_steps, stats, tracker.last_aggregate, unit)
             if _due(pos.step, tcfg.eval_interval, total_steps):
-                val = evaluate(raw_model, evals["val"], env, parts.loss_fn, parts.metrics,
-                               autocast)
+                val = evaluate(raw_model, evals["val"], env, parts.loss_fn, parts.metrics, autocast)
                 tracker.log_eval(pos.step, {f"val/{k}": v for k, v in val.items()})
                 console.info_main("step %d | val %s", pos.step, _fmt(val))
             if _due(pos.step, tcfg.ckpt_interval, total_steps):
-                checkpoint.save_training_state(run.output_dir, asdict(pos), tcfg.keep_ckpts,
-                                               env, **state)
+                checkpoint.save_training_state(
+                    run.output_dir, asdict(pos), tcfg.keep_ckpts, env, **state
+                )
         progress.close()
         wall = time.perf_counter() - t_start
 
-        checkpoint.save_training_state(run.output_dir, asdict(pos), tcfg.keep_ckpts, env,
-                                       **state)
-        val, test = (evaluate(raw_model, evals[s], env, parts.loss_fn, parts.metrics, autocast)
-                     for s in ("val", "test"))
-        tracker.log_eval(pos.step, {**{f"val/{k}": v for k, v in val.items()},
-                                    **{f"test/{k}": v for k, v in test.items()}})
+        checkpoint.save_training_state(run.output_dir, asdict(pos), tcfg.keep_ckpts, env, **state)
+        val, test = (
+            evaluate(raw_model, evals[s], env, parts.loss_fn, parts.metrics, autocast)
+            for s in ("val", "test")
+        )
+        tracker.log_eval(
+            pos.step,
+            {
+                **{f"val/{k}": v for k, v in val.items()},
+                **{f"test/{k}": v for k, v in test.items()},
+            },
+        )
         summary = _summary(cfg, env, pos, start_step, wall, window, val, test, train_data, unit)
         tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         if env.is_main:
@@ -237,7 +292,8 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 f"rank {env.rank} lost contact with another rank "
                 f"({str(e).splitlines()[0].split('. ')[0][:200]}): that rank most likely died, "
                 "see its log for why; with torchrun --max-restarts=K (or dist.max_restarts=K) "
-                "the group restarts and resumes from the newest checkpoint") from e
+                "the group restarts and resumes from the newest checkpoint"
+            ) from e
         raise
     finally:
         # The DDP wrapper goes first, while the process group is still registered: dropping the
@@ -289,10 +345,14 @@ class _Window:
         self.last_loss = float(self.loss) / steps
         self.total_samples += self.samples
         self.total_time += self.step_time
-        stats = {"loss": self.last_loss, "step_time": self.step_time / steps,
-                 "data_wait": self.data_wait / steps,
-                 f"{unit}_per_s": self.samples / max(self.step_time, 1e-9),
-                 "grad_norm": float(grad_norm), "lr": lr}
+        stats = {
+            "loss": self.last_loss,
+            "step_time": self.step_time / steps,
+            "data_wait": self.data_wait / steps,
+            f"{unit}_per_s": self.samples / max(self.step_time, 1e-9),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+        }
         self.reset()
         return stats
 
@@ -304,17 +364,30 @@ def _non_finite(step: int, loss: torch.Tensor, env: DistEnv, policy: NanPolicy) 
     if ranks:
         what = f"non-finite loss at step {step} on rank(s) {', '.join(map(str, ranks))}"
     else:
-        what = (f"non-finite gradients at step {step} on every rank (the loss was finite on all "
-                "ranks; the averaged gradient overflowed)")
+        what = (
+            f"non-finite gradients at step {step} on every rank (the loss was finite on all "
+            "ranks; the averaged gradient overflowed)"
+        )
     if policy == NanPolicy.stop:
-        raise UserError(f"{what}: lower optim.lr, enable trainer.grad_clip, check the data those "
-                        "ranks read, or set trainer.nan_policy=skip to drop such steps")
+        raise UserError(
+            f"{what}: lower optim.lr, enable trainer.grad_clip, check the data those "
+            "ranks read, or set trainer.nan_policy=skip to drop such steps"
+        )
     log.warning("skipping step %d (trainer.nan_policy=skip): %s", step, what)
 
 
-def _summary(cfg: TrainConfig, env: DistEnv, pos: Position, start_step: int, wall: float,
-             window: _Window, val: dict[str, float], test: dict[str, float], data: TrainData,
-             unit: str) -> dict[str, Any]:
+def _summary(
+    cfg: TrainConfig,
+    env: DistEnv,
+    pos: Position,
+    start_step: int,
+    wall: float,
+    window: _Window,
+    val: dict[str, float],
+    test: dict[str, float],
+    data: TrainData,
+    unit: str,
+) -> dict[str, Any]:
     samples = all_reduce_sum([float(window.total_samples)], env)[0]
     held = all_gather_floats([data.rows_held, data.bytes_held], env)
     summary: dict[str, Any] = {
@@ -381,8 +454,10 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
     try:
         cfg = to_typed(dict_cfg)
         if multirun and "TORCHELASTIC_RUN_ID" in os.environ:
-            raise UserError("a sweep (-m) under torchrun would run the whole sweep on every rank: "
-                            "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead")
+            raise UserError(
+                "a sweep (-m) under torchrun would run the whole sweep on every rank: "
+                "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead"
+            )
         if cfg.dist.nproc_per_node > 1 and not under_launcher():
             preflight(cfg, cfg.dist.nproc_per_node)
             summary = launch.spawn(train, cfg, run)
