@@ -20,6 +20,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 __all__ = [
+    "FEISTEL_ROUNDS",
     "FeistelPermutation",
     "ShardedSampler",
     "StridedSampler",
@@ -48,6 +49,23 @@ _NP_S27 = np.uint64(27)
 _NP_S31 = np.uint64(31)
 
 _INT64_MAX = np.iinfo(np.int64).max
+# Feistel rounds of every shuffled sampler order (StridedSampler and ShardedSampler pass it
+# explicitly) and FeistelPermutation's default. Why 8 and not the earlier 4: the halves are
+# narrow (3 bits at n = 64, 6 at 4096, 8 at 65536), and there 4 rounds are measurably not
+# random: consecutive positions land on adjacent rows too often. Seed 0, the samplers' real
+# per-epoch keys, 20,000 epochs at n = 64 and 2,000 / 1,000 / 300 at n = 1000 / 4096 / 65536
+# (python tests/test_shuffle_quality.py prints this; z against a random permutation):
+#   order      p[0], p[1] adjacent at n = 64    adjacent pairs along the epoch, x random's 2/n
+#   randperm   3.15 % (z +0.2)                  0.99 - 1.04  (|z| <= 2.0)
+#   4 rounds   4.67 % (z +12.6)                 1.22 - 1.46  (z +11 .. +44)
+#   6 rounds   3.38 % (z +2.1)                  1.00 - 1.04  (z +6.6 at n = 64)
+#   8 rounds   3.19 % (z +0.6)                  1.01 - 1.09  (|z| <= 2.1)
+# Position uniformity (chi-square) and serial correlation look random at 4, 6 and 8 rounds.
+# Cost of 8 over 4 (busy 2-core machine): the n = 65536 table builds in ~1.5 ms instead of
+# ~0.9 ms per epoch, per-batch lookups unchanged; for n > 2**16 ~15-40 ns more per index.
+# Changing the count changes every shuffled order, so a run resumed mid-epoch across such a
+# change sees a different rest of that epoch (rows repeated or skipped once).
+FEISTEL_ROUNDS = 8
 # Up to this domain size (n <= 2**16) a FeistelPermutation computes its whole table at first
 # use: 1 MiB at most, built in about a millisecond.
 _TABLE_MAX_DOMAIN = 1 << 16
@@ -103,10 +121,12 @@ class FeistelPermutation:
     Args:
         n: Size of the permuted range, ``1 <= n <= 2**63 - 1``.
         key: Any integer; reduced modulo ``2**64``.
-        rounds: Number of Feistel rounds (>= 1).  4 rounds give good mixing.
+        rounds: Number of Feistel rounds (>= 1); default :data:`FEISTEL_ROUNDS` (8). Fewer
+            rounds are a bijection too but measurably non-random on small domains (4 rounds:
+            consecutive positions map to adjacent rows ~25 % more often than at random).
     """
 
-    def __init__(self, n: int, key: int, rounds: int = 4) -> None:
+    def __init__(self, n: int, key: int, rounds: int = FEISTEL_ROUNDS) -> None:
         self.n = _check_int("n", n, 1)
         if self.n > _INT64_MAX:
             raise ValueError(f"n must be <= 2**63 - 1, got {self.n}")
@@ -375,7 +395,10 @@ class StridedSampler(_BatchSamplerBase):
     def _order(self, epoch: int) -> FeistelPermutation | None:
         if not self.shuffle:
             return None
-        return FeistelPermutation(self.num_rows, _combine(_TAG_STRIDED, self.seed, epoch))
+        # FEISTEL_ROUNDS is read here, at call time, not bound at definition.
+        return FeistelPermutation(
+            self.num_rows, _combine(_TAG_STRIDED, self.seed, epoch), rounds=FEISTEL_ROUNDS
+        )
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
         positions = sample_ids * self.world_size + self.rank
@@ -450,7 +473,9 @@ class ShardedSampler(_BatchSamplerBase):
         if not self.shuffle:
             return None
         return FeistelPermutation(
-            self.local_rows, _combine(_TAG_SHARDED, self.seed, epoch, self.rank)
+            self.local_rows,
+            _combine(_TAG_SHARDED, self.seed, epoch, self.rank),
+            rounds=FEISTEL_ROUNDS,
         )
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
