@@ -320,3 +320,15 @@ def test_component_errors_name_the_key(overrides: list[str], expect: list[str]) 
     assert "\n" not in message
     for want in expect:
         assert want in message, message
+
+
+@pytest.mark.parametrize(
+    "override", ["+trainer.fast_dev_run=true", "+ddp.bucket_size=1", "+logger.projcet=x"]
+)
+def test_plus_key_under_a_typed_group_is_refused(override: str) -> None:
+    """`+key=value` adds a key even to a typed group, where it used to be silently ignored."""
+    from hydra_ddp.train import to_typed
+
+    key = override[1:].split("=")[0]
+    with pytest.raises(UserError, match=rf"^{key} is not a key of {key.split('.')[0]} "):
+        to_typed(composed(override))

@@ -87,23 +87,41 @@ def _complete(folder: Path) -> list[tuple[int, Path]]:
     return [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
 
 
-def is_complete(path: Path) -> bool:
-    """Cheap check that a file is a whole torch.save archive: a zip whose end-of-archive
-    record is present (a truncated or partly copied file has none). Reads only its tail."""
+def damage(path: Path) -> str | None:
+    """Why a file is not a whole, intact torch.save archive, or None when it is.
+
+    torch.save writes a zip whose members each carry a CRC-32: checking every member finds
+    bytes flipped anywhere (a bad disk, a partial copy), not only a missing end record. It
+    reads the whole file once, which resuming does anyway."""
     try:
-        return path.is_file() and zipfile.is_zipfile(path)
-    except OSError:
-        return False
+        if not zipfile.is_zipfile(path):
+            return "not a complete zip archive (truncated?)"
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+        return None if bad is None else f"member {bad} fails its CRC check (corrupt)"
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        return f"unreadable ({_first_line(e)})"
 
 
 def latest(output_dir: Path) -> Path | None:
-    """The newest complete checkpoint in the job's output dir, if any. A step file that is
-    not a whole archive (e.g. truncated by a copy or a full disk) is skipped with a warning."""
+    """The newest intact checkpoint in the job's output dir, if any. A step file that is
+    truncated or corrupt is skipped with a warning, and the one before it is used."""
     for _, path in sorted(_complete(checkpoint_dir(output_dir)), reverse=True):
-        if is_complete(path):
+        why = damage(path)
+        if why is None:
             return path
-        log.warning("skipping %s: not a complete checkpoint (truncated or corrupt)", path)
+        log.warning("skipping %s: %s; trying the previous checkpoint", path, why)
     return None
+
+
+def check_folder(output_dir: Path) -> None:
+    """Refuse a job whose checkpoints/ cannot be a folder, before it trains for nothing."""
+    folder = checkpoint_dir(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(
+            f"{folder} exists but is not a directory, so no checkpoint could be "
+            "saved: move it away, or choose another hydra.run.dir"
+        )
 
 
 def resolve_resume(resume: str, output_dir: Path) -> Path | None:
@@ -151,6 +169,12 @@ def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]
         raise UserError(
             f"{path} is empty (a checkpoint whose write never completed?): point "
             "trainer.resume at another one, or trainer.resume=never"
+        )
+    why = damage(path) if zipfile.is_zipfile(path) else None
+    if why is not None:
+        raise UserError(
+            f"{path} is not a readable checkpoint ({why}): point trainer.resume at "
+            "another one, or trainer.resume=never"
         )
     try:
         with warnings.catch_warnings():

@@ -14,6 +14,7 @@ worker group with torch's elastic agent (see launch.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from hydra_ddp.ddp import explain, wrap_model
 from hydra_ddp.dist import (
     DistEnv,
     all_gather_floats,
+    all_gather_objects,
     all_reduce_sum,
     barrier,
     destroy_process_group,
@@ -168,6 +170,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         )
     )
     state = {"model": raw_model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+    checkpoint.check_folder(run.output_dir)
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
 
     init_process_group(env, cfg.dist)
@@ -188,6 +191,9 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 pos.epoch,
                 pos.batch_in_epoch,
             )
+            finished = _finished_summary(run.output_dir, pos.step, total_steps, env)
+            if finished is not None:
+                return finished
         else:
             # Different dropout masks per rank; the weights are already equal (same seed, and
             # DDP broadcasts rank 0's at construction).
@@ -301,6 +307,27 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         # held, which deadlocks when one of them still frees a tensor (seen under load).
         model = None  # noqa: F841
         destroy_process_group()
+
+
+def _finished_summary(
+    output_dir: Path, step: int, total_steps: int, env: DistEnv
+) -> dict[str, Any] | None:
+    """The earlier summary when the checkpoint resumed from already ends the run, else None.
+
+    Rank 0 reads it and every rank returns the same, so no rank trains alone on an output dir
+    that another node cannot see."""
+    path = output_dir / "summary.json"
+    found = json.loads(path.read_text()) if step >= total_steps and path.is_file() else None
+    found = all_gather_objects(found if env.is_main else None, env)[0]
+    if found is not None and env.is_main:
+        log.info(
+            "already complete at step %d of %d: nothing to do (%s); retrain with "
+            "trainer.resume=never or in a new output dir",
+            step,
+            total_steps,
+            path,
+        )
+    return found
 
 
 def _batches(data: TrainData, pos: Position) -> Iterator[Batch]:
@@ -420,6 +447,21 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 def to_typed(dict_cfg: DictConfig) -> TrainConfig:
     """The composed config as dataclasses; runs every __post_init__ check."""
+    # `+trainer.x=1` adds a key even to a typed group, where it would be silently ignored.
+    for f in fields(TrainConfig):
+        node = dict_cfg.get(f.name)
+        if not isinstance(node, DictConfig):
+            continue
+        schema = OmegaConf.get_type(node)
+        if schema is not None and dataclasses.is_dataclass(schema):
+            known = {k.name for k in fields(schema)}
+            extra = sorted(set(node.keys()) - known)
+            if extra:
+                raise UserError(
+                    f"{f.name}.{extra[0]} is not a key of {f.name} "
+                    f"({schema.__name__}; see src/hydra_ddp/config.py): check the "
+                    f"spelling, its keys are {', '.join(sorted(known))}"
+                )
     return OmegaConf.to_object(dict_cfg)  # type: ignore[return-value]
 
 
