@@ -389,15 +389,6 @@ def test_bad_input_fails_cleanly(
     assert not world["marker"].exists(), "the malicious checkpoint was unpickled"
 
 
-def test_table_is_big_enough() -> None:
-    assert len(CASES) >= 20
-
-
-# --------------------------------------------------------------------------------------------
-# What cannot be a subprocess here
-# --------------------------------------------------------------------------------------------
-
-
 def test_more_processes_per_node_than_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine has no GPU, so the check is called directly with torch.cuda's two queries
     patched to report 2 GPUs: the only patch in these tests, and it touches no

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -157,13 +158,30 @@ def test_text_gpt_loss_falls(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (job / "stats" / "rank0.jsonl").open()]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
     assert "tokens_per_s" in s and s["val_loss"] < 3.5  # ln(vocab ~100) = 4.6 at chance
+    # The language-model metrics, consistent with the loss (no label smoothing here).
+    assert s["val_ppl"] == pytest.approx(math.exp(s["val_loss"]), rel=1e-6)
+    assert s["val_bpc"] == pytest.approx(s["val_loss"] / math.log(2), rel=1e-6)
 
 
-@pytest.mark.parametrize("ddp", ["unused_params", "static_graph", "fp16_compress", "powersgd"])
-def test_ddp_presets_train(tmp_path: Path, ddp: str) -> None:
+# What each preset must have changed in the DDP wrapper, as rank 0's log reads it back.
+PRESET_EFFECT = {
+    "default": "static_graph=False find_unused_parameters=False gradient_as_bucket_view=False "
+    "bucket_cap_mb=25 comm_hook=none",
+    "unused_params": "find_unused_parameters=True",
+    "static_graph": "static_graph=True",
+    "fp16_compress": "comm_hook=fp16_compress_hook",
+    "powersgd": "comm_hook=powerSGD_hook",
+}
+
+
+@pytest.mark.parametrize("ddp", list(PRESET_EFFECT))
+def test_ddp_presets_train_and_take_effect(tmp_path: Path, ddp: str) -> None:
     extra = ["ddp.powersgd_start_iter=2"] if ddp == "powersgd" else []
     ok(torchrun(tmp_path, *FAST, f"ddp={ddp}", "trainer.max_steps=20", *extra))
-    assert summary(only_job_dir(tmp_path))["steps"] == 20
+    job = only_job_dir(tmp_path)
+    assert summary(job)["steps"] == 20
+    log = (job / "train_rank0.log").read_text()
+    assert PRESET_EFFECT[ddp] in log, [ln for ln in log.splitlines() if "DDP:" in ln]
 
 
 def test_bf16_compress_on_gloo_is_refused_clearly(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ DDP's own failure messages into one line that says what to change."""
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hydra_ddp.config import CommHook, DDPConfig
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn.Module:
@@ -50,11 +53,22 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn
         static_graph=cfg.static_graph,
         init_sync=cfg.init_sync,
     )
-    _register_comm_hook(ddp, cfg)
+    hook = _register_comm_hook(ddp, cfg)
+    # Read back from the wrapper, not echoed from the config: what DDP actually does.
+    log.info(
+        "DDP: static_graph=%s find_unused_parameters=%s gradient_as_bucket_view=%s "
+        "bucket_cap_mb=%g comm_hook=%s",
+        ddp.static_graph,
+        ddp.find_unused_parameters,
+        ddp.gradient_as_bucket_view,
+        ddp.bucket_bytes_cap / 2**20,
+        hook,
+    )
     return ddp
 
 
-def _register_comm_hook(ddp: torch.nn.Module, cfg: DDPConfig) -> None:
+def _register_comm_hook(ddp: DDP, cfg: DDPConfig) -> str:
+    """Register the configured gradient-compression hook; return its name ("none" if none)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if cfg.comm_hook == CommHook.bf16_compress and dist.get_backend() != "nccl":
@@ -63,17 +77,22 @@ def _register_comm_hook(ddp: torch.nn.Module, cfg: DDPConfig) -> None:
             f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
             "ddp=fp16_compress or ddp=powersgd there"
         )
+    state, hook = None, None
     if cfg.comm_hook == CommHook.fp16_compress:
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        hook = default_hooks.fp16_compress_hook
     elif cfg.comm_hook == CommHook.bf16_compress:
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        hook = default_hooks.bf16_compress_hook
     elif cfg.comm_hook == CommHook.powersgd:
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=cfg.powersgd_rank,
             start_powerSGD_iter=cfg.powersgd_start_iter,
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+    if hook is None:
+        return "none"
+    ddp.register_comm_hook(state, hook)
+    return hook.__name__
 
 
 def explain(e: BaseException) -> UserError | None:
