@@ -8,6 +8,7 @@ file that would run code when unpickled is refused rather than executed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -92,7 +93,17 @@ def damage(path: Path) -> str | None:
 
     torch.save writes a zip whose members each carry a CRC-32: checking every member finds
     bytes flipped anywhere (a bad disk, a partial copy), not only a missing end record. It
-    reads the whole file once, which resuming does anyway."""
+    reads the whole file, so the answer is kept for as long as the file is unchanged: picking
+    the newest checkpoint and then loading it check it once."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        return f"unreadable ({_first_line(e)})"
+    return _damage(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _damage(path: str, size: int, mtime_ns: int) -> str | None:
     try:
         if not zipfile.is_zipfile(path):
             return "not a complete zip archive (truncated?)"
