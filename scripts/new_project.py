@@ -138,12 +138,16 @@ def main() -> None:
     if (root / "src" / name).exists():
         fail(f"{root / 'src' / name} already exists")
     chosen, strips = chosen_by(root / "conf"), {}
+    # A file stripped in the same call does not hold on to what it chooses.
+    stripped = {
+        Path("conf", *c.strip("/").rpartition("/")[::2]).as_posix() + ".yaml" for c in args.strip
+    }
     for choice in args.strip:
         group, _, option = choice.strip("/").rpartition("/")
         path = Path("conf", group, f"{option}.yaml")
         if not group or not (root / path).is_file():
             fail(f"--strip {choice}: no {path} (give GROUP/CHOICE, e.g. model/gpt)")
-        users = [u for u in chosen.get(f"{group}/{option}", []) if u != path.as_posix()]
+        users = [u for u in chosen.get(f"{group}/{option}", []) if u not in stripped]
         if "conf/train.yaml" in users:
             fail(f"--strip {choice}: it is the default in conf/train.yaml; change that first")
         if users:

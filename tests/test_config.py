@@ -25,7 +25,9 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {
     g.name: sorted(p.stem for p in g.glob("*.yaml"))
     for g in CONF.iterdir()
-    if g.is_dir() and g.name != "hydra"
+    # hparams_search, experiment and debug are command-line-only groups of the whole config
+    # (tests/test_sweeps.py, tests/test_presets.py, tests/test_debug.py).
+    if g.is_dir() and g.name not in ("hydra", "hparams_search", "experiment", "debug")
 }
 TYPED = {"ddp": C.DDPConfig, "sampler": C.SamplerConfig, "logger": C.LoggerConfig}
 COMPONENTS = ("data", "model", "optim", "scheduler", "loss")

@@ -464,19 +464,23 @@ _LAUNCH_VARS = (
 
 
 @pytest.fixture
-def clean_env() -> Iterator[None]:
-    """No launcher variables for the test; the environment as it was afterwards."""
+def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No launcher variables for the test; the environment as it was afterwards. Run in
+    tmp_path: resolving a job dir creates it."""
     from hydra_ddp import dist as hdist
 
+    monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
     for key in list(os.environ):
         if key.startswith(("TORCHELASTIC_", "SLURM_", "SUBMITIT_")) or key in _LAUNCH_VARS:
             del os.environ[key]
     hdist.job_dir.cache_clear()
+    hdist.hydra_subdir.cache_clear()
     yield
     os.environ.clear()
     os.environ.update(saved)
     hdist.job_dir.cache_clear()
+    hdist.hydra_subdir.cache_clear()
 
 
 def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) -> None:
@@ -531,7 +535,26 @@ def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
     from hydra_ddp.dist import hydra_subdir
 
     os.environ.update(env)
-    assert hydra_subdir(".hydra") == (".hydra" if rank == 0 else None)
+    assert hydra_subdir(".hydra", "out") == (".hydra" if rank == 0 else None)
+
+
+def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_path: Path) -> None:
+    from hydra_ddp.dist import hydra_subdir
+
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    assert hydra_subdir(".hydra", str(tmp_path / "run")) == ".hydra.2"
+    (tmp_path / "run" / ".hydra.2").mkdir()
+    hydra_subdir.cache_clear()  # a new process
+    assert hydra_subdir(".hydra", str(tmp_path / "run")) == ".hydra.3"
+
+
+def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
+    from hydra_ddp.dist import claim_dir
+
+    assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00"
+    assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00-2"
+    assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00-3"
+    assert sorted(os.listdir("outputs/d")) == ["10-00-00", "10-00-00-2", "10-00-00-3"]
 
 
 @pytest.mark.parametrize(
@@ -558,11 +581,11 @@ def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
         ),
     ],
 )
-def test_each_rank_logs_to_its_own_file(clean_env, env: dict, name: str) -> None:
-    from hydra_ddp.dist import log_name
+def test_each_rank_logs_to_its_own_file(clean_env, tmp_path, env: dict, name: str) -> None:
+    from hydra_ddp.dist import log_file
 
     os.environ.update(env)
-    assert log_name("train") == name
+    assert log_file(str(tmp_path), "train") == str(tmp_path / f"{name}.log")
 
 
 def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:

@@ -9,11 +9,16 @@ Each case was reproduced on the previous main, as its docstring says, and fails 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ok, python_train
+import yaml
+from conftest import FAST, ok, python_train, user_env
+
+from hydra_ddp import checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,3 +91,183 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path: Path) ->
     assert "trainer.resume=never" in proc.stderr
     assert (run_dir / "summary.json").read_text() == before
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ckpts
+
+
+def test_two_jobs_started_in_the_same_second_get_their_own_dirs(tmp_path: Path) -> None:
+    """Previously: two jobs started in the same second from the same folder shared one output
+    dir (`.hydra/` of one, summary and checkpoints of the other, both exit 0). The clash is
+    forced here instead of waited for: both resolve the default dir to the same path, as
+    `outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}` does within one second. One job is self-launched
+    with 2 ranks, the other is a torchrun job: both ways of deciding the dir are covered."""
+    same = "hydra.run.dir=${ddp_job_dir:outputs/same}"
+    jobs = {
+        "1": [sys.executable, "-m", "hydra_ddp.train", "dist.nproc_per_node=2"],
+        "2": [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        + ["--nproc_per_node=2", "-m", "hydra_ddp.train"],
+    }
+    procs = {
+        seed: subprocess.Popen(
+            [*cmd, *SHORT, f"trainer.seed={seed}", same],
+            cwd=tmp_path,
+            env=user_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for seed, cmd in jobs.items()
+    }
+    for proc in procs.values():
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+    dirs = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert dirs == ["same", "same-2"], dirs
+    seeds = set()
+    for name in dirs:
+        job = tmp_path / "outputs" / name
+        seed = str(yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["trainer"]["seed"])
+        seeds.add(seed)
+        # Each dir holds one job's record and that job's results: nothing mixed.
+        assert f"trainer.seed={seed}" in (job / ".hydra" / "overrides.yaml").read_text()
+        assert json.loads((job / "summary.json").read_text())["steps"] == 6
+        assert sorted(p.name for p in (job / "checkpoints").glob("step_*.pt")) == [
+            "step_00000003.pt",
+            "step_00000006.pt",
+        ]
+        assert sorted(p.name for p in (job / "stats").glob("rank*.jsonl")) == [
+            "rank0.jsonl",
+            "rank1.jsonl",
+        ]
+    assert seeds == {"1", "2"}
+
+
+def test_a_refused_resume_keeps_the_earlier_runs_hydra_record(tmp_path: Path) -> None:
+    """Previously: resuming an MLP run's dir with `model=cnn` failed cleanly but replaced
+    `.hydra/config.yaml` and `overrides.yaml`, the only record of the config the checkpoints
+    were trained with."""
+    run_dir = tmp_path / "run"
+    ok(python_train(tmp_path, *SHORT, f"hydra.run.dir={run_dir}"))
+    record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
+    bad = python_train(
+        tmp_path, *SHORT, "trainer.max_steps=9", "model=cnn", f"hydra.run.dir={run_dir}"
+    )
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "checkpoint of a different model" in bad.stderr and ".hydra/config.yaml" in bad.stderr
+    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
+    # The refused run's own record sits next to it, named by its order in the dir.
+    assert "model=cnn" in (run_dir / ".hydra.2" / "overrides.yaml").read_text()
+    # An accepted resume is the third run in the dir.
+    ok(python_train(tmp_path, *SHORT, "trainer.max_steps=9", f"hydra.run.dir={run_dir}"))
+    assert "trainer.max_steps=9" in (run_dir / ".hydra.3" / "overrides.yaml").read_text()
+    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
+
+
+@pytest.mark.slow  # tens of seconds of 2-rank jobs: run by .ci/run after the default suite
+def test_resume_on_more_ranks_maps_the_position(tmp_path: Path) -> None:
+    """Previously: a 2-rank checkpoint at epoch 0 batch 12 resumed with 3 ranks crashed on every
+    rank with `ValueError: start_batch=12 exceeds the 9 batches per epoch`, though the docs said
+    a different world size works with a warning. 2 ranks x 48 of digits' 1257 training rows is
+    14 batches per epoch; 3 ranks make it 9."""
+    run_dir = tmp_path / "run"
+    two = [*FAST, "trainer.batch_size=48", f"hydra.run.dir={run_dir}"]
+    ok(python_train(tmp_path, "dist.nproc_per_node=2", *two, "trainer.max_steps=12"))
+    proc = ok(python_train(tmp_path, "dist.nproc_per_node=3", *two, "trainer.max_steps=20"))
+    out = proc.stderr + "".join(p.read_text() for p in run_dir.glob("train_rank*.log"))
+    assert "written by 2 ranks, this job has 3: batch 12 of its epoch maps to batch 8" in out
+    assert "at step 12 (epoch 0, batch 8)" in out, out[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["steps"] == 20 and s["steps_this_run"] == 8 and s["world_size"] == 3
+    # 8 batches of epoch 0 done at the resume, 8 more steps: epoch 1, batch 7 of 9.
+    assert s["epochs"] == pytest.approx(1 + 7 / 9)
+
+
+# --------------------------------------------------------------------------------------------
+# A full disk and a read-only one: one line, nothing written before lost
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A tmpfs of a few MiB under tmp_path (needs root, as in CI's container)."""
+    disks: list[Path] = []
+
+    def mount(name: str, size: str, read_only_dirs: tuple[str, ...] = ()) -> Path:
+        disk = tmp_path / name
+        disk.mkdir()
+        made = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()})")
+        disks.append(disk)
+        for d in read_only_dirs:
+            (disk / d).mkdir()
+        if read_only_dirs:
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        return disk
+
+    yield mount
+    for disk in disks:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [ln for ln in out.splitlines() if "error:" in ln]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_full_disk_fails_in_one_line_and_keeps_the_checkpoints(tmp_path: Path, small_disk) -> None:
+    """Previously: ENOSPC gave 3-5 tracebacks and no `error:` line. A checkpoint here is
+    ~2.6 MiB (model, two Adam moments): the first fits on the 4 MiB disk, the second does not."""
+    disk = small_disk("full", "4m")
+    run_dir = disk / "run"
+    big = ["model.hidden=512", "model.depth=2", "trainer.ckpt_interval=2", "trainer.keep_ckpts=3"]
+    line = _one_error_line(
+        python_train(tmp_path, *FAST, "trainer.max_steps=8", *big, f"hydra.run.dir={run_dir}")
+    )
+    assert "could not write checkpoint" in line and "No space left on device" in line, line
+    assert "step_00000004.pt" in line
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["step_00000002.pt"], kept  # the one that fit, and no half-written file
+    assert checkpoint.load(run_dir / "checkpoints" / "step_00000002.pt")["step"] == 2
+
+
+def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk) -> None:
+    """Previously: Hydra's "Unable to configure handler 'file'" traceback and no `error:`."""
+    disk = small_disk("ro", "1m", read_only_dirs=("run",))
+    line = _one_error_line(python_train(tmp_path, *SHORT, f"hydra.run.dir={disk / 'run'}"))
+    assert f"cannot write to the output dir {disk / 'run'}" in line and "Read-only" in line
+    line = _one_error_line(python_train(tmp_path, *SHORT, f"hydra.run.dir={disk / 'new'}"))
+    assert f"hydra.run.dir={disk / 'new'} cannot be created" in line, line
+
+
+def test_a_sweep_jobs_failure_record_goes_when_it_succeeds(tmp_path: Path) -> None:
+    """Previously: `failure.json` of a failed sweep job stayed after the job was re-run in its
+    dir and succeeded, so the next report still listed it as failed."""
+    sweep = tmp_path / "sweep"
+    proc = python_train(
+        tmp_path, "-m", *SHORT[:-1], "trainer.batch_size=0,16", f"hydra.sweep.dir={sweep}"
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    failed = next(p.parent for p in sweep.glob("*/failure.json"))
+    assert "batch_size" in (failed / "failure.json").read_text()
+    # Quoted: the job dir's name holds `=`, part of Hydra's override grammar.
+    ok(python_train(tmp_path, *SHORT, f"hydra.run.dir='{failed}'"))
+    assert not (failed / "failure.json").exists()
+    assert json.loads((failed / "summary.json").read_text())["steps"] == 6
+
+
+def test_non_finite_metrics_are_written_as_null() -> None:
+    from hydra_ddp.train import _json_safe
+
+    safe = _json_safe({"val_loss": float("nan"), "val_acc": 0.5, "test_loss": float("inf")})
+    assert json.loads(json.dumps(safe, allow_nan=False)) == {
+        "val_loss": None,
+        "val_acc": 0.5,
+        "test_loss": None,
+    }

@@ -155,7 +155,8 @@ def test_refuses_a_choice_another_config_chooses(tmp_path: Path) -> None:
 def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     root = copy_checkout(tmp_path, commit=False)
     before = snapshot(root)
-    proc = check(new_project(root, "myproj", "--strip", "model/gpt", "--dry-run"))
+    gpt = ["--strip", "model/gpt", "--strip", "experiment/text_gpt"]  # the experiment uses it
+    proc = check(new_project(root, "myproj", *gpt, "--dry-run"))
     assert "would rewrite pyproject.toml" in proc.stdout
     assert "would delete conf/model/gpt.yaml" in proc.stdout and "dry run:" in proc.stdout
     assert snapshot(root) == before

@@ -8,8 +8,10 @@ changes the outcome, and W&B never goes online.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wandb_records  # noqa: E402  (a test helper next to this file)
-from conftest import user_env  # noqa: E402
+from conftest import ok, python_train, torchrun, user_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_tracking_worker.py"
@@ -312,3 +314,224 @@ def test_auto_mode_resolution(tmp_path: Path, setup: str, auto: str) -> None:
     modes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert modes == {"auto": auto, "offline": "offline", "online": "online"}
     assert FAKE_KEY not in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# W&B failures through the entry point: bounded, one line, the advice right for the mode
+# --------------------------------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on: W&B's server there is out of reach at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-4000:]}"
+    assert "Traceback" not in out, out[-4000:]
+    errors = [ln for ln in out.splitlines() if "error:" in ln]
+    assert len(errors) == 1, out[-4000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("mode", ["online", "auto"])
+def test_wandb_unreachable_fails_within_the_init_timeout(tmp_path: Path, mode: str) -> None:
+    """A key but no server (WANDB_BASE_URL on a closed local port): the job stops after the
+    init timeout with one line saying what to do, and the key is written nowhere."""
+    env = user_env(
+        tmp_path,
+        WANDB_API_KEY=FAKE_KEY,
+        WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}",
+        WANDB_INIT_TIMEOUT="3",
+    )
+    t0 = time.monotonic()
+    proc = python_train(
+        tmp_path,
+        "logger=wandb",
+        f"logger.mode={mode}",
+        "trainer.progress=false",
+        "trainer.max_steps=3",
+        env=env,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - t0
+    line = _one_error_line(proc)
+    assert "W&B could not be reached within 3 s (WANDB_INIT_TIMEOUT;" in line, line
+    assert "logger.mode=offline" in line and "wandb sync " in line, line
+    assert elapsed < 60, elapsed  # 3 s, plus start-up on a busy machine; W&B's own: 96 s
+    assert FAKE_KEY not in proc.stdout + proc.stderr
+    leaks = [p for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
+    assert not leaks, f"the API key was written to {leaks}"
+
+
+@pytest.mark.parametrize("project", ["x" * 300, "team/project"])
+def test_wandb_bad_project_offline_is_one_short_line(tmp_path: Path, project: str) -> None:
+    """Offline already: the advice is to fix the name, not to go offline; a long name is cut."""
+    proc = python_train(
+        tmp_path,
+        "logger=wandb",
+        "logger.mode=offline",
+        f"logger.project={project}",
+        "trainer.progress=false",
+        "trainer.max_steps=3",
+        env=user_env(tmp_path),
+        timeout=120,
+    )
+    line = _one_error_line(proc)
+    assert "W&B could not start a run for logger.project=" in line, line
+    assert "fix logger.project" in line and "logger.mode=offline" not in line, line
+    assert len(line) < 500, len(line)
+    assert project[:40] in line  # enough of the name to recognise it
+
+
+# --------------------------------------------------------------------------------------------
+# One job, one set of W&B runs across restarts (offline: each attempt is its own offline-run-*
+# dir under the same run id; read back, their records continue one another)
+# --------------------------------------------------------------------------------------------
+
+
+def _files_by_id(out: Path) -> dict[str, list[Path]]:
+    """Each W&B run id of a job and its attempts' .wandb files, oldest attempt first.
+
+    By the run record's start time, not the dir name: W&B names a second attempt that starts
+    in the same second ``offline-run-<time>-<id>-1``, which sorts before the first."""
+    started = []
+    for path in _runs(out):
+        (record,) = _run_records(path)
+        started.append((record.start_time.ToNanoseconds(), record.run_id, path))
+    by_id: dict[str, list[Path]] = {}
+    for _, run_id, path in sorted(started):
+        by_id.setdefault(run_id, []).append(path)
+    return by_id
+
+
+def _steps(files: list[Path], key: str) -> list[int]:
+    """trainer/step of every row holding `key`, across the attempts, in the order logged."""
+    return [r["trainer/step"] for f in files for r in wandb_records.history_rows(f) if key in r]
+
+
+def _run_records(path: Path):
+    return [r.run for r in wandb_records.read_records(path) if r.WhichOneof("record_type") == "run"]
+
+
+_RESUME_JOB = """
+import json, sys
+from pathlib import Path
+from hydra_ddp.config import Layout, LoggerConfig, WandbMode
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.tracking import RunInfo, make_tracker
+out, name, first, last, resumed = Path(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:6])
+cfg = LoggerConfig(layout=Layout.gather, mode=WandbMode.offline, project="hydra-ddp-tests",
+                   min_interval_s=0)
+info = RunInfo(output_dir=out, job_name=name, group="test-group", config={"job": name})
+tracker = make_tracker(cfg, DistEnv(), info, resumed_step=None if resumed < 0 else resumed)
+for step in range(first, last + 1):
+    tracker.log(step, {"loss": 1.0 / step})
+tracker.log_eval(last, {"val/acc": 0.5})
+tracker.close()
+"""
+
+
+def test_resumed_tracker_continues_its_run_and_never_resends_a_step(tmp_path: Path) -> None:
+    """One process, layout=gather: killed after sending step 8 but checkpointed at 6, the job
+    resumes the same run (same id, name and group) and sends only what W&B lacks; a job that
+    starts again from step 0 in that dir gets a new run."""
+    out = tmp_path / "out"
+
+    def attempt(name: str, first: int, last: int, resumed: int) -> None:
+        cmd = [sys.executable, "-c", _RESUME_JOB, str(out), name, str(first), str(last)]
+        _ok(
+            subprocess.run(
+                [*cmd, str(resumed)],
+                cwd=tmp_path,
+                env=_env(tmp_path),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        )
+
+    attempt("first", 1, 8, -1)
+    first_id = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]["id"]
+    attempt("second", 7, 9, 6)  # resumed from the step-6 checkpoint: 7 and 8 again
+    by_id = _files_by_id(out)
+    assert list(by_id) == [first_id] and len(by_id[first_id]) == 2, by_id
+    files = by_id[first_id]
+    assert _steps(files, "rank0/loss") == list(range(1, 10))
+    assert _steps(files, "val/acc") == [8, 9]
+    infos = [wandb_records.run_info(f) for f in files]
+    assert {i["name"] for i in infos} == {"first"}  # the resumed run keeps its name
+    assert {i["group"] for i in infos} == {"test-group"}
+    assert [wandb_records.exit_code(f) for f in files] == [0, 0]
+
+    attempt("third", 1, 2, -1)  # trainer.resume=never in the same dir: from step 0 again
+    recorded = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]
+    assert recorded["id"] != first_id and recorded["attempt"] == 1
+    by_id = _files_by_id(out)
+    assert set(by_id) == {first_id, recorded["id"]}
+    assert _steps(by_id[recorded["id"]], "rank0/loss") == [1, 2]
+
+
+# log_interval=1 and min_interval_s=0: every step is a W&B row, so a lost or repeated one shows.
+_RESUME = (
+    "trainer.progress=false",
+    "trainer.log_interval=1",
+    "trainer.ckpt_interval=3",
+    "logger.min_interval_s=0",
+)
+
+
+def _job(tmp: Path, out: Path, *overrides: str) -> None:
+    ok(torchrun(tmp, *_RESUME, f"hydra.run.dir={out}", *overrides, env=_env(tmp), timeout=300))
+
+
+@pytest.mark.parametrize("layout", ["gather", "group"])
+def test_resumed_job_continues_its_wandb_runs(tmp_path: Path, layout: str) -> None:
+    """torchrun, 2 ranks, offline: a job stopped after 6 steps and re-run in its dir up to 9
+    logs into the same run(s) (one per rank for group): steps 1..9 once each, in order."""
+    out = tmp_path / "job"
+    _job(tmp_path, out, "trainer.max_steps=6", f"logger.layout={layout}")
+    recorded = json.loads((out / "wandb_ids.json").read_text())["runs"]
+    keys = ["gather"] if layout == "gather" else ["rank0", "rank1"]
+    assert sorted(recorded) == keys
+    _job(tmp_path, out, "trainer.max_steps=9", f"logger.layout={layout}")
+    assert json.loads((out / "wandb_ids.json").read_text())["runs"] == recorded  # unchanged
+
+    by_id = _files_by_id(out)
+    assert sorted(by_id) == sorted(recorded[k]["id"] for k in keys)
+    train_key = "rank1/loss" if layout == "gather" else "train/loss"
+    for key in keys:
+        files = by_id[recorded[key]["id"]]
+        assert len(files) == 2, files  # one offline-run-* dir per attempt, one run id
+        assert _steps(files, train_key) == list(range(1, 10))
+        infos = [wandb_records.run_info(f) for f in files]
+        # The second attempt's overrides differ, yet the run keeps its name and group.
+        assert len({(i["name"], i["group"], i["job_type"]) for i in infos}) == 1, infos
+        assert infos[1]["config"]["trainer"]["max_steps"] == 9
+        assert [wandb_records.exit_code(f) for f in files] == [0, 0]
+        if key in ("gather", "rank0"):
+            assert _steps(files, "agg/loss_mean") == list(range(1, 10))
+            assert _steps(files, "test/acc") == [6, 9]
+    first, second = (_run_records(f)[0] for f in by_id[recorded[keys[0]]["id"]])
+    assert not first.resume and second.resume  # W&B records the second as a resume
+
+
+def test_resumed_from_an_older_checkpoint_skips_the_steps_wandb_has(tmp_path: Path) -> None:
+    """Killed after logging step 8 but checkpointed at 6 (here: resumed from the step-6
+    checkpoint on purpose): steps 7 and 8 are trained again but not sent again, on either
+    rank's run, so W&B has every step once; the local JSON lines keep both attempts."""
+    out = tmp_path / "job"
+    _job(tmp_path, out, "trainer.max_steps=8", "logger.layout=group")
+    older = out / "checkpoints" / "step_00000006.pt"
+    assert older.exists()
+    _job(tmp_path, out, "trainer.max_steps=9", "logger.layout=group", f"trainer.resume={older}")
+    by_id = _files_by_id(out)
+    assert len(by_id) == 2 and all(len(files) == 2 for files in by_id.values()), by_id
+    for files in by_id.values():
+        assert _steps(files, "train/loss") == list(range(1, 10))
+        assert _steps(files[1:], "train/loss") == [9]
+    steps = [r["step"] for r in _jsonl(out / "stats" / "rank1.jsonl")]
+    assert steps == [*range(1, 9), 7, 8, 9]

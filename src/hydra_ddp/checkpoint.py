@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -33,8 +34,11 @@ def checkpoint_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def save(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path:
-    """Write `state` as checkpoints/step_<step>.pt: temporary file, fsync, rename.
+def save(
+    state: dict[str, Any], output_dir: Path, step: int, keep: int, name: str | None = None
+) -> Path:
+    """Write `state` as checkpoints/step_<step>.pt (or checkpoints/<name>, never rotated):
+    temporary file, fsync, rename.
 
     A process killed mid-write leaves only a *.tmp file behind; the previous checkpoint stays
     the newest complete one, and rename is atomic on POSIX file systems.
@@ -42,17 +46,51 @@ def save(state: dict[str, Any], output_dir: Path, step: int, keep: int) -> Path:
     folder = checkpoint_dir(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(folder)
-    final = folder / f"step_{step:08d}.pt"
+    final = folder / (name or f"step_{step:08d}.pt")
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise UserError(
+            f"could not write checkpoint {final} ({write_error(e, folder)}): free space or "
+            "quota there, or resume in another dir; the checkpoints already there are intact"
+        ) from e
     _fsync_dir(folder)
-    for old in sorted(_complete(folder))[:-keep]:
-        old[1].unlink(missing_ok=True)
+    if name is None:
+        for old in sorted(_complete(folder))[:-keep]:
+            old[1].unlink(missing_ok=True)
     return final
+
+
+def keep_as_best(output_dir: Path, step: int) -> None:
+    """Make step <step>'s checkpoint also checkpoints/best.pt: a hard link where the file
+    system has them (no second copy on disk), else a copy. Rank 0 only."""
+    folder = checkpoint_dir(output_dir)
+    source, tmp = folder / f"step_{step:08d}.pt", folder / f".best.pt.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copy2(source, tmp)
+    os.replace(tmp, folder / "best.pt")
+
+
+def write_error(e: BaseException, folder: Path) -> str:
+    """Why a write under `folder` failed, in a few words (torch.save's message names no
+    cause, so a full disk is told from the free space left)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    try:
+        if shutil.disk_usage(folder).free < 1 << 20:
+            return "No space left on device"
+    except OSError:
+        pass
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -235,9 +273,14 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], path: Path) 
             str(e).splitlines()[0],
         )
         raise UserError(
-            f"{path} is a checkpoint of a different model ({detail}): resume with "
-            "the model config it was trained with, or trainer.resume=never"
+            f"{path} is a checkpoint of a different model ({detail[:300]}): resume with "
+            "the model config it was trained with (its run's .hydra/config.yaml), or "
+            "trainer.resume=never"
         ) from e
+
+
+# State a run may add to its checkpoints later on (trainer.ema_decay, the monitor's best score).
+OPTIONAL_STATE = ("ema", "monitor")
 
 
 def save_training_state(
@@ -247,13 +290,14 @@ def save_training_state(
     env: DistEnv,
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: torch.amp.GradScaler,
+    name: str | None = None,
+    **stateful: Any,
 ) -> None:
     """Collective: gather every rank's RNG state, then global rank 0 alone writes the file.
 
-    `position` is the loop's position (step, epoch, batch_in_epoch, samples_seen)."""
+    `position` is the loop's position (step, epoch, batch_in_epoch, samples_seen); `stateful`
+    are the optimizer, scheduler, scaler, ... (anything with state_dict/load_state_dict);
+    `name` writes checkpoints/<name> (the best one) instead of a rotated step_<step>.pt."""
     rng = {"torch": torch.get_rng_state()}
     if env.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.device)
@@ -261,14 +305,12 @@ def save_training_state(
     if env.is_main:
         state = {
             "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
+            **{key: obj.state_dict() for key, obj in stateful.items()},
             **position,
             "world_size": env.world_size,
             "rng": rngs,
         }
-        path = save(state, output_dir, position["step"], keep)
+        path = save(state, output_dir, position["step"], keep, name)
         log.info("checkpoint: %s", path)
     # Nobody races ahead and dies before the file is complete.
     barrier(env)
@@ -280,17 +322,19 @@ def restore_training_state(
     position_keys: list[str],
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: torch.amp.GradScaler,
+    **stateful: Any,
 ) -> dict[str, int]:
-    """Load a checkpoint into the given objects and this rank's RNG; return the position."""
+    """Load a checkpoint into the model, the `stateful` objects (optimizer, scheduler, ...)
+    and this rank's RNG; return the position."""
     state = load(path)
     load_model_state(model, state, path)
     try:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        for key, obj in stateful.items():
+            if key in OPTIONAL_STATE and key not in state:
+                # A checkpoint from before the feature was switched on: it starts fresh.
+                log.warning("%s holds no %s state: starting it fresh", path, key)
+                continue
+            obj.load_state_dict(state[key])
         position = {k: int(state.get(k, 0)) for k in position_keys}
         position["step"] = int(state["step"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
@@ -300,14 +344,23 @@ def restore_training_state(
             "resume with the optim.* and scheduler.* config it was trained with, "
             "or trainer.resume=never"
         ) from e
-    if state.get("world_size") != env.world_size:
+    saved_world = int(state.get("world_size") or env.world_size)
+    if saved_world != env.world_size and "batch_in_epoch" in position:
+        # The epoch's progress as a share of the global batches: floor, so a few samples of
+        # this epoch are seen twice rather than skipped. The caller rolls a position past the
+        # new epoch's end over to the next epoch.
+        mapped = position["batch_in_epoch"] * saved_world // env.world_size
         log.warning(
-            "%s was written by %s ranks, this job has %d: the rest of its epoch is "
-            "partitioned differently",
+            "%s was written by %d ranks, this job has %d: batch %d of its epoch maps to batch "
+            "%d here, and the rest of that epoch is partitioned differently (exact resume "
+            "needs the same number of ranks)",
             path,
-            state.get("world_size"),
+            saved_world,
             env.world_size,
+            position["batch_in_epoch"],
+            mapped,
         )
+        position["batch_in_epoch"] = mapped
     rngs = state.get("rng") or []
     if env.rank < len(rngs):
         torch.set_rng_state(rngs[env.rank]["torch"].cpu())

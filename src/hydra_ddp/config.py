@@ -165,8 +165,12 @@ class LoggerConfig:
     # The local stats/*.jsonl keep every interval; the last row is always sent. W&B suggests
     # under 100k points per metric and throttles projects that log faster.
     min_interval_s: float = 1.0
+    # Seconds W&B may take to reach its server when an online run starts; then the job stops
+    # with one line (W&B's own default: 90 s, then a traceback). WANDB_INIT_TIMEOUT overrides.
+    init_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        _require(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
         _require(
             self.min_interval_s >= 0,
             "logger.min_interval_s",
@@ -184,6 +188,11 @@ class Precision(Enum):
     fp32 = "fp32"
     bf16 = "bf16"  # autocast the forward pass to bfloat16 (no loss scaling needed)
     fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
+
+
+class MonitorMode(Enum):
+    min = "min"  # lower is better (losses)
+    max = "max"  # higher is better (accuracy, R²)
 
 
 class NanPolicy(Enum):
@@ -223,6 +232,27 @@ class TrainerConfig:
     num_workers: int = 0
     # Show a progress bar on rank 0.
     progress: bool = True
+    # The validation metric that judges a run: `val/<loss or a metrics.* name>`. It is the
+    # objective a sweep optimises and what the best checkpoint is chosen by.
+    monitor: str = "val/loss"
+    monitor_mode: MonitorMode = MonitorMode.min
+    # Stop after this many evaluations in a row without an improvement of trainer.monitor
+    # (0: never). Evaluations come every trainer.eval_interval steps.
+    early_stop_patience: int = 0
+    # Evaluate, and checkpoint, an exponential moving average of the weights with this decay
+    # per step (e.g. 0.999); 0: off.
+    ema_decay: float = 0.0
+    # torch.compile the DDP-wrapped model (see train.py for why in that order).
+    compile: bool = False
+    # torch.use_deterministic_algorithms, cuBLAS's deterministic workspace, no cuDNN autotuning.
+    deterministic: bool = False
+    # Debugging (conf/debug/); 0 or false is off.
+    limit_train_batches: int = 0  # batches per epoch and rank, at most
+    limit_eval_batches: int = 0  # validation and test batches per rank, at most
+    overfit_batches: int = 0  # train on only the first N batches of each rank, repeated
+    detect_anomaly: bool = False  # torch.autograd anomaly mode: names the op that made a NaN
+    profile_steps: int = 0  # torch.profiler over this many steps on every rank...
+    profile_start: int = 5  # ...after this many
 
     def __post_init__(self) -> None:
         _require(
@@ -254,6 +284,29 @@ class TrainerConfig:
         _require(self.num_workers >= 0, "trainer.num_workers", ">= 0", self.num_workers)
         _require(
             bool(self.resume), "trainer.resume", "auto, never or a checkpoint path", self.resume
+        )
+        for key in (
+            "early_stop_patience",
+            "limit_train_batches",
+            "limit_eval_batches",
+            "overfit_batches",
+            "profile_steps",
+            "profile_start",
+        ):
+            value = getattr(self, key)
+            _require(value >= 0, f"trainer.{key}", ">= 0 (0: off)", value)
+        _require(0 <= self.ema_decay < 1, "trainer.ema_decay", "in [0, 1) (0: off)", self.ema_decay)
+        _require(
+            self.early_stop_patience == 0 or self.eval_interval > 0,
+            "trainer.early_stop_patience",
+            "0 unless trainer.eval_interval > 0 (early stopping needs evaluations)",
+            self.early_stop_patience,
+        )
+        _require(
+            self.monitor.startswith("val/") and len(self.monitor) > 4,
+            "trainer.monitor",
+            "val/loss or val/<a metrics.* name>, e.g. val/acc",
+            self.monitor,
         )
 
 

@@ -12,6 +12,13 @@ rank read only its own rows:
 * optional `file_rows(split)`, for `sampler.shard_by=files`; optional `unit` / `items_per_row`
   to count throughput in e.g. tokens instead of samples.
 
+What is loaded is checked before training starts (`check_loaded`, run on every `load` result
+by `TrainData` and `EvalData`, so a source of yours gets it too): float features and targets
+must be finite, integer labels in [0, spec["out_features"]) and tokens in
+[0, spec["vocab_size"]). A `Rows` told where its segments came from (`origins`) names the file
+and row at fault. Checks that need no rows (shapes, dtypes) belong in the source's
+constructor, which runs in the launching process before any worker or process group starts.
+
 A source is a component: `data._target_` names its class and the rest of `data.*` are its
 constructor's arguments. `Rows` and `TokenWindows` are ready-made datasets for arrays.
 `TrainData` and `EvalData` tie a source to a sampling policy.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -55,14 +63,64 @@ SPLITS = ("train", "val", "test")
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where one segment of a `Rows` came from, for error messages: the file (or a name) of
+    its x and its y, and the row of that file its first row is."""
+
+    x: str
+    y: str
+    first_row: int = 0
+
+
+def _describe(arr: np.ndarray) -> str:
+    return f"{arr.dtype} rows of shape {tuple(arr.shape)}"
+
+
 class Rows(Dataset):
     """Rows of (x, y) arrays, possibly several memory-mapped segments, indexed by index arrays.
 
-    `rows[idx]` with idx an int64 array returns a batch (x, y) of tensors.
+    `rows[idx]` with idx an int64 array returns a batch (x, y) of tensors. `origins` (one per
+    segment, optional) lets `check_loaded` name the file and row of a bad value.
     """
 
-    def __init__(self, xs: Sequence[np.ndarray], ys: Sequence[np.ndarray]):
+    def __init__(
+        self,
+        xs: Sequence[np.ndarray],
+        ys: Sequence[np.ndarray],
+        origins: Sequence[Origin] | None = None,
+    ):
         self.xs, self.ys = list(xs), list(ys)
+        self.origins = (
+            list(origins)
+            if origins is not None
+            else [Origin(f"x segment {i}", f"y segment {i}") for i in range(len(self.xs))]
+        )
+        if not len(self.xs) == len(self.ys) == len(self.origins):
+            raise ValueError(
+                f"Rows: {len(self.xs)} x segments, {len(self.ys)} y segments and "
+                f"{len(self.origins)} origins; pass one of each per segment"
+            )
+        for x, y, o in zip(self.xs, self.ys, self.origins):
+            if len(x) != len(y):
+                raise UserError(
+                    f"{o.x} has {len(x)} rows but {o.y} has {len(y)}: every row needs "
+                    "exactly one label; rewrite the pair"
+                )
+        # A batch spanning segments is gathered into one array of the first segment's
+        # dtype and shape: a segment that differs would be cast or fail mid-training.
+        for x, y, o in zip(self.xs[1:], self.ys[1:], self.origins[1:]):
+            first = self.origins[0]
+            for arr, ref, name, ref_name in (
+                (x, self.xs[0], o.x, first.x),
+                (y, self.ys[0], o.y, first.y),
+            ):
+                if arr.dtype != ref.dtype or arr.shape[1:] != ref.shape[1:]:
+                    raise UserError(
+                        f"{name} holds {_describe(arr)} but {ref_name} holds "
+                        f"{_describe(ref)}: every part of a split needs the same row shape "
+                        "and dtype; rewrite the odd one"
+                    )
         self.starts = np.cumsum([0] + [len(x) for x in xs])
 
     def __len__(self) -> int:
@@ -115,6 +173,87 @@ class TokenWindows(Dataset):
             out[m] = self.segments[s][offsets[m]]
         t = torch.from_numpy(out)
         return t[:, :-1], t[:, 1:]
+
+
+# --------------------------------------------------------------------------------------------
+# Checking what was loaded
+# --------------------------------------------------------------------------------------------
+
+# Bytes of rows checked at a time: bounds the temporary mask, and a memory-mapped segment is
+# read once, front to back.
+_CHECK_CHUNK_BYTES = 1 << 24
+
+
+def check_loaded(dataset: Dataset, spec: dict[str, Any], split: str) -> None:
+    """Refuse loaded rows that would make the loss NaN or the loss function fail, with one
+    line naming the file and row (from `Rows.origins`) and what to do.
+
+    `Rows`: floating features and floating targets must be finite; integer labels are class
+    ids, so 0 <= y < spec["out_features"]. `TokenWindows`: 0 <= token < spec["vocab_size"].
+    Other datasets are left to their source. Vectorised over the rows loaded, chunk by chunk:
+    about 2 ms per 100k rows of 64 float32 features on one core.
+    """
+    where = f"data ({split} split)"
+    if isinstance(dataset, Rows):
+        classes = spec.get("out_features")
+        for x, y, origin in zip(dataset.xs, dataset.ys, dataset.origins):
+            _check_finite(x, f"{where}: {origin.x}", origin.first_row, "features")
+            if np.issubdtype(y.dtype, np.integer):
+                if classes is not None:
+                    _check_range(
+                        y, f"{where}: {origin.y}", origin.first_row, int(classes), "class id"
+                    )
+            else:
+                _check_finite(y, f"{where}: {origin.y}", origin.first_row, "targets")
+    elif isinstance(dataset, TokenWindows) and spec.get("vocab_size"):
+        for i, segment in enumerate(dataset.segments):
+            name = f"{where}: token segment {i}"
+            vocab = int(spec["vocab_size"])
+            _check_range(segment, name, 0, vocab, "token id", row_word="position")
+
+
+def _chunks(arr: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    step = max(1, _CHECK_CHUNK_BYTES // max(arr[:1].nbytes, 1))
+    for lo in range(0, len(arr), step):
+        yield lo, arr[lo : lo + step]
+
+
+def _check_finite(arr: np.ndarray, name: str, first_row: int, what: str) -> None:
+    if not np.issubdtype(arr.dtype, np.inexact):
+        return  # integers and booleans are always finite
+    for lo, chunk in _chunks(arr):
+        if np.isfinite(chunk).all():
+            continue
+        # Only on failure: which rows, and how many in the whole segment.
+        bad = np.flatnonzero(~np.isfinite(chunk.reshape(len(chunk), -1)).all(axis=1))
+        row = lo + int(bad[0])
+        value = next(v for v in np.ravel(arr[row]) if not np.isfinite(v))
+        value = "NaN" if np.isnan(value) else ("-inf" if value < 0 else "inf")
+        count = sum(
+            int((~np.isfinite(c.reshape(len(c), -1)).all(axis=1)).sum()) for _, c in _chunks(arr)
+        )
+        more = f" (and {count - 1} more row(s))" if count > 1 else ""
+        raise UserError(
+            f"{name} row {first_row + row} has {value} in its {what}{more}: a model "
+            "cannot learn from non-finite values; drop or fill those rows and rewrite it"
+        )
+
+
+def _check_range(
+    arr: np.ndarray, name: str, first_row: int, limit: int, what: str, row_word: str = "row"
+) -> None:
+    key = "vocab_size" if what == "token id" else "out_features"
+    for lo, chunk in _chunks(arr):
+        if not len(chunk) or (chunk.min() >= 0 and chunk.max() < limit):
+            continue
+        flat = chunk.reshape(len(chunk), -1)
+        row = int(np.flatnonzero(((flat < 0) | (flat >= limit)).any(axis=1))[0])
+        value = next(int(v) for v in flat[row] if v < 0 or v >= limit)
+        raise UserError(
+            f"{name} {row_word} {first_row + lo + row} has {what} {value}, outside "
+            f"0..{limit - 1} "
+            f"({key}={limit}): fix those rows, or the {key} the data source declares"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +318,12 @@ class InMemoryArrays(DataSource):
     def load(self, split: str, ranges: Ranges | None) -> Rows:
         x, y = self.arrays[split]
         ranges = ranges if ranges is not None else [(0, len(y))]
-        return Rows([x[a:b] for a, b in ranges], [y[a:b] for a, b in ranges])
+        name = type(self).__name__
+        return Rows(
+            [x[a:b] for a, b in ranges],
+            [y[a:b] for a, b in ranges],
+            [Origin(f"{name} {split} x", f"{name} {split} y", a) for a, _ in ranges],
+        )
 
 
 class Digits(InMemoryArrays):
@@ -286,7 +430,13 @@ class SyntheticArrays(DataSource):
                 f"{manifest} is not a valid manifest ({e!r}): recreate it with "
                 f"`python scripts/make_synthetic.py --out {path}`"
             ) from e
+        self.features, self.classes = features, classes
         self.spec = {"in_features": features, "out_features": classes}
+        # Every shard's header (np.load with mmap_mode reads only that), so a wrong shape or
+        # dtype fails here, in the launching process, naming the file.
+        for split in SPLITS:
+            for entry in self.files[split]:
+                self._open_pair(entry)
 
     def num_rows(self, split: str) -> int:
         return sum(self.file_rows(split))
@@ -315,22 +465,56 @@ class SyntheticArrays(DataSource):
             )
         return arr
 
+    def _open_pair(self, entry: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A shard's (x, y), memory-mapped, after checking their headers against the
+        manifest: x float32 of shape (rows, features), y integer class ids of shape (rows,)."""
+        manifest = self.root / "manifest.json"
+        try:
+            x_name, y_name, rows = entry["x"], entry["y"], int(entry["rows"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(
+                f"{manifest}: shard entry {entry!r} needs x, y and rows ({e!r}): recreate it "
+                "with scripts/make_synthetic.py"
+            ) from None
+        x, y = self._open(x_name, rows), self._open(y_name, rows)
+        if x.ndim != 2 or x.shape[1] != self.features:
+            raise UserError(
+                f"{self.root / x_name} holds {_describe(x)} but {manifest} says "
+                f"{self.features} features per row: rewrite that shard with {self.features} "
+                "features (or fix 'features' in the manifest if every shard has "
+                f"{x.shape[1] if x.ndim == 2 else 'another count'})"
+            )
+        if x.dtype != np.float32:
+            raise UserError(
+                f"{self.root / x_name} holds {_describe(x)}, not float32: models here are "
+                "float32; rewrite it with x.astype(np.float32)"
+            )
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise UserError(
+                f"{self.root / y_name} holds {_describe(y)}, not one integer class id per "
+                "row: rewrite it as a 1-D integer array (e.g. y.astype(np.int16))"
+            )
+        return x, y
+
     def load(self, split: str, ranges: Ranges | None) -> Rows:
         files = self.files[split]
         ranges = ranges if ranges is not None else [(0, self.num_rows(split))]
         starts = np.cumsum([0] + [int(f["rows"]) for f in files])
-        xs, ys = [], []
+        xs, ys, origins = [], [], []
         # A global range may cross file boundaries: cut it into one piece per file.
         for a, b in ranges:
             for i, f in enumerate(files):
                 lo, hi = max(a, starts[i]), min(b, starts[i + 1])
                 if lo >= hi:
                     continue
-                x = self._open(f["x"], int(f["rows"]))[lo - starts[i] : hi - starts[i]]
-                y = self._open(f["y"], int(f["rows"]))[lo - starts[i] : hi - starts[i]]
+                x, y = self._open_pair(f)
+                x, y = x[lo - starts[i] : hi - starts[i]], y[lo - starts[i] : hi - starts[i]]
                 xs.append(np.array(x) if self.in_memory else x)
                 ys.append(np.array(y) if self.in_memory else y)
-        return Rows(xs, ys)
+                origins.append(
+                    Origin(str(self.root / f["x"]), str(self.root / f["y"]), int(lo - starts[i]))
+                )
+        return Rows(xs, ys, origins)
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,6 +544,7 @@ class TrainData:
         check_sampling(source, cfg, world, batch_size)
         if cfg.policy == SamplerPolicy.strided:
             self.dataset = source.load("train", None)
+            check_loaded(self.dataset, source.spec, "train")
             self.sampler = StridedSampler(
                 n,
                 env.rank,
@@ -398,6 +583,7 @@ class TrainData:
     def _load_part(self, epoch: int) -> None:
         parts = self._parts(epoch)
         self.dataset = self.source.load("train", parts[self.env.rank])
+        check_loaded(self.dataset, self.source.spec, "train")
         self.sampler.resize(len(self.dataset), samples_per_epoch(parts))
         self._part_epoch = epoch
 
@@ -487,6 +673,7 @@ class EvalData:
         n = source.num_rows(split)
         if policy == SamplerPolicy.strided:
             self.dataset = source.load(split, None)
+            check_loaded(self.dataset, source.spec, split)
             self.sampler = StridedSampler(
                 n, env.rank, env.world_size, batch_size, shuffle=False, pad=False
             )
@@ -494,6 +681,7 @@ class EvalData:
             # Each rank reads only its own contiguous part of the split.
             part = partition_rows(n, env.world_size)[env.rank]
             self.dataset = source.load(split, part)
+            check_loaded(self.dataset, source.spec, split)
             self.sampler = (
                 StridedSampler(
                     max(len(self.dataset), 1), 0, 1, batch_size, shuffle=False, pad=False

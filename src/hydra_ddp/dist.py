@@ -11,6 +11,8 @@ import datetime
 import functools
 import logging
 import os
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +125,17 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def make_deterministic() -> None:
+    """trainer.deterministic: the same result for the same inputs, at some cost in speed.
+
+    Here, not in train.py: a self-launched or submitit job pickles train.py's functions by
+    value, and `torch.backends.cudnn` (a module-like object) cannot be pickled."""
+    # cuBLAS reads it when its first handle is made, after this (the model is not built yet).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
 def backend_for(cfg: DistConfig, device: torch.device) -> str:
     if cfg.backend == Backend.auto:
         return "nccl" if device.type == "cuda" else "gloo"
@@ -144,13 +157,28 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     backend = backend_for(cfg, env.device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # A client of a port that accepts connections but never answers (another program's
+    # listener) waits in torch's store handshake with no timeout at all: give up from a
+    # thread (the wait releases the GIL), since the waiting call cannot be interrupted.
+    watchdog = threading.Timer(
+        cfg.timeout_s + _WATCHDOG_MARGIN_S,
+        _give_up,
+        args=(
+            f"rank {env.rank} could not join the process group at {where} within "
+            f"dist.timeout_s={cfg.timeout_s:g}s: the port accepts connections but no process "
+            "group answers there (another program holds it?); pick a free MASTER_PORT "
+            "(torchrun --master-port) or let torchrun choose (--standalone)",
+        ),
+    )
+    watchdog.daemon = True
+    watchdog.start()
     try:
         store = _attempt_store(timeout)
         if store is not None:
             kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     except RuntimeError as e:  # DistStoreError, DistNetworkError are RuntimeErrors too
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
             raise UserError(
                 f"rank {env.rank} cannot host the process group on {where}: port "
@@ -163,6 +191,8 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
             f"dist.timeout_s={cfg.timeout_s:g}s ({str(e).splitlines()[0]}): check that every "
             "rank was started and can reach the master, or raise dist.timeout_s"
         ) from e
+    finally:
+        watchdog.cancel()
     log.info(
         "process group up: backend=%s rank=%d/%d device=%s",
         backend,
@@ -170,6 +200,16 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
         env.world_size,
         env.device,
     )
+
+
+_WATCHDOG_MARGIN_S = 10.0
+
+
+def _give_up(message: str) -> None:
+    """Fail the whole process from a watchdog thread, with the usual one-line error."""
+    log.error("error: %s", message)
+    logging.shutdown()
+    os._exit(2)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
@@ -209,6 +249,15 @@ def lost_peer(e: BaseException) -> bool:
             "Broken pipe",
             "NCCL communicator was aborted",
         )
+    )
+
+
+def timed_out(e: BaseException) -> bool:
+    """True for the error a collective raises when a peer stopped answering (alive but
+    stalled: SIGSTOP, a hung filesystem, a much slower rank) for longer than the timeout."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and (
+        "Timed out waiting" in text or "Watchdog caught collective operation timeout" in text
     )
 
 
@@ -290,7 +339,8 @@ def job_dir(default: str) -> str:
     several nodes, so each would resolve `${now:}` to its own timestamp. Here rank 0's choice is
     agreed through the store torchrun's agent already runs for the job (compare_set, so a
     restarted worker group gets the directory of the first attempt and can resume from it).
-    Without an agent store the launcher's job id names the directory.
+    Without an agent store the launcher's job id names the directory. A timestamped dir is
+    claimed by creating it (`claim_dir`), so jobs started in the same second get their own.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -300,7 +350,7 @@ def job_dir(default: str) -> str:
         return os.path.join(
             "outputs", "slurm", f"{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_STEP_ID', 0)}"
         )
-    return default
+    return claim_dir(default)
 
 
 def _agree_through_store(default: str) -> str:
@@ -312,26 +362,71 @@ def _agree_through_store(default: str) -> str:
         timeout=datetime.timedelta(seconds=300),
     )
     if launcher_rank() == 0:
+        if store.check([key]):  # a restarted worker group: the first attempt's dir
+            return store.get(key).decode()
         # compare_set writes only if the key is absent and returns what the key holds.
-        return store.compare_set(key, "", default).decode()
+        return store.compare_set(key, "", claim_dir(default)).decode()
     return store.get(key).decode()
 
 
-def hydra_subdir(default: str) -> str | None:
-    """hydra.output_subdir: only global rank 0 writes the .hydra/ dump."""
-    return default if launcher_rank() == 0 else None
+def claim_dir(path: str) -> str:
+    """`path`, or `path-2`, `path-3`, ... if it exists: created here, exclusively, so two jobs
+    started in the same second (same `${now:}` timestamp) never share an output dir."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = path if n == 1 else f"{path}-{n}"
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise UserError(f"could not create a new output dir next to {path}: 10,000 exist")
 
 
-def log_name(default: str) -> str:
-    """Log file stem: one file per rank whenever a launcher started several ranks."""
-    return f"{default}_rank{launcher_rank()}" if under_launcher() else default
+@functools.cache
+def hydra_subdir(default: str, output_dir: str) -> str | None:
+    """hydra.output_subdir: only global rank 0 writes the .hydra/ dump.
+
+    A later run in a dir that already has one (a resume, a re-run, a refused resume) writes
+    `.hydra.2`, `.hydra.3`, ... instead: `.hydra/` stays the record of the config the dir's
+    first run, and its checkpoints, were made with. Cached: Hydra resolves this more than once
+    per job, and the second time `.hydra/` exists."""
+    if launcher_rank() != 0:
+        return None
+    n = 1
+    while os.path.exists(os.path.join(output_dir, default if n == 1 else f"{default}.{n}")):
+        n += 1
+    return default if n == 1 else f"{default}.{n}"
+
+
+def log_file(output_dir: str, stem: str) -> str:
+    """The job's log file: one per rank whenever a launcher started several ranks.
+
+    Opening it is the first write into the output dir (Hydra sets up logging before anything
+    else), so a dir that cannot be written to (read-only, full, no permission) stops the job
+    here with one line rather than with Hydra's "Unable to configure handler" traceback."""
+    name = f"{stem}_rank{launcher_rank()}" if under_launcher() else stem
+    path = os.path.join(output_dir, f"{name}.log")
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        sys.stderr.write(
+            f"error: cannot write to the output dir {output_dir} ({e.strerror}): make it "
+            "writable, free space there, or choose another with hydra.run.dir=...\n"
+        )
+        raise SystemExit(2) from None
+    return path
 
 
 def register_resolvers() -> None:
+    from hydra_ddp.sweeps import sweep_subdir  # here, not at the top: sweeps imports dist
+
     for name, fn in [
         ("ddp_job_dir", job_dir),
         ("ddp_hydra_subdir", hydra_subdir),
-        ("ddp_log_name", log_name),
+        ("ddp_log_file", log_file),
+        ("ddp_sweep_subdir", sweep_subdir),
     ]:
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)

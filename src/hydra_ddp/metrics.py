@@ -103,8 +103,10 @@ def evaluate(
     loss_fn: Callable,
     metrics: Mapping[str, Metric],
     autocast: AbstractContextManager,
+    limit: int = 0,
 ) -> dict[str, float]:
-    """The loss and every metric over a whole split, every row counted once across ranks.
+    """The loss and every metric over a whole split, every row counted once across ranks
+    (over the first `limit` batches of each rank only, when `limit` > 0).
 
     `model` must be the unwrapped module: a DDP forward may broadcast buffers, a collective
     that would hang when ranks hold different numbers of evaluation batches.
@@ -114,7 +116,9 @@ def evaluate(
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     count = 0
     totals: dict[str, torch.Tensor] = {}
-    for x, y in data:
+    for i, (x, y) in enumerate(data):
+        if limit and i >= limit:
+            break
         x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
         with autocast:
             output = model(x)

@@ -27,6 +27,15 @@ next log point (or at `close`), so training does not stall at every interval. Th
 
 W&B runs live under ``<output_dir>/wandb`` so an offline run can be uploaded later with
 ``wandb sync <output_dir>/wandb/offline-run-*``.
+
+One job, one set of W&B runs, across restarts: the run ids (one per layout, or one per rank for
+``group``) are derived from the output dir and recorded, with the runs' names and groups, in
+``<output_dir>/wandb_ids.json`` by rank 0. A job that resumed from a checkpoint in that dir
+(``resumed_step`` given) reopens the recorded runs with ``wandb.init(id=..., resume="allow")``
+and sends W&B only the rows after the newest step it already sent (read back from the local
+``stats/*.jsonl``, which are always written before W&B gets a row), so no step is logged twice
+or rewound. A job that starts from step 0 in a dir that has recorded runs gets new ids. See
+docs/wandb_resume.md.
 """
 
 from __future__ import annotations
@@ -64,6 +73,11 @@ _WANDB_MAX_LEN = 128
 # Config keys that name a credential (``api_key``, ``hf_token``; not ``tokenizer``).
 _SECRET_KEY = re.compile(r"(?:^|[_.-])(?:api_?key|token|secret|password|passwd)$", re.IGNORECASE)
 _REDACTED = "<redacted>"
+# The longest W&B reason quoted in an error line.
+_REASON_MAX_LEN = 200
+# Where the job's W&B run ids are recorded, in its output dir.
+IDS_FILE = "wandb_ids.json"
+_STEP_FIELD = re.compile(r'^\{"step": (-?\d+)[,}]')
 
 
 @dataclass
@@ -156,6 +170,30 @@ def _clip(text: str, limit: int = _WANDB_MAX_LEN) -> str:
     return f"{text[: limit - 9]}-{digest}"
 
 
+def _shorten(text: str, limit: int = 60, quote: bool = False) -> str:
+    """A value quoted in an error message: long ones cut, with their length."""
+    if len(text) <= limit:
+        return repr(text) if quote else text
+    head = repr(text[:limit]) if quote else text[:limit]
+    return f"{head}... ({len(text)} characters)"
+
+
+def init_timeout_s(cfg: LoggerConfig) -> tuple[float, str]:
+    """How long wandb.init may try to reach the server, and which setting said so."""
+    env = os.environ.get("WANDB_INIT_TIMEOUT", "").strip()
+    if env:
+        try:
+            if float(env) > 0:
+                return float(env), "WANDB_INIT_TIMEOUT"
+        except ValueError:
+            pass
+        raise UserError(
+            f"WANDB_INIT_TIMEOUT={_shorten(env)} is not a number of seconds > 0: unset it or "
+            "set logger.init_timeout_s"
+        )
+    return cfg.init_timeout_s, "logger.init_timeout_s"
+
+
 def _redact(value: Any, secret: Optional[str]) -> Any:
     """Copy of a config with secret-looking entries (and the live API key) blanked."""
     if isinstance(value, Mapping):
@@ -174,25 +212,62 @@ def _redact(value: Any, secret: Optional[str]) -> Any:
     return value
 
 
-def shared_run_id(cfg: LoggerConfig, run: RunInfo) -> str:
-    """The W&B run id every rank of a shared-layout job uses, agreed without communication.
+def _wandb_reason(error: Exception, project: str) -> str:
+    """W&B's own reason, first line only, with the project name shortened and the whole
+    clipped (W&B quotes a 300-character name back in full)."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    reason = lines[0].replace(project, _shorten(project, 40)) if project else lines[0]
+    if len(reason) > _REASON_MAX_LEN:
+        reason = reason[: _REASON_MAX_LEN - 3] + "..."
+    return reason
 
-    Everything hashed is identical on all ranks: the job's output dir, name and group, plus
-    the launcher's job id (torchrun's run id / SLURM's job and step) and the elastic restart
-    count, so a restarted worker group opens a fresh run rather than colliding with the
-    finished one.
+
+def run_key(layout: Layout, rank: int) -> str:
+    """The entry of ``wandb_ids.json`` for this rank's run: one per rank for ``group``."""
+    return f"rank{rank}" if layout == Layout.group else layout.value
+
+
+def fresh_run_id(cfg: LoggerConfig, run: RunInfo, key: str, attempt: int = 0) -> str:
+    """A deterministic W&B run id for one run of the job in ``run.output_dir``.
+
+    Hashed: the entity, project, the output dir (resolved), the run's key (``gather``,
+    ``shared`` or ``rank{r}``) and, after the first, how many times a job started from step 0
+    in that dir (``attempt``), so a fresh start never reuses a run whose steps it would rewind.
+    The job's name is not hashed: a re-run with other overrides is the same job.
     """
-    parts = [cfg.entity or "", cfg.project, str(run.output_dir), run.job_name, run.group]
-    parts += [
-        os.environ.get(k, "")
-        for k in (
-            "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT",
-            "SLURM_JOB_ID",
-            "SLURM_STEP_ID",
-        )
-    ]
+    out = str(Path(run.output_dir).resolve())
+    parts = [cfg.entity or "", cfg.project, out, key] + ([str(attempt)] if attempt else [])
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _read_ids(path: Path) -> Dict[str, Dict[str, Any]]:
+    """The runs recorded in ``wandb_ids.json`` ({} when absent or unreadable)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s (%s): new W&B runs will be started", path, e)
+        return {}
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, dict):
+        return {}
+    return {k: v for k, v in runs.items() if isinstance(v, dict) and isinstance(v.get("id"), str)}
+
+
+def _last_step(path: Path) -> int:
+    """The highest ``step`` in a JSON-lines stats file (0 when there is none)."""
+    best = 0
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                # Records start with "step" (see Tracker._append): no full parse per line.
+                found = _STEP_FIELD.match(line)
+                if found:
+                    best = max(best, int(found.group(1)))
+    except OSError:
+        pass
+    return best
 
 
 def _aggregate(table: Dict[int, List[float]], keys: List[str]) -> Dict[str, float]:
@@ -238,7 +313,16 @@ class _Interval:
 class Tracker:
     """Records one job's per-rank stats locally and (optionally) in W&B. See the module doc."""
 
-    def __init__(self, cfg: LoggerConfig, env: DistEnv, run: RunInfo) -> None:
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        env: DistEnv,
+        run: RunInfo,
+        resumed_step: Optional[int] = None,
+    ) -> None:
+        """``resumed_step``: the step of the checkpoint this job resumed from (None: it
+        started from step 0). Collective for ``logger.backend=wandb`` with the ``group`` and
+        ``shared`` layouts (rank 0 hands every rank its run id): build it on every rank."""
         # Every attribute close() touches exists before anything can fail.
         self._cfg = cfg
         self._env = env
@@ -253,6 +337,9 @@ class Tracker:
         self._pending: Optional[_Interval] = None
         self._last_sent = -math.inf  # time.monotonic() of the last training row sent to W&B
         self._unsent: Optional[Dict[str, float]] = None
+        self._resumed_step = resumed_step
+        # Rows at or below these steps already went to the reopened W&B run: not sent again.
+        self._sent_train = self._sent_eval = 0
         # (step, aggregates) of the newest interval whose gather completed, on rank 0.
         self.last_aggregate: tuple[int, Dict[str, float]] = (0, {})
 
@@ -273,8 +360,11 @@ class Tracker:
             self._own = open(self._stats_dir / f"rank{env.rank}.jsonl", "a", encoding="utf-8")
             if env.is_main:
                 self._agg = open(self._stats_dir / "aggregate.jsonl", "a", encoding="utf-8")
-            if cfg.backend == LoggerBackend.wandb and self._wandb_mode != "disabled":
-                self._run = self._start_wandb()
+            if cfg.backend == LoggerBackend.wandb:
+                # Decided on every rank (even one whose W&B is disabled): it may be collective.
+                plan = self._plan_runs()
+                if self._wandb_mode != "disabled":
+                    self._run = self._start_wandb(plan)
         except BaseException:
             self.close(failed=True)
             raise
@@ -285,14 +375,115 @@ class Tracker:
         """Whether this rank owns a W&B run (all layouts but gather log from every rank)."""
         return self._env.is_main or self._layout != Layout.gather
 
-    def _start_wandb(self) -> Optional[Run]:
+    def _keys(self) -> List[str]:
+        """The ``wandb_ids.json`` entries of this job's runs."""
+        if self._layout == Layout.group:
+            return [run_key(self._layout, r) for r in range(self._env.world_size)]
+        return [run_key(self._layout, 0)]
+
+    def _names(self, key: str) -> tuple[str, str]:
+        """A new run's display name and group."""
+        cfg, info = self._cfg, self._info
+        name = cfg.name or info.job_name
+        group = cfg.group or info.group
+        if self._layout == Layout.group:
+            # Ranks of different jobs in one sweep must not share a group.
+            group = f"{group}-{info.job_name}"
+            name = f"{name}-{key}"
+        return _clip(name), _clip(group)
+
+    def _plan_runs(self) -> Optional[Dict[str, Dict[str, Any]]]:
+        """Which W&B run each of this job's runs is: ``{key: {id, name, group, resume, ...}}``.
+
+        Rank 0 decides (reading and updating ``wandb_ids.json``); with ``group`` and
+        ``shared`` it hands the plan to every rank in one broadcast, so all agree without
+        reading a file another rank may be writing. Other ranks get None with ``gather``.
+        """
+        env = self._env
+        collective = env.distributed and self._layout != Layout.gather
+        plan: Optional[Dict[str, Dict[str, Any]]] = None
+        if env.is_main:
+            plan = self._decide_runs()
+        if collective:
+            box = [plan]
+            dist.broadcast_object_list(box, src=0, device=env.device)
+            plan = box[0]
+        return plan
+
+    def _decide_runs(self) -> Dict[str, Dict[str, Any]]:
+        """Rank 0: reopen the recorded runs after a checkpoint resume, else start new ones."""
+        cfg, info = self._cfg, self._info
+        path = Path(info.output_dir) / IDS_FILE
+        recorded = _read_ids(path)
+        plan: Dict[str, Dict[str, Any]] = {}
+        for key in self._keys():
+            old = recorded.get(key)
+            same_project = (
+                old is not None
+                and old.get("project") == cfg.project
+                and old.get("entity") == cfg.entity
+            )
+            if self._resumed_step is not None and same_project:
+                assert old is not None
+                name, group = self._names(key)
+                plan[key] = {
+                    **old,
+                    # An explicit logger.name / logger.group wins over the recorded one.
+                    "name": name if cfg.name else old.get("name", name),
+                    "group": group if cfg.group else old.get("group", group),
+                    "resume": True,
+                }
+                continue
+            attempt = 0
+            if old is not None:
+                previous = old.get("attempt", 0)
+                attempt = previous + 1 if isinstance(previous, int) and previous >= 0 else 1
+            name, group = self._names(key)
+            plan[key] = {
+                "id": fresh_run_id(cfg, info, key, attempt),
+                "project": cfg.project,
+                "entity": cfg.entity,
+                "name": name,
+                "group": group,
+                "attempt": attempt,
+                "resume": False,
+            }
+        runs = {
+            **recorded,
+            **{k: {f: v for f, v in p.items() if f != "resume"} for k, p in plan.items()},
+        }
+        if runs != recorded:
+            try:
+                tmp = path.with_name(f".{IDS_FILE}.{os.getpid()}.tmp")
+                tmp.write_text(
+                    json.dumps({"runs": runs}, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+                )
+                tmp.replace(path)
+            except OSError as e:
+                logger.warning(
+                    "could not record the W&B run ids in %s (%s): a re-run will start new runs",
+                    path,
+                    e,
+                )
+        return plan
+
+    def _sent_before(self) -> tuple[int, int]:
+        """The newest train and eval steps the previous attempts may have sent to this
+        rank's W&B run: the local stats files get every row before W&B does."""
+        stats, env = self._stats_dir, self._env
+        if env.is_main:
+            return _last_step(stats / "aggregate.jsonl"), _last_step(stats / "eval.jsonl")
+        return _last_step(stats / f"rank{env.rank}.jsonl"), 0
+
+    def _start_wandb(self, plan: Optional[Dict[str, Dict[str, Any]]]) -> Optional[Run]:
         if not self._wandb_writes():
             return None
         import wandb
 
         cfg, env, info = self._cfg, self._env, self._info
-        name = cfg.name or info.job_name
-        group = cfg.group or info.group
+        assert plan is not None
+        entry = plan[run_key(self._layout, env.rank)]
+        name, group = entry["name"], entry["group"]
         settings: Dict[str, Any] = {
             "mode": self._wandb_mode,
             # Hydra's basic launcher runs a sweep's jobs one after another in one process:
@@ -304,15 +495,19 @@ class Tracker:
             "quiet": True,
             "console": cfg.console.value,
         }
-        kwargs: Dict[str, Any] = {}
+        timeout, timeout_from = init_timeout_s(cfg)
+        if self._wandb_mode != "offline":
+            settings["init_timeout"] = timeout
+        kwargs: Dict[str, Any] = {"id": entry["id"]}
+        if entry["resume"]:
+            # "allow", not "must": a run recorded offline and never synced does not exist on
+            # the server yet, and an online re-run then starts it under the same id.
+            kwargs["resume"] = "allow"
+            self._sent_train, self._sent_eval = self._sent_before()
         if self._layout == Layout.group:
-            # Ranks of different jobs in one sweep must not share a group.
-            group = f"{group}-{info.job_name}"
-            name = f"{name}-rank{env.rank}"
             kwargs["job_type"] = f"rank{env.rank}"
             settings["x_label"] = f"rank{env.rank}"
         elif self._layout == Layout.shared:
-            kwargs["id"] = shared_run_id(cfg, info)
             settings.update(
                 mode="shared",
                 x_label=f"rank{env.rank}",
@@ -332,8 +527,8 @@ class Tracker:
             wb_run = wandb.init(
                 project=cfg.project,
                 entity=cfg.entity,
-                name=_clip(name),
-                group=_clip(group),
+                name=name,
+                group=group,
                 tags=[_clip(t, 64) for t in dict.fromkeys(cfg.tags)],
                 config=config,
                 dir=str(out),
@@ -341,10 +536,31 @@ class Tracker:
                 **kwargs,
             )
         except (wandb.errors.AuthenticationError, wandb.errors.UsageError) as e:
+            reason = _wandb_reason(e, cfg.project)
+            project = _shorten(cfg.project, quote=True)
+            if isinstance(e, wandb.errors.AuthenticationError):
+                todo = "log in again (`wandb login`, or WANDB_API_KEY), or set logger.mode=offline"
+            elif self._wandb_mode == "offline":
+                todo = (
+                    "fix logger.project / logger.entity / logger.name (W&B allows up to "
+                    f"{_WANDB_MAX_LEN} characters, none of / \\ # ? % :)"
+                )
+            else:
+                todo = (
+                    "fix logger.project / logger.entity / logger.name and check your W&B "
+                    "login, or set logger.mode=offline"
+                )
             raise UserError(
-                f"W&B could not start a run for logger.project={cfg.project!r} "
-                f"({str(e).splitlines()[0]}): check logger.* and your W&B login, "
-                "or set logger.mode=offline"
+                f"W&B could not start a run for logger.project={project} ({reason}): {todo}"
+            ) from None
+        except wandb.errors.CommError as e:
+            # Anything else W&B raises here is the server out of reach (no network, a wrong
+            # WANDB_BASE_URL, a firewall): wandb.init has given up after `timeout` seconds.
+            raise UserError(
+                f"W&B could not be reached within {timeout:g} s ({timeout_from}; "
+                f"{_wandb_reason(e, cfg.project)}): rerun with logger.mode=offline and upload "
+                "later with `wandb sync <output dir>/wandb/offline-run-*`, or check the "
+                f"network and WANDB_BASE_URL, or raise {timeout_from}"
             ) from None
 
         wb_run.define_metric(STEP_METRIC)
@@ -361,7 +577,17 @@ class Tracker:
             families += ["agg/*", "val/*", "test/*"]
         for pattern in families:
             wb_run.define_metric(pattern, step_metric=STEP_METRIC)
-        logger.info("W&B run %s (%s) in %s", wb_run.id, self._wandb_mode, out / "wandb")
+        if entry["resume"]:
+            logger.info(
+                "W&B run %s (%s) continued in %s: rows after step %d (checkpoint step %s)",
+                wb_run.id,
+                self._wandb_mode,
+                out / "wandb",
+                max(self._sent_train, self._sent_eval),
+                self._resumed_step,
+            )
+        else:
+            logger.info("W&B run %s (%s) in %s", wb_run.id, self._wandb_mode, out / "wandb")
         return wb_run
 
     # ---------------------------------------------------------------------------- logging
@@ -404,8 +630,8 @@ class Tracker:
         if self._env.is_main:
             self._append(self._agg, {"step": step, "time": interval.time, **agg})
             self.last_aggregate = (step, agg)
-        if self._run is None:
-            return
+        if self._run is None or step <= self._sent_train:
+            return  # a step the reopened W&B run already has
         row: Dict[str, float] = {STEP_METRIC: step}
         if self._layout == Layout.gather:
             for r, vals in table.items():
@@ -453,7 +679,7 @@ class Tracker:
         if self._eval is None:
             self._eval = open(self._stats_dir / "eval.jsonl", "a", encoding="utf-8")
         self._append(self._eval, {"step": step, "time": time.time(), **metrics})
-        if self._run is not None:
+        if self._run is not None and step > self._sent_eval:
             self._run.log({STEP_METRIC: step, **metrics})
 
     def summary(self, metrics: Dict[str, float]) -> None:
@@ -474,10 +700,10 @@ class Tracker:
         if self._run is not None:
             self._run.summary.update(dict(metrics))
 
-    def close(self, failed: bool = False) -> None:
-        """Complete the last interval, finish the W&B run (exit code 1 when ``failed``) and
-        close the files. Idempotent. Not collective, but on success every rank must call it
-        (the last interval's gather is waited for)."""
+    def close(self, failed: bool = False, preempted: bool = False) -> None:
+        """Complete the last interval, finish the W&B run (exit code 1 when ``failed``;
+        marked preempted when ``preempted``) and close the files. Idempotent. Not collective,
+        but on success every rank must call it (the last interval's gather is waited for)."""
         if self._closed:
             return
         error: Optional[BaseException] = None
@@ -494,6 +720,8 @@ class Tracker:
             try:
                 if self._unsent is not None:
                     run.log(self._unsent)
+                if preempted:
+                    run.mark_preempting()
                 run.finish(exit_code=1 if failed else 0)
             except Exception:  # closing must not mask the error that made us close
                 logger.exception("could not finish W&B run %s", run.id)
@@ -519,6 +747,11 @@ class Tracker:
         handle.flush()  # a crashed or killed rank still leaves its stats up to the last interval
 
 
-def make_tracker(cfg: LoggerConfig, env: DistEnv, run: RunInfo) -> Tracker:
-    """Build the tracker for one job (``logger.backend=none`` keeps W&B out entirely)."""
-    return Tracker(cfg, env, run)
+def make_tracker(
+    cfg: LoggerConfig, env: DistEnv, run: RunInfo, resumed_step: Optional[int] = None
+) -> Tracker:
+    """Build the tracker for one job (``logger.backend=none`` keeps W&B out entirely).
+
+    ``resumed_step``: the step of the checkpoint the job resumed from, or None when it started
+    from step 0; a resumed job continues the W&B runs recorded in its output dir."""
+    return Tracker(cfg, env, run, resumed_step=resumed_step)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import itertools
 import json
 import logging
 import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,8 +33,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from hydra_ddp import checkpoint, launch
+from hydra_ddp import checkpoint, launch, sweeps
 from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, Precision, TrainConfig, register_configs
 from hydra_ddp.console import Console
@@ -47,13 +51,25 @@ from hydra_ddp.dist import (
     env_from_environ,
     export_submitit_env,
     init_process_group,
+    launcher_rank,
     lost_peer,
+    make_deterministic,
     register_resolvers,
+    timed_out,
     under_launcher,
 )
 from hydra_ddp.errors import UserError
 from hydra_ddp.metrics import evaluate, memory_stats
+from hydra_ddp.monitor import Monitor
 from hydra_ddp.optim import param_groups
+from hydra_ddp.preemption import (
+    Preempted,
+    StopOnSignal,
+    exit_with_parent,
+    run_dir_override,
+    signal_name,
+)
+from hydra_ddp.profiling import step_profiler
 from hydra_ddp.tracking import RunInfo, make_tracker
 
 log = logging.getLogger(__name__)
@@ -144,6 +160,9 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     console.quiet_other_ranks()
 
     # Everything that can fail on bad input happens before the process group starts.
+    monitor = Monitor(tcfg, sweeps.monitor_key(cfg))
+    if tcfg.deterministic:
+        make_deterministic()
     torch.manual_seed(tcfg.seed)
     source = build(cfg.data, "data")
     train_data = TrainData(
@@ -152,10 +171,11 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     evals = {
         s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size) for s in ("val", "test")
     }
+    steps_per_epoch = _epoch_length(train_data.steps_per_epoch, tcfg)
     total_steps = (
         tcfg.max_steps
         if tcfg.max_steps > 0
-        else max(tcfg.epochs * train_data.steps_per_epoch // tcfg.grad_accum, 1)
+        else max(tcfg.epochs * steps_per_epoch // tcfg.grad_accum, 1)
     )
     parts = build_components(cfg, source, env.device, total_steps)
     raw_model, opt, sched = parts.model, parts.optimizer, parts.scheduler
@@ -169,14 +189,39 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
             dtype=torch.bfloat16 if tcfg.precision == Precision.bf16 else torch.float16,
         )
     )
-    state = {"model": raw_model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+    # The average is evaluated and checkpointed; the raw weights keep training.
+    ema = (
+        AveragedModel(
+            raw_model, multi_avg_fn=get_ema_multi_avg_fn(tcfg.ema_decay), use_buffers=True
+        )
+        if tcfg.ema_decay
+        else None
+    )
+    eval_model = raw_model if ema is None else ema.module
+    state = {
+        "model": raw_model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": scaler,
+        "monitor": monitor,
+        **({"ema": ema} if ema is not None else {}),
+    }
     checkpoint.check_folder(run.output_dir)
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
 
+    if env.launched:
+        exit_with_parent()
     init_process_group(env, cfg.dist)
-    tracker = model = None
+    tracker = model = step_model = None
+    stopper = StopOnSignal(env)
+    scope = contextlib.ExitStack()
     try:
         model = wrap_model(raw_model, env, cfg.ddp)
+        # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
+        # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce still starts
+        # while the backward of the earlier layers runs. Checkpoints keep using raw_model, so
+        # their keys carry no `_orig_mod.` prefix.
+        step_model = torch.compile(model) if tcfg.compile else model
         pos = Position()
         if resume_from is not None:
             pos = Position(
@@ -184,6 +229,8 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                     resume_from, env, [f.name for f in fields(Position)], **state
                 )
             )
+            if pos.batch_in_epoch >= steps_per_epoch:  # saved by more ranks
+                pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
             log.info(
                 "resumed from %s at step %d (epoch %d, batch %d)",
                 resume_from,
@@ -199,7 +246,9 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
             # DDP broadcasts rank 0's at construction).
             torch.manual_seed(tcfg.seed + env.rank)
 
-        tracker = make_tracker(cfg.logger, env, run)
+        tracker = make_tracker(
+            cfg.logger, env, run, resumed_step=pos.step if resume_from is not None else None
+        )
         console.show_config(run.config)
         unit = source.unit
         log.info(
@@ -208,18 +257,42 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
             train_data.rows_held,
             env.rank,
             train_data.bytes_held / 2**20,
-            train_data.steps_per_epoch,
+            steps_per_epoch,
             total_steps,
         )
+        if tcfg.detect_anomaly:
+            log.warning(
+                "autograd anomaly detection is on (trainer.detect_anomaly): several times slower"
+            )
+            scope.enter_context(torch.autograd.detect_anomaly())
+        profiler = scope.enter_context(step_profiler(tcfg, env, run.output_dir))
 
-        batches = _batches(train_data, pos)
+        batches = _batches(train_data, pos, tcfg)
+        scoring = (parts.loss_fn, parts.metrics, autocast, tcfg.limit_eval_batches)
         window = _Window()
         val: dict[str, float] = {}
         t_start = time.perf_counter()
         start_step = pos.step
         progress = console.progress(total_steps, pos.step)
         model.train()
+        stopper.start()
         while pos.step < total_steps:
+            signum = stopper.agreed()
+            if signum:
+                progress.close()
+                checkpoint.save_training_state(
+                    run.output_dir, asdict(pos), tcfg.keep_ckpts, env, **state
+                )
+                tracker.close(preempted=True)
+                tracker = None
+                stopper.chain()
+                raise Preempted(
+                    signum,
+                    f"stopped on {signal_name(signum)} at step {pos.step} of {total_steps} with "
+                    "a checkpoint: re-run the same command with "
+                    f"{run_dir_override(run.output_dir)} to resume (a SLURM or submitit "
+                    "requeue does so by itself)",
+                )
             t_step = time.perf_counter()
             micro_batches = [next(batches) for _ in range(tcfg.grad_accum)]
             window.data_wait += time.perf_counter() - t_step
@@ -228,11 +301,14 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 for x, y in micro_batches
             ]
             loss, grad_norm = train_step(
-                model, micro_batches, parts.loss_fn, opt, scaler, autocast, tcfg.grad_clip
+                step_model, micro_batches, parts.loss_fn, opt, scaler, autocast, tcfg.grad_clip
             )
             if not scaler.is_enabled() and not torch.isfinite(grad_norm):
                 _non_finite(pos.step + 1, loss, env, tcfg.nan_policy)
             sched.step()
+            if ema is not None:
+                ema.update_parameters(raw_model)
+            profiler.step()
             pos.step += 1
             rows = sum(len(x) for x, _ in micro_batches)
             pos.samples_seen += rows
@@ -254,21 +330,34 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 if env.is_main and not progress.visible:
                     console.log_step(pos.step, total_steps, stats, tracker.last_aggregate, unit)
             if _due(pos.step, tcfg.eval_interval, total_steps):
-                val = evaluate(raw_model, evals["val"], env, parts.loss_fn, parts.metrics, autocast)
+                val = evaluate(eval_model, evals["val"], env, *scoring)
                 tracker.log_eval(pos.step, {f"val/{k}": v for k, v in val.items()})
                 console.info_main("step %d | val %s", pos.step, _fmt(val))
+                if monitor.update(pos.step, val, env):
+                    checkpoint.save_training_state(
+                        run.output_dir, asdict(pos), 1, env, name="best.pt", **state
+                    )
+                elif monitor.should_stop:
+                    monitor.stop(pos.step)
+                    break
             if _due(pos.step, tcfg.ckpt_interval, total_steps):
                 checkpoint.save_training_state(
                     run.output_dir, asdict(pos), tcfg.keep_ckpts, env, **state
                 )
+        stopper.finish()
         progress.close()
         wall = time.perf_counter() - t_start
 
+        # The last validation goes into the monitor before the last checkpoint, so a run
+        # resumed from it (a longer one) continues with the right best score and patience.
+        improved = False
+        if not monitor.stopped_early:  # else the loop evaluated this very step already
+            val = evaluate(eval_model, evals["val"], env, *scoring)
+            improved = monitor.update(pos.step, val, env)
         checkpoint.save_training_state(run.output_dir, asdict(pos), tcfg.keep_ckpts, env, **state)
-        val, test = (
-            evaluate(raw_model, evals[s], env, parts.loss_fn, parts.metrics, autocast)
-            for s in ("val", "test")
-        )
+        if improved and env.is_main:
+            checkpoint.keep_as_best(run.output_dir, pos.step)
+        test = evaluate(eval_model, evals["test"], env, *scoring)
         tracker.log_eval(
             pos.step,
             {
@@ -276,18 +365,28 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
                 **{f"test/{k}": v for k, v in test.items()},
             },
         )
-        summary = _summary(cfg, env, pos, start_step, wall, window, val, test, train_data, unit)
+        summary = _summary(
+            cfg, env, pos, start_step, wall, window, val, test, train_data, steps_per_epoch, unit
+        )
+        summary.update(monitor.summary())
         tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         if env.is_main:
             path = run.output_dir / "summary.json"
-            path.write_text(json.dumps(summary, indent=2) + "\n")
+            path.write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+            # An earlier attempt of this job that failed (a sweep job re-run here) is over.
+            (run.output_dir / "failure.json").unlink(missing_ok=True)
         console.show_summary(summary, run.output_dir)
         tracker.close()
         barrier(env)
         return summary
     except BaseException as e:
+        # The failed step's frames (kept alive by the traceback) hold the DDP wrapper: free
+        # it now, while the process group is up (see the finally below for why that matters).
+        traceback.clear_frames(e.__traceback__)
         if tracker is not None:
             tracker.close(failed=True)
+        if isinstance(e, Preempted):
+            raise
         explained = explain(e)
         if explained is not None:
             raise explained from e
@@ -296,17 +395,43 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
             # nothing about the cause: one line instead.
             raise UserError(
                 f"rank {env.rank} lost contact with another rank "
-                f"({str(e).splitlines()[0].split('. ')[0][:200]}): that rank most likely died, "
+                f"({_first_line(e)}): that rank most likely died, "
                 "see its log for why; with torchrun --max-restarts=K (or dist.max_restarts=K) "
                 "the group restarts and resumes from the newest checkpoint"
             ) from e
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+            raise UserError(
+                f"could not write {e.filename or run.output_dir} ({e.strerror}): free space "
+                "or quota there, or resume in another dir (hydra.run.dir=...); the checkpoints "
+                "already written are intact"
+            ) from e
+        if timed_out(e):
+            raise UserError(
+                f"rank {env.rank} waited dist.timeout_s={cfg.dist.timeout_s:g}s for another "
+                f"rank in a collective ({_first_line(e)}): a rank stopped answering (stopped, "
+                "hung on I/O, or far slower than the others), see the other ranks' logs; raise "
+                "dist.timeout_s if one rank legitimately works that long alone"
+            ) from e
         raise
     finally:
+        scope.close()
+        stopper.restore()
         # The DDP wrapper goes first, while the process group is still registered: dropping the
         # group's last reference in the wrapper's deallocation joins gloo's threads with the GIL
         # held, which deadlocks when one of them still frees a tensor (seen under load).
-        model = None  # noqa: F841
+        model = step_model = None  # noqa: F841
         destroy_process_group()
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of a c10d/gloo error: its first sentence, without the source location."""
+    line = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return line.split(". ")[0][:200]
 
 
 def _finished_summary(
@@ -330,11 +455,24 @@ def _finished_summary(
     return found
 
 
-def _batches(data: TrainData, pos: Position) -> Iterator[Batch]:
+def _epoch_length(batches: int, tcfg: Any) -> int:
+    """Batches per epoch and rank, after trainer.overfit_batches / limit_train_batches."""
+    if tcfg.overfit_batches:
+        return min(tcfg.overfit_batches, batches)
+    return min(tcfg.limit_train_batches, batches) if tcfg.limit_train_batches else batches
+
+
+def _batches(data: TrainData, pos: Position, tcfg: Any) -> Iterator[Batch]:
     """Training batches from `pos` on, forever, moving `pos` to the next epoch as each ends
-    (the sampler reshuffles for it)."""
+    (the sampler reshuffles for it). trainer.overfit_batches: the first N batches of epoch 0,
+    every epoch; trainer.limit_train_batches: each epoch ends after N batches."""
+    length = _epoch_length(data.steps_per_epoch, tcfg)
+    fixed = list(itertools.islice(data.epoch(0), length)) if tcfg.overfit_batches else None
     while True:
-        for batch in data.epoch(pos.epoch, pos.batch_in_epoch):
+        epoch = fixed[pos.batch_in_epoch :] if fixed else data.epoch(pos.epoch, pos.batch_in_epoch)
+        for batch in epoch:
+            if pos.batch_in_epoch >= length:
+                break
             pos.batch_in_epoch += 1
             yield batch
         pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
@@ -413,6 +551,7 @@ def _summary(
     val: dict[str, float],
     test: dict[str, float],
     data: TrainData,
+    steps_per_epoch: int,
     unit: str,
 ) -> dict[str, Any]:
     samples = all_reduce_sum([float(window.total_samples)], env)[0]
@@ -421,19 +560,27 @@ def _summary(
         "world_size": env.world_size,
         "steps": pos.step,
         "steps_this_run": pos.step - start_step,
-        "epochs": pos.epoch + (pos.batch_in_epoch / max(data.steps_per_epoch, 1)),
+        "epochs": pos.epoch + (pos.batch_in_epoch / max(steps_per_epoch, 1)),
         "train_loss": all_reduce_sum([window.last_loss], env)[0] / env.world_size,
         f"{unit}_per_s": samples / max(wall, 1e-9),
         "wall_time_s": wall,
         "rows_held_per_rank": [int(h[0]) for h in held],
         "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": cfg.sampler.policy.value,
-        "objective": val["loss"],
+        "objective": val[sweeps.monitor_key(cfg)],  # trainer.monitor
     }
     # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
     for split, metrics in (("val", val), ("test", test)):
         summary.update({f"{split}_{k}": v for k, v in metrics.items()})
     return summary
+
+
+def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN or inf: such metrics are written as null, with a warning."""
+    bad = [k for k, v in summary.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        log.warning("not finite, written as null in summary.json: %s", ", ".join(bad))
+    return {k: None if k in bad else v for k, v in summary.items()}
 
 
 def _fmt(metrics: dict[str, float]) -> str:
@@ -468,6 +615,7 @@ def to_typed(dict_cfg: DictConfig) -> TrainConfig:
 def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need the data and the components but no process group, so a bad job fails
     once, in the launching process, instead of once per worker."""
+    sweeps.monitor_key(cfg)  # trainer.monitor names a metric the job computes
     source = build(cfg.data, "data")
     check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)
     build_components(cfg, source, torch.device("cpu"), total_steps=1)
@@ -487,7 +635,18 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
     return RunInfo(output_dir=output_dir, job_name=name, group=group, config=config)
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="train")
+def config_dir() -> str:
+    """The configs: conf/ at the top of a checkout (an editable install, or src/ on PYTHONPATH),
+    so an edit there counts at the next run; else the copy a wheel ships as hydra_ddp/conf
+    (pyproject.toml's package-dir), so an installed `hydra-ddp-train` runs from any folder."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent.parent / "conf"
+    if here.parent.name == "src" and (checkout / "train.yaml").is_file():
+        return str(checkout)
+    return str(here / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def hydra_entry(dict_cfg: DictConfig) -> float:
     """Compose, validate, then train here or start a worker group; returns the objective
     (validation loss) for Hydra sweepers."""
@@ -507,26 +666,47 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
             export_submitit_env()
             summary = train(cfg, env_from_environ(cfg.dist), run)
         return float(summary["objective"])
+    except Preempted as e:
+        # Also ends a sweep: the jobs after this one would be stopped the same way.
+        (log.warning if launcher_rank() == 0 else log.info)("%s", e)
+        sys.exit(e.exit_code)
     except UserError as e:
         log.error("error: %s", e)
         if not multirun:
             sys.exit(2)
         # Let the sweep go on: the report at its end lists this job as failed, and a NaN
         # objective marks the trial failed for sweepers such as Optuna's.
-        launch.record_failure(run.output_dir, str(e))
+        sweeps.record_failure(run.output_dir, str(e))
         return float("nan")
     except Exception as e:
         if not multirun:
             raise
         log.exception("job failed")
-        launch.record_failure(run.output_dir, f"{type(e).__name__}: {e}")
+        sweeps.record_failure(run.output_dir, f"{type(e).__name__}: {e}")
         return float("nan")
 
 
+def _check_run_dir(argv: list[str]) -> None:
+    """`hydra.run.dir=<path>` on the command line that cannot be created (read-only disk, no
+    permission): one line here, instead of the traceback of Hydra's mkdir."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
+        return
+    try:
+        os.makedirs(given[-1], exist_ok=True)
+    except OSError as e:
+        sys.stderr.write(
+            f"error: hydra.run.dir={given[-1]} cannot be created ({e.strerror}): choose a "
+            "writable place\n"
+        )
+        sys.exit(2)
+
+
 def main() -> None:
+    _check_run_dir(sys.argv[1:])
     try:
         hydra_entry()
-        code = 1 if launch.sweep_failed() else 0
+        code = 1 if sweeps.sweep_failed() else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     if under_launcher():

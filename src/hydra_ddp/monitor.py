@@ -1,0 +1,79 @@
+"""The validation metric that judges a run: best score, best checkpoint, early stopping.
+
+`trainer.monitor` (`val/loss`, `val/acc`, ...) with `trainer.monitor_mode` (min or max) is read
+at every evaluation. An improvement makes that step the best one (its checkpoint is kept as
+`checkpoints/best.pt`, never rotated away); `trainer.early_stop_patience` evaluations in a row
+without one end the run. The state lives in the checkpoint, so a resumed run keeps its best
+score and its patience count. Validation metrics are reduced over ranks, so every rank reaches
+the same decision; rank 0's is still the one taken (see `Monitor.update`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from hydra_ddp.config import MonitorMode, TrainerConfig
+from hydra_ddp.dist import DistEnv, all_gather_objects
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    def __init__(self, tcfg: TrainerConfig, metric: str) -> None:
+        self.name = tcfg.monitor
+        self.metric = metric  # the key in the evaluation's results: `val/acc` -> `acc`
+        self.maximize = tcfg.monitor_mode == MonitorMode.max
+        self.patience = tcfg.early_stop_patience
+        self.best = math.nan
+        self.best_step = 0
+        self.bad_evals = 0  # evaluations in a row without an improvement
+        self.stopped_early = False
+
+    def update(self, step: int, val: dict[str, float], env: DistEnv) -> bool:
+        """Record an evaluation at `step`; True when it is the best so far."""
+        value = val[self.metric]
+        improved = math.isfinite(value) and (
+            math.isnan(self.best) or (value > self.best if self.maximize else value < self.best)
+        )
+        # Bit-equal on every rank in practice, but a stop that one rank alone takes would hang
+        # the others: rank 0 decides for all.
+        improved = bool(all_gather_objects(improved, env)[0])
+        if improved:
+            self.best, self.best_step, self.bad_evals = value, step, 0
+        else:
+            self.bad_evals += 1
+        return improved
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.bad_evals >= self.patience
+
+    def stop(self, step: int) -> None:
+        self.stopped_early = True
+        log.info(
+            "early stop at step %d: %s has not improved for %d evaluation(s) "
+            "(trainer.early_stop_patience); best %.6g at step %d",
+            step,
+            self.name,
+            self.bad_evals,
+            self.best,
+            self.best_step,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "monitor": self.name,
+            "best": None if math.isnan(self.best) else self.best,
+            "best_step": self.best_step,
+            "stopped_early": self.stopped_early,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = float(state["best"])
+        self.best_step = int(state["best_step"])
+        self.bad_evals = int(state["bad_evals"])

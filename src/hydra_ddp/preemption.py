@@ -1,0 +1,179 @@
+"""Stopping on request: a preempted or interrupted job ends with a checkpoint, not a traceback.
+
+Schedulers ask a job to stop before they kill it: SLURM sends SIGTERM (and, with
+`--signal=USR1@90`, SIGUSR1 before the time limit; submitit uses SIGUSR2), torchrun's agent
+forwards SIGTERM/SIGINT to its workers and kills them 30 s later, and Ctrl-C sends SIGINT. The
+signal only sets a flag; at the next step boundary every rank learns whether any rank got one
+and, if so, all save one checkpoint together and stop with `Preempted` (exit status 128 +
+the signal's number, as a shell reports a process killed by it). Re-running the same command in
+the same output dir, or a SLURM/submitit requeue, resumes from that checkpoint exactly.
+
+A second request more than a second after the first stops at once: the usual "press Ctrl-C
+again" escape. (The first Ctrl-C of a self-launched job reaches each worker twice: from the
+terminal, and forwarded by the agent; those two count as one.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.dist import DistEnv
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+_REPEAT_WINDOW_S = 1.0
+# Ranks check for a stop request about this often (in steps of rank 0's step time), at most
+# every _MAX_INTERVAL steps: well inside the 30 s a launcher gives before it kills.
+_CHECK_EVERY_S = 0.1
+_MAX_INTERVAL = 100
+
+
+class Preempted(Exception):
+    """The job stopped on a signal after saving a checkpoint (or with nothing to save)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def run_dir_override(output_dir: object) -> str:
+    """`hydra.run.dir=<dir>` as it must be typed: quoted when the dir's name holds characters
+    of Hydra's override grammar (a sweep job's `0_model=mlp,optim.lr=0.01`)."""
+    text = str(output_dir)
+    if any(c in text for c in "=,:'\"()[]{} "):
+        return f"\"hydra.run.dir='{text}'\""
+    return f"hydra.run.dir={text}"
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class StopOnSignal:
+    """Catches the stop signals while the loop runs; `agreed()` at each step boundary says
+    whether the ranks are to stop there.
+
+    Ranks agree with a tiny all-reduce, started asynchronously at one boundary and read at a
+    later one, so it overlaps training instead of stalling it. It is not run every step: rank
+    0 sends, in the same all-reduce, how many steps to wait before the next one (about
+    `_CHECK_EVERY_S` of steps, from its step time), so every rank checks at the same steps and
+    a 2 ms step does not pay for a collective each time. Under NCCL it runs on a gloo group of
+    its own: reading a CUDA tensor would sync the GPU.
+    """
+
+    def __init__(self, env: DistEnv) -> None:
+        self.env = env
+        self.received = 0
+        self._when = 0.0
+        self._previous: dict[int, Any] = {}
+        # [the signal some rank got, rank 0's steps until the next check]; reduced with MAX.
+        self._flag = torch.zeros(2, dtype=torch.int64)
+        self._pending: Any = None
+        self._group: Any = None
+        self._countdown = 0  # boundaries left before the next check
+        self._last_check = time.monotonic()
+        self._boundaries = 0  # boundaries since the last check
+        self._checked = False
+
+    def start(self) -> StopOnSignal:
+        self._last_check = time.monotonic()
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
+        if self.env.distributed and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
+        return self
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self.received and now - self._when > _REPEAT_WINDOW_S:
+            # Asked twice: give the signal back its earlier meaning and deliver it again.
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        if not self.received:
+            self.received, self._when = signum, now
+
+    def agreed(self) -> int:
+        """The signal (its number) that some rank got before the previous check, the same on
+        every rank; 0 to go on."""
+        if not self.env.distributed:
+            return self.received
+        self._boundaries += 1
+        if self._countdown > 0:
+            self._countdown -= 1
+            return 0
+        interval = 1
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            agreed, interval = (int(v) for v in self._flag.tolist())
+            if agreed:
+                return agreed
+        # The next check: started now, read `interval` boundaries later (rank 0's proposal of
+        # the previous check, which every rank read).
+        now = time.monotonic()
+        step_s = (now - self._last_check) / self._boundaries
+        self._last_check, self._boundaries = now, 0
+        # The first boundary follows no step: its "step time" says nothing.
+        proposal = 1
+        if self._checked:
+            proposal = min(max(int(_CHECK_EVERY_S / max(step_s, 1e-6)), 1), _MAX_INTERVAL)
+        self._checked = True
+        self._flag[0] = self.received
+        self._flag[1] = proposal if self.env.is_main else 0
+        self._pending = dist.all_reduce(
+            self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        self._countdown = interval - 1
+        return 0
+
+    def finish(self) -> None:
+        """The loop ended normally: complete the outstanding all-reduce (every rank has one)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def chain(self) -> None:
+        """After the checkpoint: let an earlier Python handler of the signal run too, e.g.
+        submitit's, which requeues the SLURM job on its preemption signal."""
+        previous = self._previous.get(self.received)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(self.received, None)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
+def exit_with_parent() -> None:
+    """Under torch's elastic agent (torchrun): a worker whose agent dies gets SIGTERM, so it
+    stops like a preempted job (checkpoint, exit) instead of training on unsupervised."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    pr_set_pdeathsig = 1
+    libc: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    if libc(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("could not ask to be stopped when the agent dies (prctl failed)")
+        return
+    if os.getppid() == 1:  # the agent died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)

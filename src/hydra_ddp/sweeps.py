@@ -1,0 +1,431 @@
+"""Sweeps of DDP jobs: job dir names, the objective, and the report at the end.
+
+`sweep_subdir` names each job's dir (`0_model=mlp`: the job number and the swept keys, safe and
+short as a file name), `monitor_key` is the metric `trainer.monitor` names (each job's
+objective), and `SweepReport` is a Hydra callback that tables every job at the end of a
+multirun (status, objective, metrics, and for a failed job why and where its logs are).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.utils import JobReturn
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_ddp.config import TrainConfig
+from hydra_ddp.dist import launcher_rank
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_sweep_failed = False
+
+# At most this many characters in a job dir's name; longer ones end in a hash of the full name.
+SUBDIR_MAX_CHARS = 80
+# What a job dir's name keeps as it is; any other character (`/`, `:`, spaces, quotes, ...)
+# becomes `_`.
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+@%-]")
+# In the sweep dir: the keys the sweep varies (written at its start), and one line per job as it
+# starts and ends (from whatever process runs it), so the report finds every job launched.
+_SWEPT_KEYS = "sweep_keys.json"
+_JOURNAL = "sweep_jobs.jsonl"
+_JOB_RETURN = "job_return.json"
+
+
+def record_failure(output_dir: Path, message: str) -> None:
+    """Mark a job of a sweep as failed, for SweepReport to find."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / "failure.json").write_text(json.dumps({"error": message}) + "\n")
+
+
+def sweep_failed() -> bool:
+    """True when the sweep that just ran in this process had a failing job."""
+    return _sweep_failed
+
+
+def monitor_key(cfg: TrainConfig) -> str:
+    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`).
+
+    Raises a UserError naming the available ones (the loss and each `metrics.*` name) when the
+    job does not compute it, so a typo fails before training instead of after it."""
+    available = ["loss", *cfg.metrics]
+    key = cfg.trainer.monitor[len("val/") :]
+    if key not in available:
+        raise UserError(
+            f"trainer.monitor={cfg.trainer.monitor} is not a validation metric of this job: "
+            f"use one of {', '.join('val/' + name for name in available)} (the loss and the "
+            "metrics config group)"
+        )
+    return key
+
+
+def swept_keys(task_overrides: Sequence[str], sweeper_params: Any = None) -> list[str]:
+    """The keys a sweep varies: each command-line override that is a sweep (`model=mlp,cnn`,
+    `optim.lr=interval(...)`), and each entry of `hydra.sweeper.params` that is one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = dict(sweeper_params or {})
+    lines = [f"{k}={v}" for k, v in params.items()] + list(task_overrides)
+    keys: list[str] = []
+    for override in OverridesParser.create().parse_overrides(lines):
+        key = _key(override)
+        if override.is_sweep_override() and key not in keys:
+            keys.append(key)
+    return keys
+
+
+def sweep_subdir(
+    num: Any, task_overrides: Sequence[str], sweep_dir: str, sweeper_params: Any = None
+) -> str:
+    """hydra.sweep.subdir: the job number, then `key=value` for each swept key (`0_model=mlp`).
+
+    The keys swept are those SweepReport wrote to <sweep dir>/sweep_keys.json at the start of
+    the sweep, else what Hydra's basic sweeper saved in <sweep dir>/multirun.yaml, else the
+    job's `hydra.sweeper.params`; when none of those tell, every override of the job counts.
+    Characters unsafe in a file name become `_`, so a value never nests dirs, and a name over
+    SUBDIR_MAX_CHARS is cut and ends in a hash of the whole, so no name is too long for the
+    file system and two long ones stay apart. Resolved in the job's own process (also under
+    submitit), from its own overrides."""
+    pairs = [_split(line) for line in task_overrides]
+    keys = _known_swept_keys(Path(sweep_dir), sweeper_params)
+    if keys is not None:
+        pairs = [(k, v) for k, v in pairs if k in keys]
+    full = "_".join([str(num), *([",".join(f"{k}={v}" for k, v in pairs)] if pairs else [])])
+    name = _UNSAFE.sub("_", full)
+    if len(name) > SUBDIR_MAX_CHARS:
+        digest = hashlib.sha256(full.encode()).hexdigest()[:8]
+        name = f"{name[: SUBDIR_MAX_CHARS - len(digest) - 1]}-{digest}"
+    return name
+
+
+def _key(override: Any) -> str:
+    """An override's key without its `+`/`++`/`~` prefix, with its `@package` if any."""
+    key = override.key_or_group
+    return f"{key}@{override.package}" if override.package else key
+
+
+def _split(line: str) -> tuple[str, str]:
+    """`+a.b=1e-3` -> ("a.b", "1e-3"): the key as `_key` spells it and the value as typed."""
+    key, _, value = str(line).partition("=")
+    return key.lstrip("+~"), value
+
+
+def _known_swept_keys(sweep_dir: Path, sweeper_params: Any) -> list[str] | None:
+    recorded = _read_json(sweep_dir / _SWEPT_KEYS)
+    if isinstance(recorded, list):
+        return [str(k) for k in recorded]
+    try:
+        saved = OmegaConf.load(sweep_dir / "multirun.yaml")
+        return swept_keys(
+            OmegaConf.select(saved, "hydra.overrides.task", default=[]),
+            OmegaConf.select(saved, "hydra.sweeper.params", default=None),
+        )
+    except Exception:  # no such file, or one we cannot read: try the next source
+        pass
+    keys = swept_keys([], sweeper_params)
+    return keys or None
+
+
+class SweepReport(Callback):
+    """At the end of a multirun, a table of every job: its swept overrides, status, objective
+    (`trainer.monitor`, best job marked), main validation metrics and, for a failed job, why
+    and where its logs are; written to the log and to <sweep dir>/sweep_report.json.
+
+    Jobs are found from the journal <sweep dir>/sweep_jobs.jsonl (a line as each starts and
+    ends, whatever process runs it: the basic launcher's or submitit's) and by looking for job
+    dirs, so a job whose dir is missing or that wrote no summary.json is reported as failed.
+    Each job's rank 0 leaves what Hydra got back from it (what a sweeper such as Optuna's
+    optimises) in <job dir>/job_return.json."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _sweep_failed
+        _sweep_failed = False
+        _check_sweeper_direction(config)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        keys = swept_keys(
+            OmegaConf.to_container(config.hydra.overrides.task),
+            OmegaConf.select(config, "hydra.sweeper.params", default=None),
+        )
+        (sweep_dir / _SWEPT_KEYS).write_text(json.dumps(keys) + "\n")
+        # A sweep rerun into the same dir starts its journal afresh.
+        (sweep_dir / _JOURNAL).write_text("")
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not _is_multirun(config) or launcher_rank() != 0:
+            return
+        output_dir = Path(config.hydra.runtime.output_dir)
+        # A sweep rerun into the same sweep dir must not report the previous run's outcome.
+        for name in ("failure.json", _JOB_RETURN):
+            (output_dir / name).unlink(missing_ok=True)
+        _journal(
+            config,
+            event="start",
+            overrides=OmegaConf.to_container(config.hydra.overrides.task),
+        )
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        if job_return.hydra_cfg is None or launcher_rank() != 0:
+            return  # under submitit every task of a job gets here: rank 0 speaks for the job
+        output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
+        if job_return.status == JobStatus.FAILED:
+            # A job that raised past train.py's own handling (a bug) still gets marked.
+            record_failure(output_dir, repr(job_return._return_value))
+        if _is_multirun(job_return.hydra_cfg):
+            value = job_return._return_value if job_return.status == JobStatus.COMPLETED else None
+            number = float(value) if isinstance(value, (int, float)) else None
+            returned = {
+                "status": job_return.status.name,
+                "return_type": type(value).__name__,
+                # JSON has no NaN: a failed job's NaN objective is written as null.
+                "return_value": number if number is not None and math.isfinite(number) else None,
+            }
+            (output_dir / _JOB_RETURN).write_text(json.dumps(returned) + "\n")
+            # `config`, not the copy in job_return: that one lost the resolved `${now:}` of the
+            # sweep dir's name.
+            _journal(config, event="end", **returned)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _sweep_failed
+        # Hydra turns an exception here into a warning: a report that could not be made must
+        # not pass for a sweep without failures.
+        _sweep_failed = True
+        # Absolute, so the paths in the report and on the console work from anywhere.
+        sweep_dir = Path(os.path.abspath(config.hydra.sweep.dir))
+        monitor = str(OmegaConf.select(config, "trainer.monitor", default="val/loss"))
+        mode = OmegaConf.select(config, "trainer.monitor_mode", default="min")
+        mode = str(getattr(mode, "value", mode))
+        keys = swept_keys(
+            OmegaConf.to_container(config.hydra.overrides.task),
+            OmegaConf.select(config, "hydra.sweeper.params", default=None),
+        )
+        jobs = [
+            _job_entry(job, keys, monitor, mode)
+            for job in _find_jobs(sweep_dir, _read_journal(sweep_dir / _JOURNAL))
+        ]
+        scored = [j for j in jobs if j["status"] == "ok" and j["objective"] is not None]
+        best = (min if mode == "min" else max)(scored, key=lambda j: j["objective"], default=None)
+        for j in jobs:
+            j["best"] = j is best
+        (sweep_dir / "sweep_report.json").write_text(json.dumps(jobs, indent=2) + "\n")
+        failed = [j for j in jobs if j["status"] != "ok"]
+        _sweep_failed = bool(failed)
+        log.info(
+            "sweep done: %d job(s), %d failed; objective %s (%s): %s; report: %s",
+            len(jobs),
+            len(failed),
+            monitor,
+            mode,
+            f"best {best['objective']:.6g} ({best['job']})" if best else "no job has one",
+            sweep_dir / "sweep_report.json",
+        )
+        header, *lines = _table(jobs, monitor, mode)
+        log.info(header)
+        for job, line in zip(jobs, lines):
+            (log.error if job["status"] != "ok" else log.info)(line)
+
+
+def _check_sweeper_direction(config: DictConfig) -> None:
+    """A sweeper with a `direction` (Optuna's) must optimise the way trainer.monitor_mode says:
+    stop before the first job rather than search for the worst hyperparameters."""
+    direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None)
+    mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
+    if direction is None or mode is None or not isinstance(direction, (str, Enum)):
+        return  # no such sweeper, or several objectives: nothing to compare
+    direction = str(getattr(direction, "name", direction))
+    mode = str(getattr(mode, "value", mode))
+    wanted = {"min": "minimize", "max": "maximize"}.get(mode)
+    if wanted is not None and direction != wanted:
+        log.error(
+            "error: hydra.sweeper.direction=%s does not match trainer.monitor_mode=%s "
+            "(trainer.monitor=%s): add hydra.sweeper.direction=%s",
+            direction,
+            mode,
+            OmegaConf.select(config, "trainer.monitor", default="?"),
+            wanted,
+        )
+        sys.exit(2)
+
+
+def _journal(config: DictConfig, **record: Any) -> None:
+    """Append one line about this job to <sweep dir>/sweep_jobs.jsonl (one short write, so the
+    lines of jobs ending at the same time in other processes do not mix)."""
+    record = {
+        "num": OmegaConf.select(config, "hydra.job.num", default=None),
+        "dir": os.path.abspath(config.hydra.runtime.output_dir),
+        **record,
+    }
+    path = Path(config.hydra.sweep.dir) / _JOURNAL
+    try:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # the report still finds the job by its dir
+        log.warning("could not write %s: %s", path, e)
+
+
+def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
+    """Job dir -> what the journal says of it (its start and end merged)."""
+    jobs: dict[str, dict[str, Any]] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return jobs
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn line of a job killed while writing it
+        if isinstance(record, dict) and "dir" in record:
+            jobs.setdefault(record["dir"], {}).update(record)
+    return jobs
+
+
+def _find_jobs(sweep_dir: Path, journal: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every job of the sweep, in launch order: those in the journal, every dir with a .hydra/
+    dump under the sweep dir (a subdir may nest), and a placeholder for each job number missing
+    between them (a job that left no trace)."""
+    jobs = {d: dict(record) for d, record in journal.items()}
+    for root, dirs, _ in os.walk(sweep_dir):
+        if ".hydra" in dirs:
+            jobs.setdefault(os.path.abspath(root), {})
+            dirs.clear()  # a job dir holds no other job
+    for job_dir, record in jobs.items():
+        if record.get("num") is None:
+            record["num"] = _job_number(Path(job_dir))
+        record["dir"] = job_dir
+    numbers = {r["num"] for r in jobs.values() if isinstance(r["num"], int)}
+    if numbers and len(numbers) == len(jobs):
+        for num in sorted(set(range(max(numbers) + 1)) - numbers):
+            jobs[f"#{num}"] = {"num": num, "dir": None}
+    return sorted(
+        jobs.values(),
+        key=lambda r: (r["num"] if isinstance(r["num"], int) else sys.maxsize, str(r["dir"])),
+    )
+
+
+def _job_number(job_dir: Path) -> int | None:
+    """The number the job dir's name starts with (`10_...` is job 10), else .hydra's."""
+    head = job_dir.name.split("_", 1)[0]
+    if head.isdigit():
+        return int(head)
+    try:
+        num = OmegaConf.load(job_dir / ".hydra" / "hydra.yaml").hydra.job.num
+        return int(num)
+    except Exception:  # no dump, or no number in it
+        return None
+
+
+def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) -> dict[str, Any]:
+    """One row of the report, from the journal's record and what the job left in its dir."""
+    num, job_dir = record["num"], record["dir"]
+    overrides = record.get("overrides")
+    if job_dir is not None and overrides is None:
+        saved = _read_yaml(Path(job_dir) / ".hydra" / "overrides.yaml")
+        overrides = list(saved) if saved is not None else []
+    swept = dict(_split(line) for line in overrides or [])
+    swept = {k: v for k, v in swept.items() if k in keys}
+    summary: dict[str, Any] = {}
+    logs: list[str] = []
+    if job_dir is None:
+        status, detail = "FAILED", f"job {num} left no dir (see the launcher's log)"
+    elif not Path(job_dir).is_dir():
+        status, detail = "FAILED", f"its dir is missing: {job_dir}"
+    else:
+        path = Path(job_dir)
+        logs = sorted(str(p) for p in path.glob("*.log"))
+        failure = _read_json(path / "failure.json")
+        summary = _read_json(path / "summary.json") or {}
+        if failure is not None:
+            status, detail = "FAILED", str(failure.get("error", failure))
+        elif summary:
+            status, detail = "ok", None
+        else:
+            status, detail = "FAILED", "no summary.json (the job died)"
+    objective = record.get("return_value")
+    if objective is None and job_dir is not None:
+        objective = (_read_json(Path(job_dir) / _JOB_RETURN) or {}).get("return_value")
+    if objective is None and status == "ok":
+        objective = summary.get("objective")
+    if not isinstance(objective, (int, float)) or not math.isfinite(objective):
+        objective = None
+    return {
+        "job": Path(job_dir).name if job_dir else f"#{num}",
+        "num": num,
+        "overrides": swept,
+        "status": status,
+        "monitor": monitor,
+        "mode": mode,
+        "objective": objective,
+        "metrics": {k: v for k, v in summary.items() if k.startswith("val_")},
+        "detail": detail,
+        "dir": job_dir,
+        "logs": logs,
+    }
+
+
+def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
+    """The report as aligned text: a header line, then one line per job (`*`: the best)."""
+    names = [n for n in ("val_loss",) if any(n in j["metrics"] for j in jobs)]
+    names += sorted({n for j in jobs for n in j["metrics"]} - {"val_loss"})
+    header = ["", "status", "job", f"{monitor} ({mode})", *names, "overrides"]
+    rows = [
+        [
+            "*" if j["best"] else "",
+            j["status"],
+            j["job"],
+            _cell(j["objective"]),
+            *(_cell(j["metrics"].get(n)) for n in names),
+            _clip(" ".join(f"{k}={v}" for k, v in j["overrides"].items()) or "-", 60),
+        ]
+        for j in jobs
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for j, row in zip([None, *jobs], [header, *rows]):
+        line = "  " + " ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+        if j is not None and j["status"] != "ok":
+            # The whole error is in the JSON report; here a line stays a line.
+            line += f"  {_clip(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"
+        lines.append(line)
+    return lines
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, (int, float)) else "-"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _is_multirun(config: DictConfig) -> bool:
+    from hydra.types import RunMode
+
+    return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception:  # missing or unreadable: the caller falls back
+        return None

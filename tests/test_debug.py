@@ -1,0 +1,106 @@
+"""The debug/ presets through the real entry point, each a 2-rank self-launched job:
+debug=fast, overfit, limit, profile, anomaly (lightning-hydra-template's convention)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ok, python_train, summary
+
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.metrics import evaluate
+from hydra_ddp.train import train_step
+
+pytestmark = pytest.mark.timeout(300)
+
+TWO = ["dist.nproc_per_node=2"]
+
+
+def _job(tmp_path: Path, *overrides: str) -> tuple[Path, str]:
+    job = tmp_path / "job"
+    proc = ok(python_train(tmp_path, *TWO, *overrides, f"hydra.run.dir={job}"))
+    logs = "".join(p.read_text() for p in sorted(job.glob("train_rank*.log")))
+    return job, proc.stderr + logs
+
+
+def test_debug_fast_is_a_few_steps_and_a_short_eval_without_wandb(tmp_path: Path) -> None:
+    job, _ = _job(tmp_path, "debug=fast")
+    s = summary(job)
+    assert s["steps"] == 3 and s["world_size"] == 2
+    assert not (job / "wandb").exists()  # logger=none
+    assert (job / "checkpoints" / "step_00000003.pt").is_file()
+
+
+def test_limit_eval_batches_reads_only_the_first_batches() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(5)]
+    loss = torch.nn.CrossEntropyLoss()
+    scored = evaluate(model, batches, DistEnv(), loss, {}, contextlib.nullcontext(), limit=2)
+    x, y = torch.cat([b[0] for b in batches[:2]]), torch.cat([b[1] for b in batches[:2]])
+    assert scored["loss"] == pytest.approx(loss(model(x), y).item(), rel=1e-6)
+
+
+def test_debug_overfit_drives_the_training_loss_near_zero(tmp_path: Path) -> None:
+    job, _ = _job(tmp_path, "debug=overfit", "model.dropout=0")
+    s = summary(job)
+    assert s["steps"] == 300
+    first = json.loads((job / "stats" / "rank0.jsonl").read_text().splitlines()[0])
+    assert first["loss"] > 0.3, first  # it starts far from fitting...
+    assert s["train_loss"] < 0.01, s["train_loss"]  # ...and fits its one batch per rank
+    assert s["epochs"] == 300  # one batch per epoch
+
+
+def test_debug_limit_caps_every_epoch_and_evaluation(tmp_path: Path) -> None:
+    job, out = _job(tmp_path, "debug=limit", "logger=none", "trainer.progress=false")
+    s = summary(job)
+    # 3 epochs of 10 batches per rank (instead of digits' 10 per rank at batch 64: use 32).
+    assert s["steps"] == 30 and s["epochs"] == 3.0
+    assert "step 10 | val" in out and "step 20 | val" in out
+    assert sorted(p.name for p in (job / "checkpoints").glob("step_*.pt")) == [
+        "step_00000020.pt",
+        "step_00000030.pt",
+    ]
+
+
+def test_debug_profile_writes_a_trace_per_rank_and_the_top_ops(tmp_path: Path) -> None:
+    job, out = _job(tmp_path, "debug=profile")
+    for rank in (0, 1):
+        trace = json.loads((job / "profile" / f"rank{rank}.pt.trace.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        # Training steps 6-10 (the profiler counts its steps from 0).
+        assert {f"ProfilerStep#{i}" for i in range(5, 10)} <= names, rank
+        assert "ProfilerStep#10" not in names and "ProfilerStep#4" not in names
+        assert f"profile of steps 6-10 on rank {rank}" in out
+    assert "Self CPU" in out and "aten::" in out  # the top ops table
+
+
+def test_debug_anomaly_turns_on_autograd_anomaly_mode(tmp_path: Path) -> None:
+    job, out = _job(tmp_path, "debug=anomaly", "trainer.max_steps=3", "logger=none")
+    assert "autograd anomaly detection is on" in out
+    assert summary(job)["steps"] == 3
+
+
+def test_anomaly_mode_names_the_op_that_made_a_nan() -> None:
+    """What debug=anomaly buys: the step fails at the backward op that produced the NaN."""
+
+    class Bad(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([0.0]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # Finite forward (sqrt(0) * 0), NaN backward (0 / sqrt(0)) in SqrtBackward only.
+            return ((x * self.w).sqrt() * 0).expand(len(x), 2)
+
+    model = Bad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    batch = [(torch.ones(2, 1), torch.zeros(2, dtype=torch.long))]
+    loss = torch.nn.CrossEntropyLoss()
+    with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="SqrtBackward"):
+        train_step(model, batch, loss, opt, scaler, contextlib.nullcontext(), 1.0)

@@ -1,0 +1,320 @@
+"""Sweeps: job dir names, the end-of-sweep report, the objective (trainer.monitor), plotting a
+sweep, and an Optuna search.
+
+The end-to-end cases run the real `python -m hydra_ddp.train -m ...` in a subprocess with
+single-process jobs of a few steps; the Optuna search (2-rank jobs) is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST, REPO, job_dirs, ok, python_train, summary
+from omegaconf import OmegaConf
+
+from hydra_ddp import sweeps
+
+PLOT = REPO / "scripts" / "plot_run.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
+TINY = [*FAST, "trainer.max_steps=3"]
+
+
+def sweep_dir(root: Path) -> Path:
+    dirs = [p.parent for p in (root / "multirun").rglob("multirun.yaml")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def report(sweep: Path) -> list[dict]:
+    return json.loads((sweep / "sweep_report.json").read_text())
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Job dir names (the hydra.sweep.subdir resolver), without a sweep
+# --------------------------------------------------------------------------------------------
+
+
+def test_subdir_keeps_swept_keys_only(tmp_path: Path) -> None:
+    keys = sweeps.swept_keys(["model=mlp,cnn", "trainer.max_steps=60", "+x@pkg=1,2"])
+    assert keys == ["model", "x@pkg"]
+    (tmp_path / "sweep_keys.json").write_text(json.dumps(keys))
+    job = ["model=mlp", "trainer.max_steps=60", "trainer.progress=false", "+x@pkg=2"]
+    assert sweeps.sweep_subdir(0, job, str(tmp_path)) == "0_model=mlp,x@pkg=2"
+    # A `-m` that sweeps nothing: the number alone.
+    (tmp_path / "sweep_keys.json").write_text("[]")
+    assert sweeps.sweep_subdir(3, job, str(tmp_path)) == "3"
+
+
+def test_subdir_falls_back_to_multirun_yaml_then_sweeper_params_then_all(tmp_path: Path) -> None:
+    job = ["optim.lr=0.01", "model.hidden=64", "trainer.max_steps=20"]
+    # Neither file: the sweeper's own params (Optuna's search space) tell the keys...
+    params = {"optim.lr": "tag(log, interval(1e-4, 1e-2))", "trainer.max_steps": "20"}
+    assert sweeps.sweep_subdir(1, job, str(tmp_path), params) == "1_optim.lr=0.01"
+    # ...and without them, every override of the job counts.
+    assert sweeps.sweep_subdir(1, job, str(tmp_path)) == (
+        "1_optim.lr=0.01,model.hidden=64,trainer.max_steps=20"
+    )
+    # Hydra's basic sweeper saves the sweep's command line in multirun.yaml.
+    OmegaConf.save(
+        {"hydra": {"overrides": {"task": ["model.hidden=64,128", "trainer.max_steps=20"]}}},
+        tmp_path / "multirun.yaml",
+    )
+    assert sweeps.sweep_subdir(1, job, str(tmp_path)) == "1_model.hidden=64"
+
+
+def test_subdir_is_one_safe_capped_name(tmp_path: Path) -> None:
+    (tmp_path / "sweep_keys.json").write_text(json.dumps(["data.path"]))
+    name = sweeps.sweep_subdir(0, ["data.path=/nonexistent/x:y z"], str(tmp_path))
+    assert name == "0_data.path=_nonexistent_x_y_z"
+    long_a = sweeps.sweep_subdir(1, ["data.path=/d/" + "a" * 1000], str(tmp_path))
+    long_b = sweeps.sweep_subdir(1, ["data.path=/d/" + "a" * 999 + "b"], str(tmp_path))
+    for name in (long_a, long_b):
+        assert len(name) == sweeps.SUBDIR_MAX_CHARS and "/" not in name, name
+        assert name.startswith("1_data.path=_d_aaa")
+    assert long_a != long_b  # the hash of the full name tells them apart
+
+
+# --------------------------------------------------------------------------------------------
+# The report, from what job dirs and the journal hold
+# --------------------------------------------------------------------------------------------
+
+
+def _sweep_config(sweep: Path, task: list[str], monitor: str = "val/loss", mode: str = "min"):
+    return OmegaConf.create(
+        {
+            "hydra": {"sweep": {"dir": str(sweep)}, "overrides": {"task": task}},
+            "trainer": {"monitor": monitor, "monitor_mode": mode},
+        }
+    )
+
+
+def _job(sweep: Path, name: str, overrides: list[str], summary: dict | None = None) -> Path:
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    OmegaConf.save(overrides, job / ".hydra" / "overrides.yaml")
+    if summary is not None:
+        (job / "summary.json").write_text(json.dumps(summary))
+    return job
+
+
+def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    task = ["model=mlp,cnn,gpt,mlp2", "trainer.max_steps=3"]
+    _job(sweep, "0_model=mlp", ["model=mlp", "trainer.max_steps=3"], {"objective": 0.5})
+    _job(sweep, "1_model=cnn", ["model=cnn", "trainer.max_steps=3"])  # died: no summary
+    # Job 2 is only in the journal (its dir is gone); job 3 left no trace at all, but its number
+    # is missing between known ones; job 4 has a dir and no journal line.
+    gone = sweep / "2_model=gpt"
+    (sweep / "sweep_jobs.jsonl").write_text(
+        json.dumps({"num": 2, "dir": str(gone), "event": "start", "overrides": ["model=gpt"]})
+        + "\n{torn line\n"
+    )
+    _job(sweep, "4_model=mlp2", ["model=mlp2"], {"objective": 0.25, "val_loss": 0.25})
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    jobs = {j["num"]: j for j in report(sweep)}
+    assert sorted(jobs) == [0, 1, 2, 3, 4]
+    assert [jobs[n]["status"] for n in range(5)] == ["ok", "FAILED", "FAILED", "FAILED", "ok"]
+    assert "no summary.json" in jobs[1]["detail"]
+    assert "missing" in jobs[2]["detail"] and jobs[2]["overrides"] == {"model": "gpt"}
+    assert jobs[3]["dir"] is None and jobs[3]["job"] == "#3"
+    assert jobs[0]["overrides"] == {"model": "mlp"}  # the swept key only
+    assert [n for n, j in jobs.items() if j["best"]] == [4]  # min of 0.5 and 0.25
+    assert sweeps.sweep_failed()
+
+
+# --------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_sweep_values_with_slashes_and_1000_chars(tmp_path: Path, synthetic) -> None:
+    """A `/` in a value nests no dirs and a 1000-character value aborts nothing: every job is
+    reported, the failed ones make the sweep exit 1, and the job after them runs."""
+    real = synthetic("syn", *DATA)
+    long_path = "/nonexistent/" + "a" * 1000
+    proc = python_train(
+        tmp_path,
+        "-m",
+        "data=synthetic",
+        f"data.path=/nonexistent/x,{long_path},{real}",
+        *TINY,
+        timeout=240,
+    )
+    assert proc.returncode == 1, output(proc)[-4000:]
+    sweep = sweep_dir(tmp_path)
+    jobs = report(sweep)
+    assert [j["status"] for j in jobs] == ["FAILED", "FAILED", "ok"], jobs
+    assert "sweep done: 3 job(s), 2 failed" in output(proc)
+    # One dir per job, each right in the sweep dir; only the swept key in the names.
+    assert [p.parent for p in job_dirs(sweep)] == [sweep] * 3, job_dirs(sweep)
+    names = [j["job"] for j in jobs]
+    assert names[0] == "0_data.path=_nonexistent_x"
+    assert len(names[1]) == sweeps.SUBDIR_MAX_CHARS and names[1].startswith("1_data.path=")
+    assert names[2].startswith("2_data.path=") and "max_steps" not in names[2]
+    assert jobs[1]["overrides"] == {"data.path": long_path}  # the JSON keeps the whole value
+    assert "manifest.json not found" in jobs[0]["detail"]
+    assert summary(sweep / names[2])["steps"] == 3
+    # The log lists each failed job on one line with its logs.
+    line = next(ln for ln in output(proc).splitlines() if f"FAILED {names[0]}" in ln)
+    assert "logs:" in line and "train.log" in line
+
+
+@pytest.fixture(scope="module")
+def acc_sweep(tmp_path_factory: pytest.TempPathFactory):
+    """`-m model=mlp,cnn` judged by validation accuracy."""
+    tmp = tmp_path_factory.mktemp("acc_sweep")
+    proc = python_train(
+        tmp,
+        "-m",
+        "model=mlp,cnn",
+        "trainer.monitor=val/acc",
+        "trainer.monitor_mode=max",
+        *TINY,
+        timeout=240,
+    )
+    return sweep_dir(tmp), ok(proc)
+
+
+@pytest.mark.timeout(300)
+def test_sweep_short_names_and_monitor_objective(acc_sweep) -> None:
+    sweep, proc = acc_sweep
+    assert sorted(p.name for p in job_dirs(sweep)) == ["0_model=mlp", "1_model=cnn"]
+    jobs = report(sweep)
+    for j in jobs:
+        s = summary(Path(j["dir"]))
+        # What the sweeper got back, and summary.json's objective, is the final val/acc.
+        assert j["objective"] == s["objective"] == s["val_acc"], (j, s)
+        assert (j["monitor"], j["mode"], j["status"]) == ("val/acc", "max", "ok")
+        assert j["metrics"] == {"val_loss": s["val_loss"], "val_acc": s["val_acc"]}
+        assert j["overrides"] == {"model": j["job"].split("=", 1)[1]}
+    best = max(jobs, key=lambda j: j["objective"])
+    assert [j["best"] for j in jobs] == [j is best for j in jobs]
+    # The log: a summary line naming the best, then an aligned table, one line per job.
+    out = output(proc).splitlines()
+    assert any(
+        f"objective val/acc (max): best {best['objective']:.6g} ({best['job']})" in ln for ln in out
+    )
+    header = next(i for i, ln in enumerate(out) if "status job" in ln)
+    assert "val/acc (max)" in out[header] and "val_loss" in out[header]
+    table = out[header : header + 3]
+    starts = {ln.index(f"{j['job']} ") for ln, j in zip(table[1:], jobs)}
+    assert starts == {table[0].index("job ")}, table  # aligned
+    assert "*" in next(ln for ln in table[1:] if best["job"] in ln)
+
+
+@pytest.mark.timeout(120)
+def test_plot_run_overlays_the_jobs_of_a_sweep(acc_sweep, tmp_path: Path) -> None:
+    sweep, _ = acc_sweep
+    plots = tmp_path / "plots"
+    proc = subprocess.run(
+        [sys.executable, str(PLOT), str(sweep), "--out", str(plots), "--stats", "loss,rss_mb"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for stat in ("loss", "rss_mb"):
+        data = (plots / f"{stat}.png").read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    assert sorted(proc.stdout.split()) == sorted(
+        str(plots / f"{s}.png") for s in ("loss", "rss_mb")
+    )
+    # What each job's line is: the mean over its ranks (here one) of each step.
+    sys.path.insert(0, str(PLOT.parent))
+    import plot_run
+
+    jobs = plot_run.read_sweep_stats(sweep)
+    assert list(jobs) == ["0_model=mlp", "1_model=cnn"]
+    ranks = jobs["0_model=mlp"]
+    assert plot_run.across_ranks(ranks, "loss") == ranks[0]["loss"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launch_args", [[], ["dist.nproc_per_node=2"]], ids=["single", "spawn"])
+def test_unknown_monitor_fails_before_training(tmp_path: Path, launch_args: list[str]) -> None:
+    proc = python_train(tmp_path, "trainer.monitor=val/nope", *TINY, *launch_args, timeout=90)
+    assert proc.returncode == 2, output(proc)[-3000:]
+    errors = [ln for ln in output(proc).splitlines() if "error:" in ln]
+    assert len(errors) == 1, errors
+    assert "trainer.monitor=val/nope" in errors[0] and "val/loss, val/acc" in errors[0]
+    assert not list(tmp_path.rglob("summary.json")) and not list(tmp_path.rglob("*.pt"))
+
+
+# --------------------------------------------------------------------------------------------
+# Optuna (pip install -e ".[sweep]")
+# --------------------------------------------------------------------------------------------
+
+
+def test_optuna_search_composes() -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    from hydra import compose, initialize_config_dir
+
+    from hydra_ddp.config import MonitorMode, register_configs
+    from hydra_ddp.dist import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["hparams_search=digits_optuna"], return_hydra_config=True)
+    assert (cfg.trainer.monitor, cfg.trainer.monitor_mode) == ("val/acc", MonitorMode.max)
+    sweeper = cfg.hydra.sweeper
+    assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "maximize"
+    assert sweeper.sampler.seed is not None
+    assert set(sweeper.params) == {"optim.lr", "model.hidden"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_optuna_search_of_two_rank_jobs(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = ok(
+        python_train(
+            tmp_path,
+            "-m",
+            "hparams_search=digits_optuna",
+            "hydra.sweeper.n_trials=3",
+            "dist.nproc_per_node=2",
+            "trainer.max_steps=20",
+            *FAST,
+            timeout=540,
+        )
+    )
+    sweep = next((tmp_path / "multirun").rglob("optimization_results.yaml")).parent
+    jobs = report(sweep)
+    assert len(jobs) == 3 and [j["status"] for j in jobs] == ["ok"] * 3, jobs
+    for j in jobs:
+        s = summary(Path(j["dir"]))
+        assert s["world_size"] == 2 and j["objective"] == s["val_acc"]
+        # The search space's keys name the dir; the fixed overrides do not.
+        assert set(j["overrides"]) == {"optim.lr", "model.hidden"}, j
+        assert j["job"].startswith(f"{j['num']}_") and "max_steps" not in j["job"]
+    best = max(j["objective"] for j in jobs)
+    results = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert math.isclose(results.best_value, best, rel_tol=0, abs_tol=1e-12)
+    [marked] = [j for j in jobs if j["best"]]
+    assert marked["objective"] == best
+    assert f"objective val/acc (max): best {best:.6g} ({marked['job']})" in output(proc)
+
+
+@pytest.mark.timeout(120)
+def test_optuna_direction_must_match_monitor_mode(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = python_train(
+        tmp_path, "-m", "hparams_search=digits_optuna", "trainer.monitor_mode=min", *TINY
+    )
+    assert proc.returncode == 2, output(proc)[-3000:]
+    assert "hydra.sweeper.direction=maximize does not match trainer.monitor_mode=min" in (
+        output(proc)
+    )
+    assert not job_dirs(tmp_path / "multirun")
