@@ -418,21 +418,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
-    """Rank 0 of 2, and rank 1 never starts: one line naming dist.timeout_s, no hang."""
+def _lone_rank(
+    tmp_path: Path, rank: int, port: int
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """One rank of 2 started alone against MASTER_PORT=port, dist.timeout_s=5; its run and
+    how long it took."""
     env = user_env(
         tmp_path,
-        RANK="0",
-        LOCAL_RANK="0",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
         WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(port),
     )
     t0 = time.monotonic()
     proc = python_train(
         tmp_path, *FAST, "trainer.max_steps=5", "dist.timeout_s=5", env=env, timeout=120
     )
-    elapsed = time.monotonic() - t0
+    return proc, time.monotonic() - t0
+
+
+def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
+    """Rank 0 of 2, and rank 1 never starts: one line naming dist.timeout_s, no hang."""
+    proc, elapsed = _lone_rank(tmp_path, 0, _free_port())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert "could not join the process group" in out and "dist.timeout_s=5s" in out, out[-3000:]
@@ -449,19 +457,7 @@ def test_busy_port_fails_every_rank_within_dist_timeout(tmp_path: Path) -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)  # accepts connections, never answers
         port = listener.getsockname()[1]
-        env = user_env(
-            tmp_path,
-            RANK="1",
-            LOCAL_RANK="1",
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        t0 = time.monotonic()
-        proc = python_train(
-            tmp_path, *FAST, "trainer.max_steps=5", "dist.timeout_s=5", env=env, timeout=120
-        )
-        elapsed = time.monotonic() - t0
+        proc, elapsed = _lone_rank(tmp_path, 1, port)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     errors = [ln for ln in out.splitlines() if "error:" in ln]
