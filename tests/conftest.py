@@ -2,10 +2,16 @@
 
 Every run happens in `tmp_path` (Hydra's outputs/ and multirun/ land there), with W&B isolated
 under it and forced offline, and with a timeout so a hang fails the test instead of CI.
+
+Real launches are few and each checks many things (see the module docstrings); most tests run
+the same code in process instead: tests/inproc.py composes the config as the entry does and runs
+the training loop on one rank here, tests/ranks.py runs a function on several real gloo ranks in
+worker processes kept for the session.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -47,6 +53,17 @@ def user_env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
         else:
             env[key] = value
     return env
+
+
+def wandb_env(tmp: Path, **extra: Optional[str]) -> dict[str, Optional[str]]:
+    """user_env's W&B isolation, as the variables of an in-process run (tests/ranks.py)."""
+    return {
+        "NETRC": str(tmp / "no-netrc"),
+        "WANDB_CONFIG_DIR": str(tmp / "wandb-config"),
+        "WANDB_CACHE_DIR": str(tmp / "wandb-cache"),
+        "WANDB_DATA_DIR": str(tmp / "wandb-data"),
+        **extra,
+    }
 
 
 def run(
@@ -113,24 +130,30 @@ def summary(job_dir: Path) -> dict:
     return json.loads((job_dir / "summary.json").read_text())
 
 
+def make_synthetic(out: Path, *args: str) -> Path:
+    """scripts/make_synthetic.py --out OUT ARGS..., in process (its main(argv))."""
+    spec = importlib.util.spec_from_file_location(
+        "make_synthetic", REPO / "scripts" / "make_synthetic.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(out), *args]) == 0
+    return out
+
+
 @pytest.fixture
 def synthetic(tmp_path: Path):
     """A factory writing a small synthetic data set under tmp_path with make_synthetic.py."""
 
     def make(name: str = "syn", *args: str) -> Path:
-        out = tmp_path / name
-        ok(
-            run(
-                [
-                    sys.executable,
-                    str(REPO / "scripts" / "make_synthetic.py"),
-                    "--out",
-                    str(out),
-                    *args,
-                ],
-                tmp_path,
-            )
-        )
-        return out
+        return make_synthetic(tmp_path / name, *args)
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_workers():
+    """The worker processes of tests/ranks.py, stopped at the end of the session."""
+    yield
+    if "ranks" in sys.modules:
+        sys.modules["ranks"].shutdown()

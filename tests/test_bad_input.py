@@ -1,15 +1,23 @@
-"""Bad input, run as a user runs it: one clear short error, a non-zero exit, no traceback.
+"""Bad input: one clear short error, before anything is trained or overwritten.
 
-Every case of the table is a real `python -m hydra_ddp.train ...` subprocess (self-launch with
-dist.nproc_per_node=2 for the multi-rank cases, RANK/WORLD_SIZE/MASTER_* in the environment for
-the rendezvous cases) in a scratch directory that already holds an earlier run's outputs, and
-each checks that the earlier run's files were left exactly as they were.
+Every case of the table runs, in process, what `python -m hydra_ddp.train ...` runs up to the
+point where the case fails: the config composed with Hydra's compose API (a composition error is
+Hydra's own), typed with every check (`to_typed`), the launcher variables read, then `preflight`
+when the job would start 2 workers and the workers' `train` on 2 real gloo ranks (tests/ranks.py),
+or `train` on one rank here. Each must fail with a `UserError` of one line holding the expected
+text. A scratch dir holds an earlier run's outputs, and each case checks they were left exactly as
+they were and that the malicious checkpoint was never unpickled.
 
-Two checks cannot run as a subprocess here and are tested directly: more processes per node
-than GPUs (this machine has no GPU; `dist._pick_device` with torch.cuda's two queries
-monkeypatched, the one patch in these tests), and torchrun's own failure report (torchrun
-prints a ChildFailedError traceback of its own whenever a worker exits non-zero; the test
-checks that ours is the one-line error and that no frame of that traceback is ours).
+Two real CLI runs check what the entry makes of a UserError end to end: exit status 2, one
+`error:` line, no traceback; one in a single process (a refused resume, which also keeps the
+earlier run's .hydra record), one self-launched with dist.nproc_per_node=2 (a preflight error in
+the launching process, before any worker starts).
+
+Two checks cannot run here as they would for a user: more processes per node than GPUs (this
+machine has no GPU; `dist._pick_device` with torch.cuda's two queries monkeypatched, the one
+patch in these tests), and torchrun's own failure report (slow: torchrun prints a ChildFailedError
+traceback of its own whenever a worker exits non-zero; the test checks that ours is the one-line
+error and that no frame of that traceback is ours).
 """
 
 from __future__ import annotations
@@ -18,21 +26,25 @@ import hashlib
 import os
 import shutil
 import socket
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import pytest
+import ranks
 import torch
-from conftest import FAST, REPO, TESTS, ok, python_train, run, torchrun, user_env
+from conftest import REPO, TESTS, make_synthetic, python_train, torchrun, user_env
+from hydra.errors import ConfigCompositionException
+from inproc import FAST, compose, entry, entry_on_a_rank, train_here
+from omegaconf import OmegaConf
+
+from hydra_ddp.errors import UserError
 
 pytestmark = pytest.mark.timeout(600)
 
-PREV = Path("outputs") / "2000-01-01" / "00-00-00"  # the earlier run, relative to each cwd
+PREV = Path("outputs") / "2000-01-01" / "00-00-00"  # the earlier run, relative to its folder
 MARKER = "PWNED"  # what the malicious checkpoint would create if it were ever unpickled
-# Small enough to start in a few seconds on 2 shared cores.
 SMALL = [*FAST, "trainer.max_steps=3", "trainer.batch_size=16"]
 
 
@@ -51,14 +63,23 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _hydra_record(job: Path, overrides: list[str]) -> None:
+    """What Hydra writes into .hydra/ for a run: the composed config and the overrides."""
+    (job / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose(*overrides), job / ".hydra" / "config.yaml")
+    OmegaConf.save(OmegaConf.create(overrides), job / ".hydra" / "overrides.yaml")
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bad_input")
-    # An earlier run, real: .hydra/, logs, stats, a checkpoint, summary.json.
+    # An earlier run, real: logs, stats, checkpoints, summary.json, and its .hydra record.
     earlier = root / "earlier"
-    earlier.mkdir()
-    ok(python_train(earlier, *SMALL, f"hydra.run.dir={PREV}", "trainer.ckpt_interval=2"))
-    good_ckpt = sorted((earlier / PREV / "checkpoints").glob("step_*.pt"))[-1]
+    job = earlier / PREV
+    first = [*SMALL, "trainer.ckpt_interval=2"]
+    train_here(job, *first)
+    _hydra_record(job, first)
+    good_ckpt = sorted((job / "checkpoints").glob("step_*.pt"))[-1]
 
     files: dict[str, Path] = {"earlier": earlier, "good_ckpt": good_ckpt}
     data = root / "data"
@@ -66,19 +87,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("syn1", ["--rows", "1", "--shards", "1", "--eval-rows", "4"]),
         ("syn", ["--rows", "64", "--shards", "1", "--eval-rows", "8", "--features", "8"]),
     ]:
-        ok(
-            run(
-                [
-                    sys.executable,
-                    str(REPO / "scripts" / "make_synthetic.py"),
-                    "--out",
-                    str(data / name),
-                    *args,
-                ],
-                root,
-            )
-        )
-        files[name] = data / name
+        files[name] = make_synthetic(data / name, *args)
     for name in ("bad_manifest", "missing_shard", "corrupt_shard"):
         shutil.copytree(data / "syn", data / name)
         files[name] = data / name
@@ -133,7 +142,7 @@ def busy_port():
 
 
 # --------------------------------------------------------------------------------------------
-# The table
+# The table, in process
 # --------------------------------------------------------------------------------------------
 
 
@@ -143,9 +152,8 @@ class Case:
     overrides: list[str]
     expect: list[str]  # substrings of the error, all required
     env: dict[str, Optional[str]] = field(default_factory=dict)
-    exit_code: Optional[int] = None  # None: any non-zero
+    exit_code: Optional[int] = None  # the CLI's: 1 for Hydra's composition errors, else 2
     skip_if_cuda: bool = False
-    slow: bool = False
 
 
 # {name} in an override or env value is replaced by world[name] (a path) or the busy port.
@@ -211,6 +219,12 @@ CASES = [
         [],
         ["RANK", "not", "start the job with torchrun"],
         env={"RANK": "0"},
+        exit_code=2,
+    ),
+    Case(
+        "unknown_monitor",
+        ["trainer.monitor=val/nope"],
+        ["trainer.monitor=val/nope", "val/loss, val/acc"],
         exit_code=2,
     ),
     # Models and data.
@@ -312,21 +326,18 @@ CASES = [
         ["is a checkpoint of a different model", "size mismatch", "trainer.resume=never"],
         exit_code=2,
     ),
-    # Distributed setup.
-    # These two start 2 workers that fail after the process group is up (~15-40 s each).
+    # Distributed setup: the first two fail in the 2 workers, after the process group is up.
     Case(
         "unused_params_without_find_unused",
         ["model._target_=unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
-        ["worker rank", "got no gradient", "ddp=unused_params"],
+        ["got no gradient", "ddp=unused_params"],
         exit_code=2,
-        slow=True,
     ),
     Case(
         "ddp_none_with_two_ranks",
         ["ddp=none", "dist.nproc_per_node=2"],
-        ["worker rank", "ddp=none", "diverging copy"],
+        ["ddp=none", "diverging copy"],
         exit_code=2,
-        slow=True,
     ),
     Case(
         "rendezvous_port_in_use",
@@ -354,38 +365,45 @@ def _fill(text: str, world: dict[str, Path], port: int) -> str:
     return text.format(port=port, **{k: str(v) for k, v in world.items()})
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow) for c in CASES]
-)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_bad_input_fails_cleanly(
-    case: Case, cwd: Path, world: dict[str, Path], busy_port: int
+    case: Case,
+    tmp_path: Path,
+    world: dict[str, Path],
+    busy_port: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if case.skip_if_cuda and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    before = _snapshot(cwd / PREV)
-    env = user_env(
-        cwd,
-        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(TESTS)]),
-        **{k: _fill(v, world, busy_port) for k, v in case.env.items()},
-    )
-    overrides = [_fill(o, world, busy_port) for o in case.overrides]
-    proc = python_train(cwd, *SMALL, *overrides, env=env, timeout=150)
-    out = proc.stdout + proc.stderr
-    report = f"exit {proc.returncode}\n--- output\n{out[-5000:]}"
-
-    assert proc.returncode != 0, report
-    if case.exit_code is not None:
-        assert proc.returncode == case.exit_code, report
+    earlier = world["earlier"] / PREV
+    before = _snapshot(earlier)
+    overrides = [*SMALL, *(_fill(o, world, busy_port) for o in case.overrides)]
+    env = {k: _fill(v, world, busy_port) for k, v in case.env.items()}
+    out = tmp_path / "job"
+    if case.exit_code == 1:
+        with pytest.raises(ConfigCompositionException) as info:
+            compose(*overrides)
+        # Hydra's message and its cause, as the CLI prints them.
+        causes, e = [], info.value
+        while e is not None:
+            causes.append(str(e))
+            e = e.__cause__
+        message = "\n".join(causes)
+    else:
+        with pytest.raises(UserError) as info:
+            if "MASTER_PORT" in env:
+                ranks.run(entry_on_a_rank, out, overrides, world_size=1, group=False, env=env)
+            else:
+                for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                    monkeypatch.delenv(key, raising=False)
+                for key, value in env.items():
+                    monkeypatch.setenv(key, value)
+                entry(out, *overrides)
+        message = str(info.value)
+        assert "\n" not in message and len(message) < 800, message
     for want in case.expect:
-        assert _fill(want, world, busy_port) in out, f"missing {want!r}\n{report}"
-    assert "Traceback" not in out, report
-    assert "frame #" not in out, report  # no C++ stack dump either
-    # One line per process at most: the job's, plus each worker's when workers were started.
-    errors = [ln for ln in out.splitlines() if "error:" in ln]
-    procs = 3 if "dist.nproc_per_node=2" in overrides else 1
-    assert len(errors) <= procs, f"too many error lines\n{report}"
-    assert all(len(ln) < 800 for ln in errors), f"error line too long\n{report}"
-    assert _snapshot(cwd / PREV) == before, "the earlier run's outputs were touched"
+        assert _fill(want, world, busy_port) in message, f"missing {want!r} in {message!r}"
+    assert _snapshot(earlier) == before, "the earlier run's outputs were touched"
     assert not world["marker"].exists(), "the malicious checkpoint was unpickled"
 
 
@@ -395,7 +413,6 @@ def test_more_processes_per_node_than_gpus(monkeypatch: pytest.MonkeyPatch) -> N
     torch.distributed code."""
     from hydra_ddp.config import Device, DistConfig
     from hydra_ddp.dist import _pick_device
-    from hydra_ddp.errors import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -407,6 +424,67 @@ def test_more_processes_per_node_than_gpus(monkeypatch: pytest.MonkeyPatch) -> N
     assert "local rank 2 has no GPU" in msg and "2 visible GPU(s)" in msg
     assert "--nproc_per_node" in msg and "at most 2" in msg
     assert _pick_device(DistConfig(device=Device.cpu), local_rank=5) == torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# The two real CLI runs
+# --------------------------------------------------------------------------------------------
+
+
+def _one_error_line(proc, procs: int = 1) -> str:
+    """Exit 2, no traceback (nor C++ stack), one short `error:` line; that line."""
+    out = proc.stdout + proc.stderr
+    report = f"exit {proc.returncode}\n--- output\n{out[-5000:]}"
+    assert proc.returncode == 2, report
+    assert "Traceback" not in out, report
+    assert "frame #" not in out, report
+    errors = [ln for ln in out.splitlines() if "error:" in ln]
+    assert len(errors) == 1, f"want one error line\n{report}"
+    assert len(errors[0]) < 800, f"error line too long\n{report}"
+    return errors[0]
+
+
+def test_cli_refused_resume_is_one_line_exit_2_and_keeps_the_record(
+    cwd: Path, world: dict[str, Path]
+) -> None:
+    """`python -m hydra_ddp.train model=cnn hydra.run.dir=<an MLP run>` in a folder holding an
+    earlier run: the resume (trainer.resume=auto) is refused in one line, exit 2.
+
+    Previously the refused run replaced the dir's `.hydra/config.yaml` and `overrides.yaml`,
+    the only record of the config its checkpoints were trained with: the refused run's own
+    record sits next to it, named by its order in the dir."""
+    run_dir = cwd / "run"
+    shutil.copytree(world["earlier"] / PREV, run_dir)
+    record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
+    before = _snapshot(cwd / PREV)
+    proc = python_train(cwd, *SMALL, "trainer.max_steps=9", "model=cnn", f"hydra.run.dir={run_dir}")
+    line = _one_error_line(proc)
+    assert "checkpoint of a different model" in line and ".hydra/config.yaml" in line, line
+    assert "trainer.resume=never" in line
+    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
+    assert "model=cnn" in (run_dir / ".hydra.2" / "overrides.yaml").read_text()
+    assert _snapshot(cwd / PREV) == before, "the earlier run's outputs were touched"
+    assert not world["marker"].exists()
+
+
+def test_cli_self_launch_preflight_error_is_one_line_before_any_worker(cwd: Path) -> None:
+    """dist.nproc_per_node=2 with an unknown trainer.monitor: the launching process refuses the
+    job once (not once per worker), exit 2, and nothing is trained or written."""
+    before = _snapshot(cwd / PREV)
+    proc = python_train(
+        cwd,
+        "dist.nproc_per_node=2",
+        "trainer.monitor=val/nope",
+        *SMALL,
+        "hydra.run.dir=new",
+        timeout=120,
+    )
+    line = _one_error_line(proc)
+    assert "trainer.monitor=val/nope" in line and "val/loss, val/acc" in line, line
+    assert "starting 2 workers" not in proc.stdout + proc.stderr
+    written = [p.name for p in (cwd / "new").rglob("*") if p.is_file()]
+    assert not [n for n in written if n == "summary.json" or n.endswith((".pt", ".jsonl"))]
+    assert _snapshot(cwd / PREV) == before
 
 
 @pytest.mark.slow

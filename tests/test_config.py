@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
 from hydra_ddp.components import build
-from hydra_ddp.dist import register_resolvers
 from hydra_ddp.errors import UserError
-from hydra_ddp.train import build_components
+from hydra_ddp.loop import build_components
+from hydra_ddp.paths import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {
@@ -77,8 +77,10 @@ def test_every_choice_composes(group: str, choice: str) -> None:
     node = getattr(cfg, group)
     if group in TYPED:
         assert isinstance(node, TYPED[group]), f"{group}={choice} is untyped: {node!r}"
-    elif group == "metrics":
-        assert node and all("_target_" in m for m in node.values())
+    elif group == "metrics":  # a dict of components; metrics=none: the loss alone
+        assert all("_target_" in m for m in node.values()) and (node or choice == "none")
+    elif group == "optim" and "_target_" not in node:  # several named optimizers
+        assert node and all("_target_" in o and "params" in o for o in node.values()), node
     else:
         assert "_target_" in node, f"{group}={choice} names no _target_"
     assert isinstance(cfg.trainer, C.TrainerConfig) and isinstance(cfg.dist, C.DistConfig)
@@ -100,10 +102,11 @@ def test_every_component_builds_and_runs_a_step(overrides: list[str]) -> None:
     parts = build_components(cfg, source, torch.device("cpu"), total_steps=10)
     x, y = source.load("train", [(0, 4)])[torch.arange(4).numpy()]
     out = parts.model(x)
-    loss = parts.loss_fn(out, y)
+    loss, _ = parts.objective(out, (x, y), parts.model)
     loss.backward()
-    parts.optimizer.step()
-    parts.scheduler.step()
+    for optimizer in parts.optimizers.optimizers.values():
+        optimizer.step()
+    parts.optimizers.step_schedules()
     assert torch.isfinite(loss)
     for name, metric in parts.metrics.items():
         assert isinstance(metric.compute(metric.sums(out.detach(), y).tolist()), float), name
@@ -200,8 +203,12 @@ def _twice() -> list[str]:
                 if group == "data"
                 else (list(doc.values()) if group == "metrics" else [doc])
             )
+            if group == "optim" and "_target_" not in doc:  # named optimizers
+                nodes = list(doc.values())
             for node in nodes:
                 target = node.get("_target_", "")
+                if not target:
+                    continue
                 params = inspect.signature(get_object(target)).parameters
                 for key, value in node.items():
                     p = params.get(key)

@@ -1,35 +1,28 @@
-"""The debug/ presets through the real entry point, each a 2-rank self-launched job:
-debug=fast, overfit, limit, profile, anomaly (lightning-hydra-template's convention)."""
+"""The debug/ presets (lightning-hydra-template's convention): debug=fast, overfit, limit,
+profile, anomaly, each composed as on the command line and run in process, on 2 real gloo ranks
+(tests/ranks.py) where the preset is about every rank, on one rank here otherwise."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ok, python_train, summary
+from conftest import summary
+from inproc import train_here, train_ranks, train_step
 
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.metrics import evaluate
-from hydra_ddp.train import train_step
 
 pytestmark = pytest.mark.timeout(300)
 
-TWO = ["dist.nproc_per_node=2"]
-
-
-def _job(tmp_path: Path, *overrides: str) -> tuple[Path, str]:
-    job = tmp_path / "job"
-    proc = ok(python_train(tmp_path, *TWO, *overrides, f"hydra.run.dir={job}"))
-    logs = "".join(p.read_text() for p in sorted(job.glob("train_rank*.log")))
-    return job, proc.stderr + logs
-
 
 def test_debug_fast_is_a_few_steps_and_a_short_eval_without_wandb(tmp_path: Path) -> None:
-    job, _ = _job(tmp_path, "debug=fast")
-    s = summary(job)
+    job = tmp_path / "job"
+    s = train_ranks(job, "debug=fast")[0]
     assert s["steps"] == 3 and s["world_size"] == 2
     assert not (job / "wandb").exists()  # logger=none
     assert (job / "checkpoints" / "step_00000003.pt").is_file()
@@ -46,21 +39,23 @@ def test_limit_eval_batches_reads_only_the_first_batches() -> None:
 
 
 def test_debug_overfit_drives_the_training_loss_near_zero(tmp_path: Path) -> None:
-    job, _ = _job(tmp_path, "debug=overfit", "model.dropout=0")
-    s = summary(job)
+    job = tmp_path / "job"
+    s = train_here(job, "debug=overfit", "model.dropout=0")
     assert s["steps"] == 300
     first = json.loads((job / "stats" / "rank0.jsonl").read_text().splitlines()[0])
     assert first["loss"] > 0.3, first  # it starts far from fitting...
-    assert s["train_loss"] < 0.01, s["train_loss"]  # ...and fits its one batch per rank
+    assert s["train_loss"] < 0.01, s["train_loss"]  # ...and fits its one batch
     assert s["epochs"] == 300  # one batch per epoch
+    assert summary(job)["steps"] == 300
 
 
-def test_debug_limit_caps_every_epoch_and_evaluation(tmp_path: Path) -> None:
-    job, out = _job(tmp_path, "debug=limit", "logger=none", "trainer.progress=false")
-    s = summary(job)
-    # 3 epochs of 10 batches per rank (instead of digits' 10 per rank at batch 64: use 32).
+def test_debug_limit_caps_every_epoch_and_evaluation(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    job = tmp_path / "job"
+    s = train_here(job, "debug=limit", "logger=none", "trainer.progress=false")
+    # 3 epochs of 10 batches (instead of digits' 20 at batch 64).
     assert s["steps"] == 30 and s["epochs"] == 3.0
-    assert "step 10 | val" in out and "step 20 | val" in out
+    assert "step 10 | val" in caplog.text and "step 20 | val" in caplog.text
     assert sorted(p.name for p in (job / "checkpoints").glob("step_*.pt")) == [
         "step_00000020.pt",
         "step_00000030.pt",
@@ -68,21 +63,25 @@ def test_debug_limit_caps_every_epoch_and_evaluation(tmp_path: Path) -> None:
 
 
 def test_debug_profile_writes_a_trace_per_rank_and_the_top_ops(tmp_path: Path) -> None:
-    job, out = _job(tmp_path, "debug=profile")
+    job = tmp_path / "job"
+    done = train_ranks(job, "debug=profile")
     for rank in (0, 1):
         trace = json.loads((job / "profile" / f"rank{rank}.pt.trace.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
         # Training steps 6-10 (the profiler counts its steps from 0).
         assert {f"ProfilerStep#{i}" for i in range(5, 10)} <= names, rank
         assert "ProfilerStep#10" not in names and "ProfilerStep#4" not in names
-        assert f"profile of steps 6-10 on rank {rank}" in out
-    assert "Self CPU" in out and "aten::" in out  # the top ops table
+        log = done.logs[rank]
+        assert f"profile of steps 6-10 on rank {rank}" in log
+        assert "Self CPU" in log and "aten::" in log  # the top ops table
 
 
-def test_debug_anomaly_turns_on_autograd_anomaly_mode(tmp_path: Path) -> None:
-    job, out = _job(tmp_path, "debug=anomaly", "trainer.max_steps=3", "logger=none")
-    assert "autograd anomaly detection is on" in out
-    assert summary(job)["steps"] == 3
+def test_debug_anomaly_turns_on_autograd_anomaly_mode(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    s = train_here(tmp_path / "job", "debug=anomaly", "trainer.max_steps=3", "logger=none")
+    assert "autograd anomaly detection is on" in caplog.text
+    assert s["steps"] == 3
+    assert not torch.is_anomaly_enabled()  # only for the run
 
 
 def test_anomaly_mode_names_the_op_that_made_a_nan() -> None:

@@ -1,6 +1,10 @@
-"""Extension by config: a model, a data set and a loss written outside the package, each one
-module of the user's and one YAML in a config dir of theirs, trained with 2 real ranks, with no
-edit of src/. This is the promise of the README's "Make it yours"."""
+"""Extension by config: a model, a data set, a loss and a metric written outside the package,
+each one module of the user's and one YAML in a config dir of theirs, trained with 2 real ranks,
+with no edit of src/. This is the promise of the README's "Make it yours".
+
+It is also the self-launch end to end (`python -m hydra_ddp.train dist.nproc_per_node=2`: the
+job starts its own 2 workers and hands them the composed config, user classes included): one
+job dir, one .hydra/, the launching process's train.log next to each worker's log."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import os
 import textwrap
 from pathlib import Path
 
-from conftest import FAST, ok, only_job_dir, summary, torchrun, user_env
+from conftest import FAST, ok, only_job_dir, python_train, summary, user_env
 
 USER_CODE = {
     "my_models.py": """
@@ -86,7 +90,7 @@ USER_CONF = {
 }
 
 
-def test_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> None:
+def test_self_launched_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> None:
     code = tmp_path / "mine"
     for name, text in USER_CODE.items():
         (code / name).parent.mkdir(parents=True, exist_ok=True)
@@ -98,11 +102,12 @@ def test_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> N
     env = user_env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(code), env["PYTHONPATH"]])
 
-    ok(
-        torchrun(
+    proc = ok(
+        python_train(
             tmp_path,
             "--config-dir",
             str(conf),
+            "dist.nproc_per_node=2",
             *FAST,
             "model=wide",
             "data=blobs",
@@ -110,6 +115,7 @@ def test_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> N
             "+metrics.err._target_=my_metrics.ErrorRate",
             "trainer.max_steps=60",
             env=env,
+            timeout=240,
         )
     )
     job = only_job_dir(tmp_path)
@@ -123,3 +129,10 @@ def test_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> N
         assert target in composed
     rows = [json.loads(line) for line in (job / "stats" / "rank1.jsonl").open()]
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # Self-launched: one job, one .hydra/ dump; the launching process logs to train.log, its
+    # workers to train_rank<r>.log.
+    assert len(list(tmp_path.rglob(".hydra"))) == 1
+    assert (job / "train.log").is_file()
+    for rank in (0, 1):
+        assert (job / f"train_rank{rank}.log").is_file(), sorted(p.name for p in job.iterdir())
+    assert "starting 2 workers" in proc.stdout + proc.stderr

@@ -1,5 +1,10 @@
 """Faults: killed runs, elastic restarts, checkpoint writes cut short, missing peers, NaNs and
-secrets. Real torchrun, real gloo, real subprocesses and real SIGKILLs; nothing is mocked.
+secrets. Real torchrun, real gloo, real signals and SIGKILLs; nothing is mocked.
+
+Three real torchrun jobs stay in the default suite, each as a user meets the fault: a worker
+SIGKILLed and restarted by torchrun (--max-restarts), SIGTERM to the agent (what SLURM sends),
+and the agent SIGKILLed. Everything else runs in process: the reference run, resuming a stopped
+job, the NaN policies, a missing or silent peer, on real gloo ranks (tests/ranks.py).
 
 The kill tests compare against one uninterrupted 2-rank run of the same config (40 steps,
 14 steps per epoch, checkpoints every 10 steps, dropout on so restoring every rank's RNG state
@@ -11,12 +16,13 @@ from __future__ import annotations
 
 import glob
 import json
+import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,18 +30,18 @@ from typing import Callable, Optional
 import numpy as np
 import psutil
 import pytest
+import ranks
 import torch
 from conftest import (
-    FAST,
     job_dirs,
     ok,
     only_job_dir,
     python_train,
-    run,
     summary,
     torchrun,
     user_env,
 )
+from inproc import FAST, entry_on_a_rank, train_here, train_ranks
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
@@ -67,7 +73,6 @@ SAME = [
     "world_size",
     "rows_held_per_rank",
 ]
-FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, a key's shape
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,9 +183,24 @@ def _assert_same_result(job: Path, base: Path, resumed_from: int) -> float:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cwd = tmp_path_factory.mktemp("uninterrupted")
-    ok(torchrun(cwd, *RUN, timeout=300))
-    return only_job_dir(cwd)
+    """The reference: the job uninterrupted, on 2 gloo ranks in process running the `train`
+    torchrun's workers run. Every checkpoint is kept (10, 20, 30, 40), to resume from."""
+    job = tmp_path_factory.mktemp("uninterrupted") / "job"
+    train_ranks(job, *RUN, "trainer.keep_ckpts=5", timeout=300)
+    return job
+
+
+def test_resume_from_a_mid_epoch_checkpoint_is_exact(tmp_path: Path, uninterrupted: Path) -> None:
+    """A job whose newest checkpoint is the reference's step 20 (epoch 1, batch 6: past an
+    epoch boundary, so the resumed epoch's shuffle must be the one the uninterrupted run drew)
+    resumes from it (trainer.resume=auto) to the same end."""
+    job = tmp_path / "job"
+    (job / "checkpoints").mkdir(parents=True)
+    newest = job / "checkpoints" / "step_00000020.pt"
+    shutil.copy2(uninterrupted / "checkpoints" / newest.name, newest)
+    done = train_ranks(job, *RUN, timeout=300)
+    assert f"resumed from {newest} at step 20 (epoch 1, batch 6)" in done.logs[0], done.logs[0]
+    _assert_same_result(job, uninterrupted, 20)
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +208,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a real SIGKILL of the whole job; the resume itself is checked in process
 def test_killed_run_resumes_to_the_same_parameters(tmp_path: Path, uninterrupted: Path) -> None:
     proc = _start(_torchrun_cmd(*RUN), tmp_path)
     # Past an epoch boundary this time (step 20 is epoch 1, batch 6): the resumed epoch's
@@ -300,8 +321,9 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_and_resumes_exactly(
     # Every rank stopped at the same step boundary.
     assert f"at step {stopped_at} of 40" in (job / "train_rank1.log").read_text()
 
-    proc2 = ok(torchrun(tmp_path, *NO_CKPT, f"hydra.run.dir={job}", timeout=300))
-    assert f"at step {stopped_at} (epoch" in proc2.stderr, proc2.stderr[-3000:]
+    # The same command again resumes; here its workers' `train`, on 2 gloo ranks in process.
+    done = train_ranks(job, *NO_CKPT, timeout=300)
+    assert f"at step {stopped_at} (epoch" in done.logs[0], done.logs[0][-3000:]
     _assert_same_result(job, uninterrupted, stopped_at)
 
 
@@ -350,42 +372,36 @@ def test_workers_stop_when_the_torchrun_agent_is_killed(tmp_path: Path) -> None:
 # Checkpoint writes cut short
 # --------------------------------------------------------------------------------------------
 
-_WRITER = textwrap.dedent("""
-    import sys, torch
-    from pathlib import Path
-    from hydra_ddp import checkpoint
-    out = Path(sys.argv[1])
+
+def _write_two_checkpoints(out: Path, big: dict[str, torch.Tensor], ready) -> None:
     checkpoint.save({"model": {"w": torch.arange(4.0)}, "step": 10}, out, 10, keep=5)
-    print("ready", flush=True)
-    big = {f"t{i}": torch.ones(1 << 20) for i in range(64)}  # 256 MiB: slow enough to catch
+    ready.set()
     checkpoint.save({"model": big, "step": 20}, out, 20, keep=5)
-    print("finished", flush=True)
-""")
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    """A writer process SIGKILLed in the middle of writing its second checkpoint (a fork of
+    this process: no interpreter to start)."""
     out = tmp_path / "job"
     folder = out / "checkpoints"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(out)],
-        cwd=tmp_path,
-        env=user_env(tmp_path),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    big = {f"t{i}": torch.ones(1 << 20) for i in range(64)}  # 256 MiB: slow enough to catch
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    writer = ctx.Process(target=_write_two_checkpoints, args=(out, big, ready), daemon=True)
+    writer.start()
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert ready.wait(60), "the writer never got going"
         deadline = time.monotonic() + 120
         tmp: Optional[Path] = None
-        while time.monotonic() < deadline and tmp is None:
+        while time.monotonic() < deadline and tmp is None and writer.is_alive():
             tmp = next(
                 (p for p in folder.glob(".step_00000020.pt.*.tmp") if p.stat().st_size > (1 << 20)),
                 None,
             )
-        assert tmp is not None, "the writer never got going"
+        assert tmp is not None, "the writer never got to the second checkpoint"
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        writer.kill()
+        writer.join(timeout=30)
     assert not (folder / "step_00000020.pt").exists(), "killed too late: the write completed"
     assert tmp.exists(), "a killed writer leaves only its temporary file"
 
@@ -412,58 +428,56 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _lone_rank(
-    tmp_path: Path, rank: int, port: int
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    """One rank of 2 started alone against MASTER_PORT=port, dist.timeout_s=5; its run and
-    how long it took."""
-    env = user_env(
-        tmp_path,
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def _lone_rank(tmp_path: Path, rank: int, port: int, timeout_s: int) -> tuple[Exception, float]:
+    """One rank of 2, started alone (in a process of tests/ranks.py) against
+    MASTER_PORT=port with dist.timeout_s=timeout_s: how it failed, and how long it took."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    overrides = [*FAST, "trainer.max_steps=5", f"dist.timeout_s={timeout_s}"]
     t0 = time.monotonic()
-    proc = python_train(
-        tmp_path, *FAST, "trainer.max_steps=5", "dist.timeout_s=5", env=env, timeout=120
-    )
-    return proc, time.monotonic() - t0
+    with pytest.raises((UserError, ranks.RankFailed)) as info:
+        ranks.run(
+            entry_on_a_rank,
+            tmp_path / "job",
+            overrides,
+            world_size=1,
+            group=False,
+            env=env,
+            timeout=120,
+        )
+    return info.value, time.monotonic() - t0
 
 
 def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
     """Rank 0 of 2, and rank 1 never starts: one line naming dist.timeout_s, no hang."""
-    proc, elapsed = _lone_rank(tmp_path, 0, _free_port())
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    assert "could not join the process group" in out and "dist.timeout_s=5s" in out, out[-3000:]
-    assert "Traceback" not in out
+    error, elapsed = _lone_rank(tmp_path, 0, ranks.free_port(), 5)
+    assert isinstance(error, UserError), error
+    line = str(error)
+    assert "could not join the process group" in line and "dist.timeout_s=5s" in line, line
+    assert "\n" not in line
     assert 5 <= elapsed < 5 + 60, elapsed  # the timeout, plus start-up on a busy machine
-    errors = [ln for ln in out.splitlines() if "error:" in ln]
-    assert len(errors) == 1, errors
 
 
 def test_busy_port_fails_every_rank_within_dist_timeout(tmp_path: Path) -> None:
     """Previously: with a listener that never answers on MASTER_PORT, rank 0 failed in 2 s but
-    rank 1 hung in torch's store handshake until killed (120 s with dist.timeout_s=20)."""
+    rank 1 hung in torch's store handshake until killed (120 s with dist.timeout_s=20). Now a
+    watchdog ends the process (exit 2) with one line after the timeout and a margin."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)  # accepts connections, never answers
         port = listener.getsockname()[1]
-        proc, elapsed = _lone_rank(tmp_path, 1, port)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    errors = [ln for ln in out.splitlines() if "error:" in ln]
-    assert len(errors) == 1 and "dist.timeout_s=5s" in errors[0], out[-3000:]
+        error, elapsed = _lone_rank(tmp_path, 1, port, 2)
+    assert isinstance(error, ranks.RankFailed) and "(0, 2)" in str(error), error  # exit 2
+    errors = [ln for ln in error.logs[0].splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "dist.timeout_s=2s" in errors[0], error.logs[0][-3000:]
     assert f"127.0.0.1:{port}" in errors[0] and "MASTER_PORT" in errors[0]
-    assert elapsed < 5 + 10 + 45, elapsed  # timeout + the watchdog's margin + start-up
+    assert "Traceback" not in error.outputs[0], error.outputs[0][-3000:]
+    assert elapsed < 2 + 10 + 45, elapsed  # timeout + the watchdog's margin + start-up
 
 
 @pytest.mark.slow  # tens of seconds of 2-rank jobs: run by .ci/run after the default suite
@@ -520,90 +534,47 @@ NAN_RUN = [
     "sampler.shard_by=files",
     "trainer.batch_size=16",
     "trainer.log_interval=2",
-    "dist.nproc_per_node=2",
 ]
 
 
 def test_nan_loss_stops_naming_the_step_and_rank(tmp_path: Path, synthetic) -> None:
+    """2 gloo ranks: every rank stops with the same line, naming the rank whose loss was not
+    finite."""
     data = _poisoned_data(synthetic, slice(None))
-    proc = python_train(
-        tmp_path, *NAN_RUN, f"data.path={data}", "trainer.max_steps=10", timeout=240
+    job = tmp_path / "job"
+    done = train_ranks(
+        job, *NAN_RUN, f"data.path={data}", "trainer.max_steps=10", return_exceptions=True
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-4000:]
-    assert "non-finite loss at step 1 on rank(s) 1:" in out, out[-4000:]
-    assert "trainer.nan_policy=skip" in out
-    assert not list(tmp_path.glob("outputs/*/*/summary.json"))
+    for error in done:
+        assert isinstance(error, UserError), error
+        assert "non-finite loss at step 1 on rank(s) 1:" in str(error), error
+        assert "trainer.nan_policy=skip" in str(error)
+    assert not (job / "summary.json").exists()
 
 
 def test_nan_policy_skip_drops_those_steps_and_finishes(tmp_path: Path, synthetic) -> None:
     data = _poisoned_data(synthetic, slice(0, 3))
-    proc = ok(
-        python_train(
-            tmp_path,
-            *NAN_RUN,
-            f"data.path={data}",
-            "trainer.max_steps=16",
-            "trainer.nan_policy=skip",
-            timeout=240,
-        )
+    job = tmp_path / "job"
+    done = train_ranks(
+        job, *NAN_RUN, f"data.path={data}", "trainer.max_steps=16", "trainer.nan_policy=skip"
     )
-    out = proc.stdout + proc.stderr
-    skipped = [ln for ln in out.splitlines() if "skipping step" in ln]
-    assert skipped and all("on rank(s) 1" in ln for ln in skipped), out[-4000:]
+    skipped = [ln for ln in done.logs[0].splitlines() if "skipping step" in ln]
+    assert skipped and all("on rank(s) 1" in ln for ln in skipped), done.logs[0][-4000:]
     assert len(skipped) < 16
-    job = only_job_dir(tmp_path)
-    assert summary(job)["steps"] == 16
+    assert done[0]["steps"] == 16 and summary(job)["steps"] == 16
     state = checkpoint.load(checkpoint.latest(job))
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
 def test_exploding_lr_stops_with_overflowed_gradients(tmp_path: Path) -> None:
-    proc = python_train(
-        tmp_path,
-        *FAST,
-        "trainer.max_steps=20",
-        "optim.lr=1e10",
-        "scheduler.warmup_steps=0",
-        "trainer.grad_clip=0",
-        timeout=120,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    assert "non-finite" in out and "at step " in out and "lower optim.lr" in out, out[-3000:]
-    assert "Traceback" not in out
-
-
-# --------------------------------------------------------------------------------------------
-# Secrets
-# --------------------------------------------------------------------------------------------
-
-
-def test_wandb_api_key_is_never_written(tmp_path: Path) -> None:
-    """A key in the environment, W&B offline, one W&B run per rank: nothing the job writes
-    (logs, .hydra/ dumps, stats, W&B files and config) nor prints contains it."""
-    env = user_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
-    proc = ok(
-        run(
-            _torchrun_cmd(
-                "logger=wandb",
-                "logger.mode=offline",
-                "logger.layout=group",
-                "trainer.progress=false",
-                "trainer.max_steps=4",
-                "trainer.log_interval=2",
-                "model.hidden=32",
-            ),
-            tmp_path,
-            env=env,
-            timeout=300,
+    with pytest.raises(UserError) as info:
+        train_here(
+            tmp_path / "job",
+            *FAST,
+            "trainer.max_steps=20",
+            "optim.lr=1e10",
+            "scheduler.warmup_steps=0",
+            "trainer.grad_clip=0",
         )
-    )
-    job = only_job_dir(tmp_path)
-    assert (job / ".hydra" / "config.yaml").is_file()
-    assert len(list(job.glob("wandb/offline-run-*"))) == 2, "expected one W&B run per rank"
-    assert FAKE_KEY not in proc.stdout + proc.stderr
-    written = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert len(written) > 10
-    leaks = [str(p) for p in written if FAKE_KEY.encode() in p.read_bytes()]
-    assert not leaks, f"the API key was written to {leaks}"
+    line = str(info.value)
+    assert "non-finite" in line and "at step " in line and "lower optim.lr" in line, line

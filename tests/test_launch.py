@@ -1,10 +1,12 @@
 """Launch anywhere: every way of starting train.py runs one 2-rank DDP job end to end.
 
-    a. torchrun --nproc_per_node=2 -m hydra_ddp.train ...
-    b. python -m hydra_ddp.train dist.nproc_per_node=2 ...          (the job starts its workers)
-    c. python -m hydra_ddp.train -m dist.nproc_per_node=2 a=1,2 ...  (a sweep of DDP jobs)
-    d. two torchrun agents ("nodes") meeting through c10d rendezvous on localhost
-    e. hydra/launcher=submitit_local with 2 tasks (the SLURM code path without SLURM)
+    a. torchrun --nproc_per_node=2 -m hydra_ddp.train ...           (tests/test_train.py's default
+                                                                      job)
+    b. python -m hydra_ddp.train dist.nproc_per_node=2 ...          (the job starts its workers;
+                                                                      tests/test_extend.py)
+    c. python -m hydra_ddp.train -m dist.nproc_per_node=2 a=1,2 ...  (a sweep of DDP jobs, here)
+    d. two torchrun agents ("nodes") meeting through c10d rendezvous on localhost (slow)
+    e. hydra/launcher=submitit_local with 2 tasks (the SLURM code path without SLURM; slow)
 
 Each finds one output dir per job with one .hydra/ and summary.json (world_size 2). The fast
 in-process tests at the bottom pin down the Hydra resolvers that make this work.
@@ -12,6 +14,7 @@ in-process tests at the bottom pin down the Hydra resolvers that make this work.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -75,27 +78,6 @@ def free_port() -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def test_torchrun_two_ranks_one_job_dir(tmp_path: Path) -> None:
-    ok(torchrun(tmp_path, *TINY, nproc=2, timeout=150))
-    job = only_job_dir(tmp_path)
-    assert_one_ddp_job(job)
-    assert len(hydra_dumps(tmp_path)) == 1
-    # Per-rank log files only: no two processes append to one train.log.
-    assert not (job / "train.log").exists()
-    # rank 0's timestamp names the dir (agreed through torchrun's agent store).
-    assert job.parent.parent.name == "outputs" and job.name.count("-") == 2, job
-
-
-def test_self_launch_two_workers_one_job_dir(tmp_path: Path) -> None:
-    proc = ok(python_train(tmp_path, "dist.nproc_per_node=2", *TINY, timeout=150))
-    job = only_job_dir(tmp_path)
-    assert_one_ddp_job(job)
-    assert len(hydra_dumps(tmp_path)) == 1
-    # The launching process logs to train.log, its workers to train_rank<r>.log.
-    assert (job / "train.log").is_file()
-    assert "starting 2 workers" in proc.stdout + proc.stderr
-
-
 def test_launch_single_node_script_builds_the_torchrun_command(tmp_path: Path) -> None:
     script = REPO / "scripts" / "launch_single_node.sh"
     env = user_env(tmp_path, DRY_RUN="1", PYTHON=sys.executable)
@@ -141,16 +123,23 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
     script = str(REPO / "scripts" / "slurm_example.sbatch")
     out = ok(run(["bash", script, "model=cnn"], tmp_path, env=env, timeout=60)).stdout
     for part in (
-        "srun --kill-on-bad-exit=1",
+        "srun --kill-on-bad-exit=1 --cpus-per-task=32",
         "--nnodes=2",
         "--nproc_per_node=4",
         "--rdzv-backend=c10d",
-        "--rdzv-endpoint=gpu-node-07:29500",
+        # The rendezvous port comes from the job id: two jobs on one head node never share it.
+        "--rdzv-endpoint=gpu-node-07:24242",
         "--rdzv-id=4242",
         "--max-restarts=0",
-        "-m hydra_ddp.train model=cnn",
+        # One run dir per job id, so a requeue (same id) resumes there.
+        "-m hydra_ddp.train hydra.run.dir=outputs/slurm/4242 model=cnn",
     ):
         assert part in out, (part, out)
+    # A user's own run dir wins.
+    out = ok(run(["bash", script, "hydra.run.dir=mine"], tmp_path, env=env, timeout=60)).stdout
+    assert "-m hydra_ddp.train hydra.run.dir=mine\n" in out or out.rstrip().endswith(
+        "-m hydra_ddp.train hydra.run.dir=mine"
+    ), out
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,9 +147,17 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+# 40 hex chars, the shape of a real key; made at run time, so that no file holds it (a job
+# records the checkout's uncommitted changes, this file among them).
+FAKE_KEY = hashlib.sha1(b"hydra-ddp tests: not a W&B key").hexdigest()
+PLOT = REPO / "scripts" / "plot_run.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A 3-job sweep of 2-rank jobs with W&B (offline) in one process:
+    """A 3-job sweep of 2-rank jobs with W&B (offline, a key in the environment) in one
+    process, judged by validation accuracy:
     #0 optim.lr=1e30 fails inside the workers (non-finite loss at step 2),
     #1 optim.lr=0.001 trains (after a failed job in the same process),
     #2 optim.lr=-1 fails validation in the launching process, before any worker starts."""
@@ -172,8 +169,11 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Co
         "logger=wandb",
         "trainer.progress=false",
         "trainer.max_steps=20",
+        "trainer.log_interval=1",
+        "trainer.monitor=val/acc",
+        "trainer.monitor_mode=max",
         "optim.lr=1e30,0.001,-1",
-        env=user_env(tmp, WANDB_MODE="offline"),
+        env=user_env(tmp, WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY),
         timeout=240,
     )
     return tmp, proc
@@ -206,17 +206,78 @@ def test_sweep_failing_jobs_do_not_stop_it(sweep) -> None:
     assert any(p.endswith("train.log") for p in jobs["2"]["logs"])
 
 
-def test_sweep_objective_is_rank0_validation_loss(sweep) -> None:
-    """What Hydra got back from each job (a sweeper's objective) came from the workers."""
+def test_sweep_objective_is_rank0_validation_monitor(sweep) -> None:
+    """What Hydra got back from each job (a sweeper's objective) came from the workers: the
+    final value of trainer.monitor (val/acc here), as summary.json says too."""
     root, _ = sweep
     jobs = _report(root)
     good = jobs["1"]
     returned = json.loads((Path(good["dir"]) / "job_return.json").read_text())
     assert returned["status"] == "COMPLETED" and returned["return_type"] == "float"
     assert isinstance(good["objective"], float) and math.isfinite(good["objective"])
-    assert good["objective"] == pytest.approx(summary(Path(good["dir"]))["val_loss"], abs=0)
+    s = summary(Path(good["dir"]))
+    assert good["objective"] == s["objective"] == s["val_acc"], (good, s)
+    assert (good["monitor"], good["mode"], good["status"]) == ("val/acc", "max", "ok")
+    assert good["metrics"] == {"val_loss": s["val_loss"], "val_acc": s["val_acc"]}
     # Failed jobs return NaN (a failed trial for Optuna), reported as null.
     assert jobs["0"]["objective"] is None and jobs["2"]["objective"] is None
+
+
+def test_sweep_names_jobs_by_the_swept_key_and_tabulates_them(sweep) -> None:
+    root, proc = sweep
+    where = sweep_dir(root)
+    jobs = json.loads((where / "sweep_report.json").read_text())
+    names = ["0_optim.lr=1e+30", "1_optim.lr=0.001", "2_optim.lr=-1"]  # as Hydra writes 1e30
+    assert [j["job"] for j in jobs] == names
+    assert sorted(p.name for p in job_dirs(where)) == names  # no fixed override in a name
+    assert [j["overrides"] for j in jobs] == [{"optim.lr": n.split("=")[1]} for n in names]
+    assert [j["best"] for j in jobs] == [False, True, False]
+    best = jobs[1]
+    # The log: a summary line naming the best, then an aligned table, one line per job.
+    out = (proc.stdout + proc.stderr).splitlines()
+    assert any(
+        f"objective val/acc (max): best {best['objective']:.6g} ({best['job']})" in ln for ln in out
+    )
+    header = next(i for i, ln in enumerate(out) if "status job" in ln)
+    assert "val/acc (max)" in out[header] and "val_loss" in out[header]
+    table = out[header : header + 4]
+    starts = {ln.index(f"{j['job']} ") for ln, j in zip(table[1:], jobs)}
+    assert starts == {table[0].index("job ")}, table  # aligned
+    assert "*" in next(ln for ln in table[1:] if best["job"] in ln)
+
+
+def test_wandb_api_key_is_never_written_or_printed(sweep) -> None:
+    """A key in the environment, W&B offline: nothing the sweep writes (logs, .hydra/ dumps,
+    stats, reports, W&B files and config) nor prints contains it."""
+    root, proc = sweep
+    assert FAKE_KEY not in proc.stdout + proc.stderr
+    written = [p for p in root.rglob("*") if p.is_file()]
+    assert len(written) > 10 and any(p.suffix == ".wandb" for p in written)
+    leaks = [str(p) for p in written if FAKE_KEY.encode() in p.read_bytes()]
+    assert not leaks, f"the API key was written to {leaks}"
+
+
+def test_plot_run_overlays_the_jobs_of_a_sweep(sweep, tmp_path: Path) -> None:
+    """scripts/plot_run.py on the sweep dir (its main, in process): one PNG per stat, a line
+    per job that logged stats (#2 never trained), each the mean over the job's ranks."""
+    root, _ = sweep
+    sys.path.insert(0, str(PLOT.parent))
+    import plot_run
+
+    plots = tmp_path / "plots"
+    where = sweep_dir(root)
+    assert plot_run.main([str(where), "--out", str(plots), "--stats", "loss,rss_mb"]) == 0
+    for stat in ("loss", "rss_mb"):
+        data = (plots / f"{stat}.png").read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    jobs = plot_run.read_sweep_stats(where)
+    assert list(jobs) == ["0_optim.lr=1e+30", "1_optim.lr=0.001"]
+    ranks = jobs["1_optim.lr=0.001"]
+    assert sorted(ranks) == [0, 1]
+    line = plot_run.across_ranks(ranks, "loss")
+    mean = [(a[0], (a[1] + b[1]) / 2) for a, b in zip(ranks[0]["loss"], ranks[1]["loss"])]
+    assert [p[0] for p in line] == [p[0] for p in mean] == list(range(1, 21))
+    assert [p[1] for p in line] == pytest.approx([p[1] for p in mean])
 
 
 def test_sweep_each_job_is_its_own_wandb_run_in_one_group(sweep) -> None:
@@ -290,6 +351,7 @@ def _two_agents(
     _wait_all([first, second], logs, timeout=150)
 
 
+@pytest.mark.slow
 def test_two_agents_c10d_rendezvous_one_job_dir(tmp_path: Path) -> None:
     """Two torchrun agents ("nodes") with the same --rdzv-id, started 2 s apart, form one
     2-rank job; both ranks write into the dir rank 0 chose."""
@@ -307,6 +369,7 @@ def test_two_agents_c10d_rendezvous_one_job_dir(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_submitit_local_two_tasks_one_job(tmp_path: Path) -> None:
     ok(
         python_train(
@@ -467,7 +530,7 @@ _LAUNCH_VARS = (
 def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No launcher variables for the test; the environment as it was afterwards. Run in
     tmp_path: resolving a job dir creates it."""
-    from hydra_ddp import dist as hdist
+    from hydra_ddp import paths as hdist
 
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
@@ -486,7 +549,7 @@ def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) -> None:
     import torch.distributed as dist
 
-    from hydra_ddp.dist import job_dir
+    from hydra_ddp.paths import job_dir
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ.update(
@@ -513,7 +576,7 @@ def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) 
 
 
 def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
-    from hydra_ddp.dist import job_dir
+    from hydra_ddp.paths import job_dir
 
     assert job_dir("outputs/d/t") == "outputs/d/t"
     job_dir.cache_clear()
@@ -532,14 +595,14 @@ def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
     ],
 )
 def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
-    from hydra_ddp.dist import hydra_subdir
+    from hydra_ddp.paths import hydra_subdir
 
     os.environ.update(env)
     assert hydra_subdir(".hydra", "out") == (".hydra" if rank == 0 else None)
 
 
 def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_path: Path) -> None:
-    from hydra_ddp.dist import hydra_subdir
+    from hydra_ddp.paths import hydra_subdir
 
     (tmp_path / "run" / ".hydra").mkdir(parents=True)
     assert hydra_subdir(".hydra", str(tmp_path / "run")) == ".hydra.2"
@@ -549,7 +612,7 @@ def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_pat
 
 
 def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
-    from hydra_ddp.dist import claim_dir
+    from hydra_ddp.paths import claim_dir
 
     assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00"
     assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00-2"
@@ -582,7 +645,7 @@ def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
     ],
 )
 def test_each_rank_logs_to_its_own_file(clean_env, tmp_path, env: dict, name: str) -> None:
-    from hydra_ddp.dist import log_file
+    from hydra_ddp.paths import log_file
 
     os.environ.update(env)
     assert log_file(str(tmp_path), "train") == str(tmp_path / f"{name}.log")

@@ -1,14 +1,20 @@
-"""Nothing lost to a bad file or a re-run (issue "Lose nothing"), through the real entry point.
+"""Nothing lost to a bad file or a re-run (issue "Lose nothing").
 
 Each case was reproduced on the previous main, as its docstring says, and fails there:
 * a corrupt newest checkpoint (256 bytes flipped inside a tensor member) resumed silently;
 * `checkpoints` that is a file: a silent fresh start, then FileExistsError at the first save;
 * re-running a finished run trained 0 steps and exited as if it had trained.
+
+The runs are the training loop on one rank in this process (tests/inproc.py); what the entry
+makes of the UserErrors (exit 2, one `error:` line) is checked end to end in
+tests/test_bad_input.py, which also runs the refused resume that must keep the earlier run's
+`.hydra/` record through the real CLI.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import zipfile
@@ -17,8 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import FAST, ok, python_train, user_env
+from inproc import train_here
+from omegaconf import OmegaConf
 
-from hydra_ddp import checkpoint
+from hydra_ddp import checkpoint, sweeps
+from hydra_ddp.errors import UserError
+from hydra_ddp.train import _check_run_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,62 +47,65 @@ def _flip_inside_a_tensor(path: Path) -> None:
     path.write_bytes(bytes(blob))
 
 
-def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_used(tmp_path: Path) -> None:
+def _one_line(info: pytest.ExceptionInfo) -> str:
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 800, message
+    return message
+
+
+def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_used(
+    tmp_path: Path, caplog
+) -> None:
+    caplog.set_level(logging.INFO)
     run_dir = tmp_path / "run"
-    ok(python_train(tmp_path, *SHORT, f"hydra.run.dir={run_dir}"))
+    train_here(run_dir, *SHORT)
     newest = run_dir / "checkpoints" / "step_00000006.pt"
     assert zipfile.is_zipfile(newest)
     _flip_inside_a_tensor(newest)
     assert zipfile.is_zipfile(newest)  # what the previous check looked at: still "fine"
 
-    proc = ok(
-        python_train(
-            tmp_path,
-            *SHORT[:-2],
-            "trainer.max_steps=9",
-            "trainer.batch_size=16",
-            f"hydra.run.dir={run_dir}",
-        )
-    )
-    out = proc.stderr
+    caplog.clear()
+    s = train_here(run_dir, *SHORT[:-2], "trainer.max_steps=9", "trainer.batch_size=16")
+    out = caplog.text
     assert "skipping" in out and "step_00000006.pt" in out and "CRC" in out, out[-3000:]
     assert "resumed from" in out and "step_00000003.pt at step 3" in out, out[-3000:]
-    s = json.loads((run_dir / "summary.json").read_text())
     assert s["steps"] == 9 and s["steps_this_run"] == 6
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 9
 
     # Named directly, the corrupt file is refused in one line.
-    bad = python_train(
-        tmp_path, *SHORT, f"trainer.resume={newest}", f"hydra.run.dir={tmp_path / 'other'}"
-    )
-    assert bad.returncode == 2, bad.stderr[-2000:]
-    assert "step_00000006.pt is not a readable checkpoint" in bad.stderr and "CRC" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    with pytest.raises(UserError) as info:
+        train_here(tmp_path / "other", *SHORT, f"trainer.resume={newest}")
+    line = _one_line(info)
+    assert "step_00000006.pt is not a readable checkpoint" in line and "CRC" in line
 
 
 def test_checkpoints_that_is_a_file_fails_before_training(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoints").write_text("not a folder\n")
-    proc = python_train(tmp_path, *SHORT, f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "checkpoints exists but is not a directory" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *SHORT)
+    assert "checkpoints exists but is not a directory" in _one_line(info)
     assert not (run_dir / "stats").exists()  # nothing trained
     assert (run_dir / "checkpoints").read_text() == "not a folder\n"
 
 
-def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path: Path) -> None:
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO)
     run_dir = tmp_path / "run"
-    ok(python_train(tmp_path, *SHORT, f"hydra.run.dir={run_dir}"))
+    train_here(run_dir, *SHORT)
     before = (run_dir / "summary.json").read_text()
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    proc = ok(python_train(tmp_path, *SHORT, f"hydra.run.dir={run_dir}"))
-    assert "already complete at step 6 of 6: nothing to do" in proc.stderr, proc.stderr[-2000:]
-    assert "trainer.resume=never" in proc.stderr
+    caplog.clear()
+    s = train_here(run_dir, *SHORT)
+    assert "already complete at step 6 of 6: nothing to do" in caplog.text, caplog.text[-2000:]
+    assert "trainer.resume=never" in caplog.text
+    assert s == json.loads(before)
     assert (run_dir / "summary.json").read_text() == before
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ckpts
 
 
+@pytest.mark.slow  # two real launches at once; the dir claim itself is in test_launch.py
 def test_two_jobs_started_in_the_same_second_get_their_own_dirs(tmp_path: Path) -> None:
     """Previously: two jobs started in the same second from the same folder shared one output
     dir (`.hydra/` of one, summary and checkpoints of the other, both exit 0). The clash is
@@ -140,27 +153,6 @@ def test_two_jobs_started_in_the_same_second_get_their_own_dirs(tmp_path: Path) 
     assert seeds == {"1", "2"}
 
 
-def test_a_refused_resume_keeps_the_earlier_runs_hydra_record(tmp_path: Path) -> None:
-    """Previously: resuming an MLP run's dir with `model=cnn` failed cleanly but replaced
-    `.hydra/config.yaml` and `overrides.yaml`, the only record of the config the checkpoints
-    were trained with."""
-    run_dir = tmp_path / "run"
-    ok(python_train(tmp_path, *SHORT, f"hydra.run.dir={run_dir}"))
-    record = {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()}
-    bad = python_train(
-        tmp_path, *SHORT, "trainer.max_steps=9", "model=cnn", f"hydra.run.dir={run_dir}"
-    )
-    assert bad.returncode == 2, bad.stderr[-2000:]
-    assert "checkpoint of a different model" in bad.stderr and ".hydra/config.yaml" in bad.stderr
-    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
-    # The refused run's own record sits next to it, named by its order in the dir.
-    assert "model=cnn" in (run_dir / ".hydra.2" / "overrides.yaml").read_text()
-    # An accepted resume is the third run in the dir.
-    ok(python_train(tmp_path, *SHORT, "trainer.max_steps=9", f"hydra.run.dir={run_dir}"))
-    assert "trainer.max_steps=9" in (run_dir / ".hydra.3" / "overrides.yaml").read_text()
-    assert {p.name: p.read_text() for p in (run_dir / ".hydra").iterdir()} == record
-
-
 @pytest.mark.slow  # tens of seconds of 2-rank jobs: run by .ci/run after the default suite
 def test_resume_on_more_ranks_maps_the_position(tmp_path: Path) -> None:
     """Previously: a 2-rank checkpoint at epoch 0 batch 12 resumed with 3 ranks crashed on every
@@ -172,7 +164,10 @@ def test_resume_on_more_ranks_maps_the_position(tmp_path: Path) -> None:
     ok(python_train(tmp_path, "dist.nproc_per_node=2", *two, "trainer.max_steps=12"))
     proc = ok(python_train(tmp_path, "dist.nproc_per_node=3", *two, "trainer.max_steps=20"))
     out = proc.stderr + "".join(p.read_text() for p in run_dir.glob("train_rank*.log"))
-    assert "written by 2 ranks, this job has 3: batch 12 of its epoch maps to batch 8" in out
+    assert (
+        "counted batches of 48 rows on 2 rank(s), this job 48 on 3: epoch 0 continues at its "
+        "row 1152 (batch 8 here), exactly"
+    ) in out
     assert "at step 12 (epoch 0, batch 8)" in out, out[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["steps"] == 20 and s["steps_this_run"] == 8 and s["world_size"] == 3
@@ -212,24 +207,15 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    errors = [ln for ln in out.splitlines() if "error:" in ln]
-    assert len(errors) == 1, errors
-    return errors[0]
-
-
 def test_full_disk_fails_in_one_line_and_keeps_the_checkpoints(tmp_path: Path, small_disk) -> None:
     """Previously: ENOSPC gave 3-5 tracebacks and no `error:` line. A checkpoint here is
     ~2.6 MiB (model, two Adam moments): the first fits on the 4 MiB disk, the second does not."""
     disk = small_disk("full", "4m")
     run_dir = disk / "run"
     big = ["model.hidden=512", "model.depth=2", "trainer.ckpt_interval=2", "trainer.keep_ckpts=3"]
-    line = _one_error_line(
-        python_train(tmp_path, *FAST, "trainer.max_steps=8", *big, f"hydra.run.dir={run_dir}")
-    )
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *FAST, "trainer.max_steps=8", *big)
+    line = _one_line(info)
     assert "could not write checkpoint" in line and "No space left on device" in line, line
     assert "step_00000004.pt" in line
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -237,33 +223,39 @@ def test_full_disk_fails_in_one_line_and_keeps_the_checkpoints(tmp_path: Path, s
     assert checkpoint.load(run_dir / "checkpoints" / "step_00000002.pt")["step"] == 2
 
 
-def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk) -> None:
-    """Previously: Hydra's "Unable to configure handler 'file'" traceback and no `error:`."""
+def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, capsys) -> None:
+    """Previously: Hydra's "Unable to configure handler 'file'" traceback and no `error:`.
+    What Hydra calls: the log file resolver of conf/hydra/ (the first write into the output
+    dir), and the entry's check of hydra.run.dir on the command line."""
     disk = small_disk("ro", "1m", read_only_dirs=("run",))
-    line = _one_error_line(python_train(tmp_path, *SHORT, f"hydra.run.dir={disk / 'run'}"))
+    log_file = OmegaConf.create({"f": f"${{ddp_log_file:{disk / 'run'},train}}"})
+    with pytest.raises(SystemExit) as info:
+        log_file.f  # noqa: B018  (resolving it is what Hydra does)
+    assert info.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith("error: "), line
     assert f"cannot write to the output dir {disk / 'run'}" in line and "Read-only" in line
-    line = _one_error_line(python_train(tmp_path, *SHORT, f"hydra.run.dir={disk / 'new'}"))
-    assert f"hydra.run.dir={disk / 'new'} cannot be created" in line, line
+    with pytest.raises(SystemExit) as info:
+        _check_run_dir([*SHORT, f"hydra.run.dir={disk / 'new'}"])
+    assert info.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and f"hydra.run.dir={disk / 'new'} cannot be created" in line, line
 
 
 def test_a_sweep_jobs_failure_record_goes_when_it_succeeds(tmp_path: Path) -> None:
     """Previously: `failure.json` of a failed sweep job stayed after the job was re-run in its
-    dir and succeeded, so the next report still listed it as failed."""
-    sweep = tmp_path / "sweep"
-    proc = python_train(
-        tmp_path, "-m", *SHORT[:-1], "trainer.batch_size=0,16", f"hydra.sweep.dir={sweep}"
-    )
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    failed = next(p.parent for p in sweep.glob("*/failure.json"))
+    dir and succeeded, so the next report still listed it as failed. (A real sweep writing
+    failure.json for its failed jobs: tests/test_launch.py.)"""
+    failed = tmp_path / "sweep" / "0_trainer.batch_size=0"
+    sweeps.record_failure(failed, "trainer.batch_size=0 is not allowed")  # what the entry does
     assert "batch_size" in (failed / "failure.json").read_text()
-    # Quoted: the job dir's name holds `=`, part of Hydra's override grammar.
-    ok(python_train(tmp_path, *SHORT, f"hydra.run.dir='{failed}'"))
+    train_here(failed, *SHORT)
     assert not (failed / "failure.json").exists()
     assert json.loads((failed / "summary.json").read_text())["steps"] == 6
 
 
 def test_non_finite_metrics_are_written_as_null() -> None:
-    from hydra_ddp.train import _json_safe
+    from hydra_ddp.loop import _json_safe
 
     safe = _json_safe({"val_loss": float("nan"), "val_acc": 0.5, "test_loss": float("inf")})
     assert json.loads(json.dumps(safe, allow_nan=False)) == {

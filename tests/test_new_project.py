@@ -1,17 +1,23 @@
 """scripts/new_project.py on a copy of this checkout: rename, strip, then test and train the copy.
 
 The copy holds the working tree's current files (git's tracked and untracked-but-not-ignored
-ones), so the test checks the tree as it is, not the last commit.
+ones), so the test checks the tree as it is, not the last commit. The script runs in process: the
+copy's scripts/new_project.py is loaded and its main() called with the command line's arguments
+(its exit status and output captured as a subprocess's would be).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,14 +57,24 @@ def copy_checkout(dst: Path, *, commit: bool) -> Path:
     return dst
 
 
-def new_project(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(root / "scripts" / "new_project.py"), *args],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def new_project(root: Path, *args: str, script: Path | None = None) -> SimpleNamespace:
+    """`python <root>/scripts/new_project.py ARGS` (or `script`), in process: its exit status,
+    stdout and stderr."""
+    script = script or root / "scripts" / "new_project.py"
+    spec = importlib.util.spec_from_file_location("new_project_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    sys.argv = [str(script), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            module.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -108,7 +124,7 @@ def renamed_env(root: Path, tmp: Path) -> dict[str, str]:
     return env
 
 
-def check(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+def check(proc):
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
         f"\n--- stderr\n{proc.stderr[-6000:]}"
@@ -172,11 +188,8 @@ def test_rename_without_git_then_refuse_a_second_time(tmp_path: Path) -> None:
     now = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
     assert len(now) == len(files) - 2 and leftovers(root, now) == []  # itself and its test
     assert 'name = "my-proj"' in (root / "pyproject.toml").read_text()
-    again = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "new_project.py"), "other", "--root", str(root)],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    again = new_project(
+        root, "other", "--root", str(root), script=REPO / "scripts" / "new_project.py"
     )
     assert again.returncode == 2 and again.stderr.startswith("error: "), again.stderr
     clash = copy_checkout(tmp_path / "clash", commit=False)

@@ -1,7 +1,7 @@
 """Named experiments (conf/experiment/) and the configs an installed console script finds.
 
 An experiment composes with the data set's loss and metrics, the command line still wins over
-it, and it runs through the real entry point on two ranks. The installed `hydra-ddp-train` (a
+it, and it runs on two real gloo ranks (tests/ranks.py). The installed `hydra-ddp-train` (a
 regular, non-editable install into a fresh venv) runs from any folder; an editable one reads
 conf/ of its checkout, edits included.
 """
@@ -17,12 +17,13 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, ok, only_job_dir, python_train, run, summary, user_env
+from conftest import FAST, REPO, ok, only_job_dir, run, summary, user_env
 from hydra import compose, initialize_config_dir
+from inproc import train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
-from hydra_ddp.dist import register_resolvers
+from hydra_ddp.paths import register_resolvers
 from hydra_ddp.train import config_dir
 
 CONF = REPO / "conf"
@@ -42,6 +43,13 @@ EXPERIMENTS = {
         {"data": "diabetes", "model": "mlp", "loss": "mse", "metrics": "regression"},
         {"mse", "r2"},
     ),
+    # The "your project" examples (hydra_ddp/examples/; trained on 2 ranks by
+    # test_your_project.py too): their own data, model or loss replace the group's.
+    "images": ({"data": None, "model": "cnn", "metrics": "classification"}, {"acc"}),
+    "dict_lm": ({"data": None, "model": None, "loss": "model_output", "metrics": "none"}, set()),
+    "siamese": ({"data": None, "model": None, "loss": None, "metrics": "classification"}, {"acc"}),
+    "gradient_penalty": ({"data": "digits", "model": None, "loss": None}, {"acc"}),
+    "gan": ({"data": None, "model": None, "optim": "gan", "metrics": "none"}, set()),
 }
 
 C.register_configs()
@@ -94,17 +102,15 @@ def test_experiment_keeps_the_data_sets_task_and_the_command_line_wins() -> None
 
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))
 def test_experiment_runs_on_two_ranks(tmp_path: Path, name: str) -> None:
-    ok(
-        python_train(
-            tmp_path, f"experiment={name}", "dist.nproc_per_node=2", "trainer.max_steps=3", *FAST
-        )
-    )
-    s = summary(only_job_dir(tmp_path))
+    job = tmp_path / "job"
+    train_ranks(job, f"experiment={name}", "dist.nproc_per_node=2", "trainer.max_steps=3", *FAST)
+    s = summary(job)
     assert s["world_size"] == 2 and s["steps"] == 3
     for metric in EXPERIMENTS[name][1]:
         assert s[f"val_{metric}"] is not None and s[f"test_{metric}"] is not None, metric
 
 
+@pytest.mark.slow  # every CLI run of the default suite runs outside the checkout too
 def test_composes_from_a_folder_outside_the_checkout(tmp_path: Path) -> None:
     proc = ok(run([sys.executable, "-m", "hydra_ddp.train", "--cfg", "job"], tmp_path))
     assert "_target_: hydra_ddp.data.Digits" in proc.stdout

@@ -1,5 +1,6 @@
-"""Best checkpoint and early stopping, EMA of weights, deterministic runs and torch.compile,
-through the real entry point with 2 self-launched ranks."""
+"""Best checkpoint and early stopping on 2 real gloo ranks in process (tests/ranks.py); EMA of
+weights, deterministic runs and torch.compile through the real entry point with 2 self-launched
+ranks (slow)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FAST, ok, python_train, summary
+from inproc import train_ranks
 
 from hydra_ddp import checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
 TWO = ["dist.nproc_per_node=2", *FAST, "trainer.batch_size=32"]
+ONE_JOB = [*FAST, "trainer.batch_size=32"]  # the job TWO starts, run by train_ranks
 # lr 0: nothing ever improves after the first evaluation, so early stopping is predictable.
 FLAT = [
     "optim.lr=0",
@@ -31,36 +34,31 @@ def _logs(job: Path) -> str:
 def test_early_stop_stops_every_rank_at_once_and_survives_a_resume(tmp_path: Path) -> None:
     job = tmp_path / "job"
     # Evaluations at 5 (best) and 10 (one without improvement): no stop yet.
-    ok(python_train(tmp_path, *TWO, *FLAT, "trainer.max_steps=10", f"hydra.run.dir={job}"))
-    assert summary(job)["stopped_early"] is False
+    assert train_ranks(job, *ONE_JOB, *FLAT, "trainer.max_steps=10")[0]["stopped_early"] is False
     # Resumed, the patience count (1) comes back from the checkpoint: the evaluation at 15 is
     # the second in a row without improvement. Counted afresh, it would stop at 20.
-    ok(python_train(tmp_path, *TWO, *FLAT, "trainer.max_steps=40", f"hydra.run.dir={job}"))
+    done = train_ranks(job, *ONE_JOB, *FLAT, "trainer.max_steps=40")
     s = summary(job)
-    assert s["steps"] == 15 and s["stopped_early"] is True, s
+    assert done[0]["steps"] == done[1]["steps"] == s["steps"] == 15
+    assert s["stopped_early"] is True, s
     assert s["best_step"] == 5 and s["monitor"] == "val/acc"
-    logs = _logs(job)
     for rank in (0, 1):  # both ranks ended at the same step, no hang
-        assert (
-            "early stop at step 15: val/acc has not improved"
-            in (job / f"train_rank{rank}.log").read_text()
-        ), logs[-2000:]
+        assert "early stop at step 15: val/acc has not improved" in done.logs[rank], done.logs[
+            rank
+        ][-2000:]
     best = checkpoint.load(job / "checkpoints" / "best.pt")
     assert best["step"] == 5 and best["monitor"]["best"] == pytest.approx(s["best"])
 
 
 def test_best_checkpoint_is_kept_next_to_the_newest_k(tmp_path: Path) -> None:
     job = tmp_path / "job"
-    ok(
-        python_train(
-            tmp_path,
-            *TWO,
-            "trainer.max_steps=30",
-            "trainer.eval_interval=5",
-            "trainer.ckpt_interval=5",
-            "trainer.keep_ckpts=1",
-            f"hydra.run.dir={job}",
-        )
+    train_ranks(
+        job,
+        *ONE_JOB,
+        "trainer.max_steps=30",
+        "trainer.eval_interval=5",
+        "trainer.ckpt_interval=5",
+        "trainer.keep_ckpts=1",
     )
     s = summary(job)
     names = sorted(p.name for p in (job / "checkpoints").iterdir())

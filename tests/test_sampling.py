@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
+import ranks
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from hydra_ddp import sampling
@@ -243,34 +240,65 @@ def test_strided_same_seed_reproducible_and_rank_consistent() -> None:
         )
 
 
+def _orders(env, configs: list[tuple[int, ...]]) -> tuple[int, list[list[int]]]:
+    """In a process of tests/ranks.py: this interpreter's str hash and the samplers' orders."""
+    out = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist() for n, r, w, b, s, e in configs]
+    out.append(ShardedSampler(50, 40, 2, 8, seed=9).indices(3).tolist())
+    return hash("hydra-ddp"), out
+
+
 def test_strided_identical_across_processes() -> None:
     configs = [(1000, 2, 4, 16, 7, 0), (101, 0, 3, 5, 0, 4), (17, 4, 5, 2, 123456789, 1)]
-    src = str(Path(sampling.__file__).resolve().parents[1])
-    code = (
-        "import json, sys\n"
-        "from hydra_ddp.sampling import StridedSampler, ShardedSampler\n"
-        "cfgs = json.loads(sys.argv[1])\n"
-        "out = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist()\n"
-        "       for n, r, w, b, s, e in cfgs]\n"
-        "out.append(ShardedSampler(50, 40, 2, 8, seed=9).indices(3).tolist())\n"
-        "print(json.dumps(out))\n"
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    # A different hash seed rules out any dependence on Python's str/bytes hashing.
-    env["PYTHONHASHSEED"] = "12345"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(configs)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
-    child = json.loads(proc.stdout)
+    # The other process hashes strings differently (its own PYTHONHASHSEED): that rules out any
+    # dependence on Python's str/bytes hashing.
+    [(their_hash, theirs)] = ranks.run(_orders, configs, world_size=1, group=False)
+    assert their_hash != hash("hydra-ddp")
     here = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist() for n, r, w, b, s, e in configs]
     here.append(ShardedSampler(50, 40, 2, 8, seed=9).indices(3).tolist())
-    assert child == here
+    assert theirs == here
+
+
+def _epoch_on_each_rank(env, n: int, batch_size: int, epoch: int) -> dict[str, list]:
+    """Each rank's share of an epoch, as global row ids, gathered from every rank over gloo:
+    the strided sampler's, and the sharded sampler's over its rank's part of the rows."""
+    import torch.distributed as dist
+
+    strided = StridedSampler(n, env.rank, env.world_size, batch_size, seed=3)
+    strided.set_epoch(epoch)
+    parts = partition_rows(n, env.world_size, epoch, rotate=True)
+    ranges = parts[env.rank]
+    offsets = np.concatenate([np.arange(a, b) for a, b in ranges])
+    sharded = ShardedSampler(len(offsets), samples_per_epoch(parts), env.rank, batch_size, seed=3)
+    sharded.set_epoch(epoch)
+    mine = {
+        "strided": [b.tolist() for b in strided],
+        "sharded": [offsets[b].tolist() for b in sharded],
+    }
+    everyone: list = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    return {kind: [r[kind] for r in everyone] for kind in mine}
+
+
+def test_ranks_partition_an_epoch_between_them() -> None:
+    """On 2 real gloo ranks (101 rows: one padded): every rank gathers the same shares; the
+    ranks take the same number of batches (DDP hangs otherwise); strided shares are disjoint
+    apart from padding, cover the rows, and are each rank's stride of the one global order;
+    sharded ones are disjoint."""
+    n, bs, epoch, world_size = 101, 8, 2, 2
+    done = ranks.run(_epoch_on_each_rank, n, bs, epoch, world_size=world_size)
+    assert all(r == done[0] for r in done)  # all ranks agree on what every rank holds
+    strided, sharded = done[0]["strided"], done[0]["sharded"]
+    for shares in (strided, sharded):
+        assert len({len(batches) for batches in shares}) == 1
+    flat = [np.concatenate(batches) for batches in strided]
+    rows = np.concatenate(flat)
+    assert set(rows.tolist()) == set(range(n)) and len(rows) == -(-n // world_size) * world_size
+    order = StridedSampler(n, 0, 1, bs, seed=3).indices(epoch)
+    order = np.concatenate([order, order[: len(rows) - n]])  # the padding repeats the head
+    for rank, share in enumerate(flat):
+        assert np.array_equal(share, order[rank::world_size])
+    seen = [row for batches in sharded for batch in batches for row in batch]
+    assert len(seen) == len(set(seen))
 
 
 def test_strided_epochs_differ_and_iteration_advances_epoch() -> None:

@@ -13,7 +13,7 @@ import torch
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.models import MLP
 from hydra_ddp.optim import param_groups, warmup_constant, warmup_cosine
-from hydra_ddp.train import train_step
+from hydra_ddp.step import train_step
 
 FP32 = contextlib.nullcontext()
 

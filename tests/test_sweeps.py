@@ -1,8 +1,11 @@
 """Sweeps: job dir names, the end-of-sweep report, the objective (trainer.monitor), plotting a
 sweep, and an Optuna search.
 
-The end-to-end cases run the real `python -m hydra_ddp.train -m ...` in a subprocess with
-single-process jobs of a few steps; the Optuna search (2-rank jobs) is marked slow.
+The sweep of the default suite is a real `python -m hydra_ddp.train -m ...` of 2-rank jobs
+(tests/test_launch.py: job names, the report and its table, the objective from
+trainer.monitor, one W&B run per job, plotting the sweep). Here: the job dir names and the report
+in process, and, slow, a sweep over values with slashes and 1000 characters and an Optuna search
+of 2-rank jobs.
 """
 
 from __future__ import annotations
@@ -10,17 +13,14 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import FAST, REPO, job_dirs, ok, python_train, summary
 from omegaconf import OmegaConf
 
-from hydra_ddp import sweeps
+from hydra_ddp import paths, sweeps
 
-PLOT = REPO / "scripts" / "plot_run.py"
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]
 
@@ -45,23 +45,23 @@ def output(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_subdir_keeps_swept_keys_only(tmp_path: Path) -> None:
-    keys = sweeps.swept_keys(["model=mlp,cnn", "trainer.max_steps=60", "+x@pkg=1,2"])
+    keys = paths.swept_keys(["model=mlp,cnn", "trainer.max_steps=60", "+x@pkg=1,2"])
     assert keys == ["model", "x@pkg"]
     (tmp_path / "sweep_keys.json").write_text(json.dumps(keys))
     job = ["model=mlp", "trainer.max_steps=60", "trainer.progress=false", "+x@pkg=2"]
-    assert sweeps.sweep_subdir(0, job, str(tmp_path)) == "0_model=mlp,x@pkg=2"
+    assert paths.sweep_subdir(0, job, str(tmp_path)) == "0_model=mlp,x@pkg=2"
     # A `-m` that sweeps nothing: the number alone.
     (tmp_path / "sweep_keys.json").write_text("[]")
-    assert sweeps.sweep_subdir(3, job, str(tmp_path)) == "3"
+    assert paths.sweep_subdir(3, job, str(tmp_path)) == "3"
 
 
 def test_subdir_falls_back_to_multirun_yaml_then_sweeper_params_then_all(tmp_path: Path) -> None:
     job = ["optim.lr=0.01", "model.hidden=64", "trainer.max_steps=20"]
     # Neither file: the sweeper's own params (Optuna's search space) tell the keys...
     params = {"optim.lr": "tag(log, interval(1e-4, 1e-2))", "trainer.max_steps": "20"}
-    assert sweeps.sweep_subdir(1, job, str(tmp_path), params) == "1_optim.lr=0.01"
+    assert paths.sweep_subdir(1, job, str(tmp_path), params) == "1_optim.lr=0.01"
     # ...and without them, every override of the job counts.
-    assert sweeps.sweep_subdir(1, job, str(tmp_path)) == (
+    assert paths.sweep_subdir(1, job, str(tmp_path)) == (
         "1_optim.lr=0.01,model.hidden=64,trainer.max_steps=20"
     )
     # Hydra's basic sweeper saves the sweep's command line in multirun.yaml.
@@ -69,17 +69,17 @@ def test_subdir_falls_back_to_multirun_yaml_then_sweeper_params_then_all(tmp_pat
         {"hydra": {"overrides": {"task": ["model.hidden=64,128", "trainer.max_steps=20"]}}},
         tmp_path / "multirun.yaml",
     )
-    assert sweeps.sweep_subdir(1, job, str(tmp_path)) == "1_model.hidden=64"
+    assert paths.sweep_subdir(1, job, str(tmp_path)) == "1_model.hidden=64"
 
 
 def test_subdir_is_one_safe_capped_name(tmp_path: Path) -> None:
     (tmp_path / "sweep_keys.json").write_text(json.dumps(["data.path"]))
-    name = sweeps.sweep_subdir(0, ["data.path=/nonexistent/x:y z"], str(tmp_path))
+    name = paths.sweep_subdir(0, ["data.path=/nonexistent/x:y z"], str(tmp_path))
     assert name == "0_data.path=_nonexistent_x_y_z"
-    long_a = sweeps.sweep_subdir(1, ["data.path=/d/" + "a" * 1000], str(tmp_path))
-    long_b = sweeps.sweep_subdir(1, ["data.path=/d/" + "a" * 999 + "b"], str(tmp_path))
+    long_a = paths.sweep_subdir(1, ["data.path=/d/" + "a" * 1000], str(tmp_path))
+    long_b = paths.sweep_subdir(1, ["data.path=/d/" + "a" * 999 + "b"], str(tmp_path))
     for name in (long_a, long_b):
-        assert len(name) == sweeps.SUBDIR_MAX_CHARS and "/" not in name, name
+        assert len(name) == paths.SUBDIR_MAX_CHARS and "/" not in name, name
         assert name.startswith("1_data.path=_d_aaa")
     assert long_a != long_b  # the hash of the full name tells them apart
 
@@ -137,6 +137,7 @@ def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> 
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a real sweep; the names themselves are checked in process above
 @pytest.mark.timeout(300)
 def test_sweep_values_with_slashes_and_1000_chars(tmp_path: Path, synthetic) -> None:
     """A `/` in a value nests no dirs and a 1000-character value aborts nothing: every job is
@@ -160,7 +161,7 @@ def test_sweep_values_with_slashes_and_1000_chars(tmp_path: Path, synthetic) -> 
     assert [p.parent for p in job_dirs(sweep)] == [sweep] * 3, job_dirs(sweep)
     names = [j["job"] for j in jobs]
     assert names[0] == "0_data.path=_nonexistent_x"
-    assert len(names[1]) == sweeps.SUBDIR_MAX_CHARS and names[1].startswith("1_data.path=")
+    assert len(names[1]) == paths.SUBDIR_MAX_CHARS and names[1].startswith("1_data.path=")
     assert names[2].startswith("2_data.path=") and "max_steps" not in names[2]
     assert jobs[1]["overrides"] == {"data.path": long_path}  # the JSON keeps the whole value
     assert "manifest.json not found" in jobs[0]["detail"]
@@ -168,87 +169,6 @@ def test_sweep_values_with_slashes_and_1000_chars(tmp_path: Path, synthetic) -> 
     # The log lists each failed job on one line with its logs.
     line = next(ln for ln in output(proc).splitlines() if f"FAILED {names[0]}" in ln)
     assert "logs:" in line and "train.log" in line
-
-
-@pytest.fixture(scope="module")
-def acc_sweep(tmp_path_factory: pytest.TempPathFactory):
-    """`-m model=mlp,cnn` judged by validation accuracy."""
-    tmp = tmp_path_factory.mktemp("acc_sweep")
-    proc = python_train(
-        tmp,
-        "-m",
-        "model=mlp,cnn",
-        "trainer.monitor=val/acc",
-        "trainer.monitor_mode=max",
-        *TINY,
-        timeout=240,
-    )
-    return sweep_dir(tmp), ok(proc)
-
-
-@pytest.mark.timeout(300)
-def test_sweep_short_names_and_monitor_objective(acc_sweep) -> None:
-    sweep, proc = acc_sweep
-    assert sorted(p.name for p in job_dirs(sweep)) == ["0_model=mlp", "1_model=cnn"]
-    jobs = report(sweep)
-    for j in jobs:
-        s = summary(Path(j["dir"]))
-        # What the sweeper got back, and summary.json's objective, is the final val/acc.
-        assert j["objective"] == s["objective"] == s["val_acc"], (j, s)
-        assert (j["monitor"], j["mode"], j["status"]) == ("val/acc", "max", "ok")
-        assert j["metrics"] == {"val_loss": s["val_loss"], "val_acc": s["val_acc"]}
-        assert j["overrides"] == {"model": j["job"].split("=", 1)[1]}
-    best = max(jobs, key=lambda j: j["objective"])
-    assert [j["best"] for j in jobs] == [j is best for j in jobs]
-    # The log: a summary line naming the best, then an aligned table, one line per job.
-    out = output(proc).splitlines()
-    assert any(
-        f"objective val/acc (max): best {best['objective']:.6g} ({best['job']})" in ln for ln in out
-    )
-    header = next(i for i, ln in enumerate(out) if "status job" in ln)
-    assert "val/acc (max)" in out[header] and "val_loss" in out[header]
-    table = out[header : header + 3]
-    starts = {ln.index(f"{j['job']} ") for ln, j in zip(table[1:], jobs)}
-    assert starts == {table[0].index("job ")}, table  # aligned
-    assert "*" in next(ln for ln in table[1:] if best["job"] in ln)
-
-
-@pytest.mark.timeout(120)
-def test_plot_run_overlays_the_jobs_of_a_sweep(acc_sweep, tmp_path: Path) -> None:
-    sweep, _ = acc_sweep
-    plots = tmp_path / "plots"
-    proc = subprocess.run(
-        [sys.executable, str(PLOT), str(sweep), "--out", str(plots), "--stats", "loss,rss_mb"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    for stat in ("loss", "rss_mb"):
-        data = (plots / f"{stat}.png").read_bytes()
-        assert data.startswith(PNG_MAGIC) and len(data) > 5000
-    assert sorted(proc.stdout.split()) == sorted(
-        str(plots / f"{s}.png") for s in ("loss", "rss_mb")
-    )
-    # What each job's line is: the mean over its ranks (here one) of each step.
-    sys.path.insert(0, str(PLOT.parent))
-    import plot_run
-
-    jobs = plot_run.read_sweep_stats(sweep)
-    assert list(jobs) == ["0_model=mlp", "1_model=cnn"]
-    ranks = jobs["0_model=mlp"]
-    assert plot_run.across_ranks(ranks, "loss") == ranks[0]["loss"]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("launch_args", [[], ["dist.nproc_per_node=2"]], ids=["single", "spawn"])
-def test_unknown_monitor_fails_before_training(tmp_path: Path, launch_args: list[str]) -> None:
-    proc = python_train(tmp_path, "trainer.monitor=val/nope", *TINY, *launch_args, timeout=90)
-    assert proc.returncode == 2, output(proc)[-3000:]
-    errors = [ln for ln in output(proc).splitlines() if "error:" in ln]
-    assert len(errors) == 1, errors
-    assert "trainer.monitor=val/nope" in errors[0] and "val/loss, val/acc" in errors[0]
-    assert not list(tmp_path.rglob("summary.json")) and not list(tmp_path.rglob("*.pt"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +181,7 @@ def test_optuna_search_composes() -> None:
     from hydra import compose, initialize_config_dir
 
     from hydra_ddp.config import MonitorMode, register_configs
-    from hydra_ddp.dist import register_resolvers
+    from hydra_ddp.paths import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -307,14 +227,22 @@ def test_optuna_search_of_two_rank_jobs(tmp_path: Path) -> None:
     assert f"objective val/acc (max): best {best:.6g} ({marked['job']})" in output(proc)
 
 
-@pytest.mark.timeout(120)
-def test_optuna_direction_must_match_monitor_mode(tmp_path: Path) -> None:
+def test_optuna_direction_must_match_monitor_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """`-m hparams_search=digits_optuna trainer.monitor_mode=min`: the sweep report's callback,
+    which Hydra calls before the first job, stops the sweep (exit 2) with one line."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    proc = python_train(
-        tmp_path, "-m", "hparams_search=digits_optuna", "trainer.monitor_mode=min", *TINY
+    from inproc import compose
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose(
+        "hparams_search=digits_optuna", "trainer.monitor_mode=min", return_hydra_config=True
     )
-    assert proc.returncode == 2, output(proc)[-3000:]
-    assert "hydra.sweeper.direction=maximize does not match trainer.monitor_mode=min" in (
-        output(proc)
-    )
-    assert not job_dirs(tmp_path / "multirun")
+    with pytest.raises(SystemExit) as info:
+        sweeps.SweepReport().on_multirun_start(config=cfg)
+    assert info.value.code == 2
+    errors = [r.getMessage() for r in caplog.records if "error:" in r.getMessage()]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert "hydra.sweeper.direction=maximize does not match trainer.monitor_mode=min" in errors[0]
+    assert not (tmp_path / "multirun").exists()  # no job ran

@@ -1,69 +1,55 @@
-"""hydra_ddp.tracking end to end: real torchrun (gloo, 2 ranks), real offline W&B runs.
+"""hydra_ddp.tracking end to end: real gloo ranks (tests/ranks.py), real offline W&B runs.
 
-Every W&B setting the tests need goes into the subprocess environment only; W&B's config,
-cache and netrc are pointed into tmp_path so nothing on this machine (a real login included)
-changes the outcome, and W&B never goes online.
+Every W&B setting a test needs goes into the environment of its call only (tests/ranks.py
+puts the environment back afterwards and starts W&B afresh); W&B's config, cache and netrc are
+pointed into tmp_path so nothing on this machine (a real login included) changes the outcome,
+and W&B never goes online. The rank functions are in tests/_tracking_worker.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import pytest
+import ranks
+import wandb_records
+from _tracking_worker import STEPS, resume_attempt, run_job, sequential
+from conftest import REPO, wandb_env
+from inproc import job, train_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import wandb_records  # noqa: E402  (a test helper next to this file)
-from conftest import ok, python_train, torchrun, user_env  # noqa: E402
+from hydra_ddp.config import WandbMode
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import UserError
+from hydra_ddp.tracking import resolve_mode
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "_tracking_worker.py"
 PLOT = REPO / "scripts" / "plot_run.py"
-FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, the shape of a real key
-STEPS = 5
+# 40 hex chars, the shape of a real key; made at run time, so that no file holds it (a job
+# records the checkout's uncommitted changes, this file among them).
+FAKE_KEY = hashlib.sha1(b"hydra-ddp tests: not a W&B key").hexdigest()
 SHARED_MSG = "logger.layout=shared needs W&B online ("
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
+sys.path.insert(0, str(PLOT.parent))
+import plot_run  # noqa: E402  (scripts/plot_run.py, its main called in process)
 
-def _env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
-    """A subprocess environment with W&B isolated under ``tmp`` and forced offline."""
-    return user_env(
+
+def _env(tmp: Path, **extra: Optional[str]) -> dict[str, Optional[str]]:
+    """A call's environment with W&B isolated under ``tmp`` and forced offline."""
+    return wandb_env(
         tmp,
         **{"WANDB_MODE": "offline", "WANDB_ARTIFACT_DIR": str(tmp / "wandb-artifacts"), **extra},
     )
 
 
-def _torchrun(
-    tmp: Path,
-    out: Path,
-    *args: str,
-    env: Optional[dict[str, str]] = None,
-) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        *args,
-    ]
-    return subprocess.run(
-        cmd, cwd=tmp, env=env or _env(tmp), capture_output=True, text=True, timeout=120
-    )
-
-
-def _ok(proc: subprocess.CompletedProcess[str]) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+def _on_two_ranks(tmp: Path, out: Path, env: Optional[dict] = None, **job: object):
+    """`run_job` on 2 gloo ranks: each rank's result, with `.logs` and `.outputs`."""
+    return ranks.run(run_job, out, env=env or _env(tmp), **job)
 
 
 def _runs(out: Path) -> list[Path]:
@@ -90,7 +76,7 @@ def _check_rank_files(out: Path) -> None:
 def gather_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("gather")
     out = tmp / "out"
-    _ok(_torchrun(tmp, out, "--layout", "gather"))
+    _on_two_ranks(tmp, out, layout="gather")
     return out
 
 
@@ -135,7 +121,7 @@ def test_wandb_rows_rate_limited_local_copy_complete(tmp_path: Path) -> None:
     # With logger.min_interval_s far above the job's length, W&B gets the first training row
     # and (at close) the last one; the JSON-lines copy and the aggregates keep every interval.
     out = tmp_path / "out"
-    _ok(_torchrun(tmp_path, out, "--layout", "gather", "--min-interval", "3600"))
+    _on_two_ranks(tmp_path, out, layout="gather", min_interval=3600.0)
     runs = _runs(out)
     assert len(runs) == 1, runs
     rows = wandb_records.history_rows(runs[0])
@@ -147,34 +133,26 @@ def test_wandb_rows_rate_limited_local_copy_complete(tmp_path: Path) -> None:
     _check_rank_files(out)
 
 
-def test_plot_run_draws_per_rank_pngs(gather_run: Path, tmp_path: Path) -> None:
+def test_plot_run_draws_per_rank_pngs(gather_run: Path, tmp_path: Path, capsys) -> None:
     plots = tmp_path / "plots"
-    proc = subprocess.run(
-        [sys.executable, str(PLOT), str(gather_run), "--out", str(plots)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    _ok(proc)
+    assert plot_run.main([str(gather_run), "--out", str(plots)]) == 0
     for stat in ("loss", "step_time", "data_wait", "rss_mb", "samples_per_s"):
         data = (plots / f"{stat}.png").read_bytes()
         assert data.startswith(PNG_MAGIC) and data[12:16] == b"IHDR" and len(data) > 5000
     # cuda_mem_mb is all zero on CPU, so there is nothing to show.
     assert not (plots / "cuda_mem_mb.png").exists()
+    assert str(plots / "loss.png") in capsys.readouterr().out.split()
 
 
-def test_plot_run_without_stats_exits_2(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(PLOT), str(tmp_path)], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "no stats files found" in proc.stderr
+def test_plot_run_without_stats_exits_2(tmp_path: Path, capsys) -> None:
+    assert plot_run.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "no stats files found" in err
 
 
 def test_group_layout_one_run_per_rank(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    _ok(_torchrun(tmp_path, out, "--layout", "group"))
+    _on_two_ranks(tmp_path, out, layout="group")
     infos = {}
     for path in _runs(out):
         info = wandb_records.run_info(path)
@@ -197,57 +175,41 @@ def test_group_layout_one_run_per_rank(tmp_path: Path) -> None:
 def test_shared_layout_offline_fails_on_every_rank(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # mode=auto with no credentials anywhere resolves to offline.
-    proc = _torchrun(
-        tmp_path, out, "--layout", "shared", "--mode", "auto", env=_env(tmp_path, WANDB_MODE=None)
+    done = ranks.run(
+        run_job,
+        out,
+        layout="shared",
+        mode="auto",
+        env=_env(tmp_path, WANDB_MODE=None),
+        return_exceptions=True,
     )
-    assert proc.returncode != 0
-    for rank in (0, 1):
-        code, message = (out / f"exit-rank{rank}.txt").read_text().splitlines()
-        assert code == "2" and message.startswith(SHARED_MSG)
+    for error in done:  # each rank on its own, before any collective
+        assert isinstance(error, UserError), error
+        message = str(error)
+        assert message.startswith(SHARED_MSG) and "\n" not in message
         assert "use logger.layout=gather or group, or log in" in message
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and all(SHARED_MSG in e for e in errors)
-    assert "exitcode  : 2" in proc.stderr  # torchrun saw a clean exit 2, not a kill
     assert not (out / "wandb").exists() and not _runs(out)
 
 
 def test_backend_none_writes_jsonl_only(tmp_path: Path) -> None:
+    """In fresh processes: with logger.backend=none nothing imports W&B."""
     out = tmp_path / "out"
-    _ok(_torchrun(tmp_path, out, "--backend", "none"))
+    done = ranks.run(run_job, out, backend="none", env=_env(tmp_path), fresh=True)
+    assert list(done) == [{"wandb_imported": False}] * 2
     _check_rank_files(out)
     assert not any(p.name == "wandb" for p in tmp_path.rglob("*")), "a wandb dir was created"
-    for rank in (0, 1):
-        result = json.loads((out / f"result-rank{rank}.json").read_text())
-        assert result == {"wandb_imported": False}
 
 
 def test_sequential_trackers_in_one_process(tmp_path: Path) -> None:
     # Hydra's basic launcher runs a sweep's jobs one after another in one process.
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(WORKER),
-            "--out",
-            str(out),
-            "--scenario",
-            "sequential",
-            "--steps",
-            str(STEPS),
-        ],
-        cwd=tmp_path,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    _ok(proc)
+    ranks.run(sequential, out, world_size=1, group=False, env=_env(tmp_path))
     ids = []
-    for job, want_exit in (("job0", 0), ("job1", 1)):
-        runs = _runs(out / job)
+    for job_name, want_exit in (("job0", 0), ("job1", 1)):
+        runs = _runs(out / job_name)
         assert len(runs) == 1, runs
         info = wandb_records.run_info(runs[0])
-        assert info["name"] == job
+        assert info["name"] == job_name
         assert wandb_records.exit_code(runs[0]) == want_exit  # finished, failed one marked
         assert len([r for r in wandb_records.history_rows(runs[0]) if "rank0/loss" in r]) == STEPS
         ids.append(info["id"])
@@ -256,27 +218,18 @@ def test_sequential_trackers_in_one_process(tmp_path: Path) -> None:
 
 def test_api_key_never_lands_in_output_dir(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    # group layout: both ranks write a run; --leak-key also puts the key into the config.
-    proc = _torchrun(
-        tmp_path, out, "--layout", "group", "--leak-key", env=_env(tmp_path, WANDB_API_KEY=FAKE_KEY)
+    # group layout: both ranks write a run; the key also goes into the config.
+    done = _on_two_ranks(
+        tmp_path, out, _env(tmp_path, WANDB_API_KEY=FAKE_KEY), layout="group", leak_key=FAKE_KEY
     )
-    _ok(proc)
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(_runs(out)) == 2 and len(files) > 10
     leaked = [p for p in files if FAKE_KEY.encode() in p.read_bytes()]
     assert not leaked, leaked
-    assert FAKE_KEY not in proc.stdout + proc.stderr
+    assert all(FAKE_KEY not in text for text in [*done.outputs, *done.logs])
     config = wandb_records.run_info(_runs(out)[0])["config"]
     assert config["logger"] == {"api_key": "<redacted>"}
     assert config["note"] == "run with key <redacted>"
-
-
-_RESOLVE = """
-import json, os
-from hydra_ddp.config import WandbMode
-from hydra_ddp.tracking import resolve_mode
-print(json.dumps({m: resolve_mode(WandbMode(m))[0] for m in ("auto", "offline", "online")}))
-"""
 
 
 @pytest.mark.parametrize(
@@ -289,31 +242,63 @@ print(json.dumps({m: resolve_mode(WandbMode(m))[0] for m in ("auto", "offline", 
         ("wandb_mode", "offline"),
     ],
 )
-def test_auto_mode_resolution(tmp_path: Path, setup: str, auto: str) -> None:
+def test_auto_mode_resolution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setup: str, auto: str
+) -> None:
+    """What logger.mode=auto resolves to from the environment and the netrc (no network)."""
     netrc = tmp_path / "netrc"
-    extra: dict[str, Optional[str]] = {"WANDB_MODE": None, "NETRC": str(netrc)}
+    for key, value in _env(tmp_path, NETRC=str(netrc), WANDB_MODE=None).items():
+        monkeypatch.delenv(key, raising=False)
+        if value is not None:
+            monkeypatch.setenv(key, value)
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc of this machine's user
     if setup == "api_key":
-        extra["WANDB_API_KEY"] = FAKE_KEY
+        monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     elif setup == "netrc":
         netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_KEY}\n")
     elif setup == "netrc_other_host":
         netrc.write_text(f"machine example.com\n  login user\n  password {FAKE_KEY}\n")
     elif setup == "wandb_mode":
-        extra.update(WANDB_MODE="offline", WANDB_API_KEY=FAKE_KEY)
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     if netrc.exists():
         netrc.chmod(0o600)
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESOLVE],
-        env=_env(tmp_path, **extra),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    _ok(proc)
-    modes = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert modes == {"auto": auto, "offline": "offline", "online": "online"}
-    assert FAKE_KEY not in proc.stdout + proc.stderr
+    modes = {m: resolve_mode(WandbMode(m)) for m in ("auto", "offline")}
+    assert {m: mode for m, (mode, _) in modes.items()} == {"auto": auto, "offline": "offline"}
+    assert all(FAKE_KEY not in reason for _, reason in modes.values())
+    if auto == "online" or setup == "wandb_mode":
+        assert resolve_mode(WandbMode.online)[0] == "online"
+    else:
+        # Online without a login would prompt on a terminal: one line instead, at once.
+        with pytest.raises(UserError, match=r"logger.mode=online but W&B has no login for"):
+            resolve_mode(WandbMode.online)
+
+
+def test_auto_mode_finds_a_self_hosted_login(tmp_path: Path, monkeypatch) -> None:
+    """`wandb login --host` keeps the host in W&B's settings file, not in WANDB_BASE_URL: auto
+    reads it there, and finds that host's netrc entry (without contacting it)."""
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    config_dir = tmp_path / "wandb-config"
+    config_dir.mkdir()
+    (config_dir / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(config_dir))
+    netrc = tmp_path / ".netrc"
+    netrc.write_text(f"machine wandb.example.org\n  login user\n  password {FAKE_KEY}\n")
+    netrc.chmod(0o600)
+    monkeypatch.delenv("NETRC", raising=False)
+    mode, reason = resolve_mode(WandbMode.auto)
+    assert mode == "online" and "wandb.example.org" in reason and FAKE_KEY not in reason
+    # Windows' name for it works too.
+    netrc.rename(tmp_path / "_netrc")
+    assert resolve_mode(WandbMode.auto)[0] == "online"
+    # Without the settings file the default host has no entry: offline.
+    (config_dir / "settings").unlink()
+    assert resolve_mode(WandbMode.auto)[0] == "offline"
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,41 +313,50 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{out[-4000:]}"
-    assert "Traceback" not in out, out[-4000:]
-    errors = [ln for ln in out.splitlines() if "error:" in ln]
-    assert len(errors) == 1, out[-4000:]
-    return errors[0]
+def _train_alone(env: DistEnv, cfg, run) -> dict:
+    """The loop as `python -m hydra_ddp.train` runs it alone: one process, no process group."""
+    from inproc import train
+
+    return train(cfg, DistEnv(), run)
+
+
+def _fails_alone(tmp_path: Path, env: dict, *overrides: str) -> tuple[str, ranks.Results]:
+    """A one-process job in a process of tests/ranks.py that must fail with a one-line
+    UserError: that line, and what the process printed and logged."""
+    cfg, run = job(tmp_path / "job", *overrides)
+    done = ranks.run(
+        _train_alone, cfg, run, world_size=1, group=False, env=env, return_exceptions=True
+    )
+    assert isinstance(done[0], UserError), done[0]
+    line = str(done[0])
+    assert "\n" not in line, line
+    return line, done
 
 
 @pytest.mark.parametrize("mode", ["online", "auto"])
 def test_wandb_unreachable_fails_within_the_init_timeout(tmp_path: Path, mode: str) -> None:
     """A key but no server (WANDB_BASE_URL on a closed local port): the job stops after the
     init timeout with one line saying what to do, and the key is written nowhere."""
-    env = user_env(
+    env = wandb_env(
         tmp_path,
         WANDB_API_KEY=FAKE_KEY,
         WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}",
         WANDB_INIT_TIMEOUT="3",
     )
     t0 = time.monotonic()
-    proc = python_train(
+    line, done = _fails_alone(
         tmp_path,
+        env,
         "logger=wandb",
         f"logger.mode={mode}",
         "trainer.progress=false",
         "trainer.max_steps=3",
-        env=env,
-        timeout=120,
     )
     elapsed = time.monotonic() - t0
-    line = _one_error_line(proc)
     assert "W&B could not be reached within 3 s (WANDB_INIT_TIMEOUT;" in line, line
     assert "logger.mode=offline" in line and "wandb sync " in line, line
     assert elapsed < 60, elapsed  # 3 s, plus start-up on a busy machine; W&B's own: 96 s
-    assert FAKE_KEY not in proc.stdout + proc.stderr
+    assert FAKE_KEY not in line + done.outputs[0] + done.logs[0]
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
     assert not leaks, f"the API key was written to {leaks}"
 
@@ -370,17 +364,15 @@ def test_wandb_unreachable_fails_within_the_init_timeout(tmp_path: Path, mode: s
 @pytest.mark.parametrize("project", ["x" * 300, "team/project"])
 def test_wandb_bad_project_offline_is_one_short_line(tmp_path: Path, project: str) -> None:
     """Offline already: the advice is to fix the name, not to go offline; a long name is cut."""
-    proc = python_train(
+    line, _ = _fails_alone(
         tmp_path,
+        wandb_env(tmp_path),
         "logger=wandb",
         "logger.mode=offline",
         f"logger.project={project}",
         "trainer.progress=false",
         "trainer.max_steps=3",
-        env=user_env(tmp_path),
-        timeout=120,
     )
-    line = _one_error_line(proc)
     assert "W&B could not start a run for logger.project=" in line, line
     assert "fix logger.project" in line and "logger.mode=offline" not in line, line
     assert len(line) < 500, len(line)
@@ -417,44 +409,27 @@ def _run_records(path: Path):
     return [r.run for r in wandb_records.read_records(path) if r.WhichOneof("record_type") == "run"]
 
 
-_RESUME_JOB = """
-import json, sys
-from pathlib import Path
-from hydra_ddp.config import Layout, LoggerConfig, WandbMode
-from hydra_ddp.dist import DistEnv
-from hydra_ddp.tracking import RunInfo, make_tracker
-out, name, first, last, resumed = Path(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:6])
-cfg = LoggerConfig(layout=Layout.gather, mode=WandbMode.offline, project="hydra-ddp-tests",
-                   min_interval_s=0)
-info = RunInfo(output_dir=out, job_name=name, group="test-group", config={"job": name})
-tracker = make_tracker(cfg, DistEnv(), info, resumed_step=None if resumed < 0 else resumed)
-for step in range(first, last + 1):
-    tracker.log(step, {"loss": 1.0 / step})
-tracker.log_eval(last, {"val/acc": 0.5})
-tracker.close()
-"""
-
-
 def test_resumed_tracker_continues_its_run_and_never_resends_a_step(tmp_path: Path) -> None:
     """One process, layout=gather: killed after sending step 8 but checkpointed at 6, the job
     resumes the same run (same id, name and group) and sends only what W&B lacks; a job that
     starts again from step 0 in that dir gets a new run."""
     out = tmp_path / "out"
 
-    def attempt(name: str, first: int, last: int, resumed: int) -> None:
-        cmd = [sys.executable, "-c", _RESUME_JOB, str(out), name, str(first), str(last)]
-        _ok(
-            subprocess.run(
-                [*cmd, str(resumed)],
-                cwd=tmp_path,
-                env=_env(tmp_path),
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+    def attempt(name: str, first: int, last: int, resumed: Optional[int]) -> None:
+        """One attempt: one call of tests/ranks.py, which starts W&B afresh (a new process)."""
+        ranks.run(
+            resume_attempt,
+            out,
+            name,
+            first,
+            last,
+            resumed,
+            world_size=1,
+            group=False,
+            env=_env(tmp_path),
         )
 
-    attempt("first", 1, 8, -1)
+    attempt("first", 1, 8, None)
     first_id = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]["id"]
     attempt("second", 7, 9, 6)  # resumed from the step-6 checkpoint: 7 and 8 again
     by_id = _files_by_id(out)
@@ -467,7 +442,7 @@ def test_resumed_tracker_continues_its_run_and_never_resends_a_step(tmp_path: Pa
     assert {i["group"] for i in infos} == {"test-group"}
     assert [wandb_records.exit_code(f) for f in files] == [0, 0]
 
-    attempt("third", 1, 2, -1)  # trainer.resume=never in the same dir: from step 0 again
+    attempt("third", 1, 2, None)  # trainer.resume=never in the same dir: from step 0 again
     recorded = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]
     assert recorded["id"] != first_id and recorded["attempt"] == 1
     by_id = _files_by_id(out)
@@ -485,12 +460,13 @@ _RESUME = (
 
 
 def _job(tmp: Path, out: Path, *overrides: str) -> None:
-    ok(torchrun(tmp, *_RESUME, f"hydra.run.dir={out}", *overrides, env=_env(tmp), timeout=300))
+    """The job's workers on 2 gloo ranks in process, W&B offline."""
+    train_ranks(out, *_RESUME, *overrides, env=_env(tmp), timeout=300)
 
 
 @pytest.mark.parametrize("layout", ["gather", "group"])
 def test_resumed_job_continues_its_wandb_runs(tmp_path: Path, layout: str) -> None:
-    """torchrun, 2 ranks, offline: a job stopped after 6 steps and re-run in its dir up to 9
+    """2 ranks, offline: a job stopped after 6 steps and re-run in its dir up to 9
     logs into the same run(s) (one per rank for group): steps 1..9 once each, in order."""
     out = tmp_path / "job"
     _job(tmp_path, out, "trainer.max_steps=6", f"logger.layout={layout}")

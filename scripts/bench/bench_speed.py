@@ -310,7 +310,7 @@ def step_costs(rounds: int) -> None:
     from hydra_ddp.losses import CrossEntropy
     from hydra_ddp.models import MLP
     from hydra_ddp.optim import param_groups, warmup_cosine
-    from hydra_ddp.train import train_step
+    from hydra_ddp.step import train_step
 
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1
     env = DistEnv(rank=0, world_size=2, local_world_size=2)

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# One short check of the CUDA/NCCL paths on a single-GPU machine (CI has no GPU).
+# One short check of the CUDA/NCCL paths (CI has no GPU). Results go to docs/gpu_check.md.
 #   PYTHONPATH=src bash scripts/bench/gpu_check.sh <work dir>
-# Two ranks cannot share one GPU under NCCL, so DDP runs here as one torchrun rank (a real NCCL
-# process group, device_ids from LOCAL_RANK); the over-subscription error is checked with two.
+# With one GPU, DDP runs as one torchrun rank (a real NCCL process group, device_ids from
+# LOCAL_RANK; two NCCL ranks cannot share a GPU) and the over-subscription error is checked
+# with two; with two or more GPUs visible, a two-rank NCCL job runs too. Every shipped metric
+# is evaluated on the GPU (classification, regression, language model), with EMA, compile,
+# bf16, fp16 and a resume; `sync_debug` runs the steps between log intervals under
+# torch.cuda.set_sync_debug_mode("error").
 set -u
 W=${1:-/tmp/gpu_check}
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd):${PYTHONPATH:-}"  # sync_check.py
 PY=${PYTHON:-python3}
 nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'nccl', torch.cuda.nccl.version())"
@@ -17,7 +22,7 @@ run() {  # name, then the command
   echo "=== $name: $*"
   "$@" > "$W/$name.log" 2>&1
   echo "rc=$?"
-  grep -E "process group up|error:|done \|" "$W/$name.log" | cut -c 1-400
+  grep -E "process group up|error:|done \||sync check" "$W/$name.log" | cut -c 1-400
 }
 run single      "$PY" "${T[@]}" hydra.run.dir="$W/single"
 run ddp_nccl    "${R[@]}" --nproc_per_node=1 "${T[@]}" hydra.run.dir="$W/ddp_nccl"
@@ -26,6 +31,13 @@ run bf16_hook   "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.precision=bf16 dd
 run powersgd    "${R[@]}" --nproc_per_node=1 "${T[@]}" ddp=powersgd ddp.powersgd_start_iter=2 trainer.max_steps=60 hydra.run.dir="$W/powersgd"
 run sharded     "${R[@]}" --nproc_per_node=1 "${T[@]}" sampler=sharded trainer.epochs=5 hydra.run.dir="$W/sharded"
 run gpt_bf16    "${R[@]}" --nproc_per_node=1 "${T[@]}" data=text model=gpt model.n_layer=6 model.n_embd=384 model.n_head=6 data.block_size=256 trainer.batch_size=64 trainer.max_steps=300 trainer.precision=bf16 trainer.log_interval=50 hydra.run.dir="$W/gpt_bf16"
+run regression  "${R[@]}" --nproc_per_node=1 "${T[@]}" data=diabetes trainer.batch_size=32 hydra.run.dir="$W/regression"
+run ema         "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.ema_decay=0.99 trainer.eval_interval=200 hydra.run.dir="$W/ema"
+run compile     "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.compile=true trainer.max_steps=200 hydra.run.dir="$W/compile"
+run sync_debug  "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.eval_interval=0 trainer.ckpt_interval=0 trainer.ema_decay=0.99 trainer.max_steps=200 +callbacks.sync._target_=sync_check.SyncDebug +callbacks.sync.log_interval=10 hydra.run.dir="$W/sync_debug"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  run two_ranks "${R[@]}" --nproc_per_node=2 "${T[@]}" trainer.ema_decay=0.99 trainer.eval_interval=200 ddp=powersgd trainer.ckpt_interval=100 hydra.run.dir="$W/two_ranks"
+fi
 run resume      "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.max_steps=900 trainer.ckpt_interval=100 trainer.resume="$W/ddp_nccl/checkpoints/$(ls "$W/ddp_nccl/checkpoints" | tail -1)" hydra.run.dir="$W/resume"
 run too_many    "${R[@]}" --nproc_per_node=2 "${T[@]}" hydra.run.dir="$W/too_many"
 $PY - "$W" <<'PY'

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def damage(path: Path) -> str | None:
     try:
         st = path.stat()
     except OSError as e:
-        return f"unreadable ({_first_line(e)})"
+        return f"unreadable ({first_line(e, 160)})"
     return _damage(str(path), st.st_size, st.st_mtime_ns)
 
 
@@ -149,7 +149,7 @@ def _damage(path: str, size: int, mtime_ns: int) -> str | None:
             bad = archive.testzip()
         return None if bad is None else f"member {bad} fails its CRC check (corrupt)"
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
-        return f"unreadable ({_first_line(e)})"
+        return f"unreadable ({first_line(e, 160)})"
 
 
 def latest(output_dir: Path) -> Path | None:
@@ -184,31 +184,27 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
         return None
     if resume == "auto":
         return latest(output_dir)
-    path = Path(resume)
+    return file_or_newest(resume, "trainer.resume", "trainer.resume=never to start fresh")
+
+
+def file_or_newest(value: str, key: str, otherwise: str) -> Path:
+    """The checkpoint that `key=value` names: a file, or the newest complete one of a run dir
+    (or of its checkpoints/ folder)."""
+    path = Path(value)
     if path.is_dir():
         found = latest(path.parent if path.name == "checkpoints" else path)
         if found is None:
             raise UserError(
-                f"trainer.resume={resume}: the directory holds no complete "
-                "checkpoint (checkpoints/step_*.pt); give a checkpoint file, or "
-                "trainer.resume=never to start fresh"
+                f"{key}={value}: the directory holds no complete checkpoint "
+                f"(checkpoints/step_*.pt); give a checkpoint file, or {otherwise}"
             )
         return found
     if not path.is_file():
         raise UserError(
-            f"trainer.resume={resume}: no such file; give a checkpoint path, "
-            "trainer.resume=auto (newest in the output dir) or never"
+            f"{key}={value}: no such file; give a checkpoint file (<run dir>/checkpoints/"
+            f"step_*.pt or best.pt) or a run dir, or {otherwise}"
         )
     return path
-
-
-def _first_line(e: BaseException, limit: int = 160) -> str:
-    """The gist of a library error: its first line, cut at the first sentence if long."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    text = lines[0] if lines else type(e).__name__
-    if len(text) > limit and ". " in text:
-        text = text[: text.index(". ") + 1]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
@@ -247,7 +243,7 @@ def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]
         ) from e
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
         raise UserError(
-            f"{path} is not a readable checkpoint ({_first_line(e)}): it may be "
+            f"{path} is not a readable checkpoint ({first_line(e, 160)}): it may be "
             "truncated or corrupt; point trainer.resume at another one, or "
             "trainer.resume=never"
         ) from e
@@ -259,7 +255,9 @@ def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]
     return state
 
 
-def load_model_state(model: torch.nn.Module, state: dict[str, Any], path: Path) -> None:
+def load_model_state(
+    model: torch.nn.Module, state: dict[str, Any], path: Path, hint: str = "or trainer.resume=never"
+) -> None:
     """Load weights, turning a shape mismatch (a checkpoint of another model) into one line."""
     try:
         model.load_state_dict(state["model"])
@@ -274,96 +272,156 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], path: Path) 
         )
         raise UserError(
             f"{path} is a checkpoint of a different model ({detail[:300]}): resume with "
-            "the model config it was trained with (its run's .hydra/config.yaml), or "
-            "trainer.resume=never"
+            f"the model config it was trained with (its run's .hydra/config.yaml), {hint}"
         ) from e
 
 
-# State a run may add to its checkpoints later on (trainer.ema_decay, the monitor's best score).
-OPTIONAL_STATE = ("ema", "monitor")
-
-
-def save_training_state(
-    output_dir: Path,
-    position: dict[str, int],
-    keep: int,
-    env: DistEnv,
-    *,
-    model: torch.nn.Module,
-    name: str | None = None,
-    **stateful: Any,
-) -> None:
-    """Collective: gather every rank's RNG state, then global rank 0 alone writes the file.
-
-    `position` is the loop's position (step, epoch, batch_in_epoch, samples_seen); `stateful`
-    are the optimizer, scheduler, scaler, ... (anything with state_dict/load_state_dict);
-    `name` writes checkpoints/<name> (the best one) instead of a rotated step_<step>.pt."""
-    rng = {"torch": torch.get_rng_state()}
-    if env.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(env.device)
-    rngs = all_gather_objects(rng, env)
-    if env.is_main:
-        state = {
-            "model": model.state_dict(),
-            **{key: obj.state_dict() for key, obj in stateful.items()},
-            **position,
-            "world_size": env.world_size,
-            "rng": rngs,
-        }
-        path = save(state, output_dir, position["step"], keep, name)
-        log.info("checkpoint: %s", path)
-    # Nobody races ahead and dies before the file is complete.
-    barrier(env)
-
-
-def restore_training_state(
-    path: Path,
-    env: DistEnv,
-    position_keys: list[str],
-    *,
-    model: torch.nn.Module,
-    **stateful: Any,
-) -> dict[str, int]:
-    """Load a checkpoint into the model, the `stateful` objects (optimizer, scheduler, ...)
-    and this rank's RNG; return the position."""
+def init_weights(model: torch.nn.Module, source: str, strict: bool) -> Path:
+    """trainer.init_from: load the model weights of a checkpoint file, or of the newest one in
+    a run dir, into `model`; nothing else. With `strict` false, only the tensors whose names and
+    shapes match, and one line each for the rest. Returns the file read."""
+    path = file_or_newest(source, "trainer.init_from", "no trainer.init_from")
     state = load(path)
-    load_model_state(model, state, path)
-    try:
-        for key, obj in stateful.items():
-            if key in OPTIONAL_STATE and key not in state:
-                # A checkpoint from before the feature was switched on: it starts fresh.
-                log.warning("%s holds no %s state: starting it fresh", path, key)
-                continue
-            obj.load_state_dict(state[key])
-        position = {k: int(state.get(k, 0)) for k in position_keys}
-        position["step"] = int(state["step"])
-    except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise UserError(
-            f"{path} does not match this job's optimizer/scheduler setup "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-            "resume with the optim.* and scheduler.* config it was trained with, "
-            "or trainer.resume=never"
-        ) from e
-    saved_world = int(state.get("world_size") or env.world_size)
-    if saved_world != env.world_size and "batch_in_epoch" in position:
-        # The epoch's progress as a share of the global batches: floor, so a few samples of
-        # this epoch are seen twice rather than skipped. The caller rolls a position past the
-        # new epoch's end over to the next epoch.
-        mapped = position["batch_in_epoch"] * saved_world // env.world_size
-        log.warning(
-            "%s was written by %d ranks, this job has %d: batch %d of its epoch maps to batch "
-            "%d here, and the rest of that epoch is partitioned differently (exact resume "
-            "needs the same number of ranks)",
-            path,
-            saved_world,
-            env.world_size,
-            position["batch_in_epoch"],
-            mapped,
-        )
-        position["batch_in_epoch"] = mapped
-    rngs = state.get("rng") or []
-    if env.rank < len(rngs):
-        torch.set_rng_state(rngs[env.rank]["torch"].cpu())
-        if env.device.type == "cuda" and "cuda" in rngs[env.rank]:
-            torch.cuda.set_rng_state(rngs[env.rank]["cuda"].cpu(), env.device)
-    return position
+    if strict:
+        load_model_state(model, state, path, hint="or trainer.init_strict=false")
+        return path
+    saved, mine = state["model"], model.state_dict()
+    fits = {k: v for k, v in saved.items() if k in mine and mine[k].shape == v.shape}
+    model.load_state_dict(fits, strict=False)
+    reshaped = sorted(k for k in saved if k in mine and k not in fits)
+    for what, keys in (
+        ("not in the checkpoint (kept as initialised)", sorted(set(mine) - set(saved))),
+        ("in the checkpoint only (unused)", sorted(set(saved) - set(mine))),
+        ("of another shape (kept as initialised)", reshaped),
+    ):
+        if keys:
+            log.warning("trainer.init_from: %d tensor(s) %s: %s", len(keys), what, ", ".join(keys))
+    log.info("trainer.init_from: %d of %d tensors loaded from %s", len(fits), len(mine), path)
+    return path
+
+
+# State a run may add to its checkpoints later on (trainer.ema_decay, the monitor's best score,
+# a callback, a comm hook's state).
+OPTIONAL_STATE = ("ema", "monitor", "callbacks", "comm_hook")
+
+
+class Checkpointer:
+    """The training state on disk: `maybe_save` every trainer.ckpt_interval steps, `save` at
+    the end or on a stop signal, `restore` on resume.
+
+    `stateful` are the objects with state_dict/load_state_dict saved by rank 0 (model, scaler,
+    EMA, monitor, callbacks; `optimizer` is an optim.Optimizers, saved as the optimizer and
+    scheduler states); `per_rank` are those whose state
+    differs between ranks (a comm hook's error feedback), gathered into the same file next to
+    every rank's RNG state. Saving and restoring are collective: every rank calls them.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        env: DistEnv,
+        interval: int,
+        keep: int,
+        total_steps: int,
+        stateful: dict[str, Any],
+        per_rank: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """`meta`: saved in every checkpoint next to the position (the batch size)."""
+        self.output_dir, self.env = Path(output_dir), env
+        self.meta = dict(meta or {})
+        self.interval, self.keep, self.total_steps = interval, keep, total_steps
+        self.stateful, self.per_rank = stateful, per_rank or {}
+
+    def due(self, step: int) -> bool:
+        """Every `interval` steps (0: never); the end of the run saves anyway."""
+        return bool(self.interval) and step % self.interval == 0 and step < self.total_steps
+
+    def maybe_save(self, position: dict[str, int]) -> None:
+        """Collective."""
+        if self.due(position["step"]):
+            self.save(position)
+
+    def save(self, position: dict[str, int], name: str | None = None) -> None:
+        """Collective: gather every rank's RNG (and per-rank) state, then global rank 0 alone
+        writes checkpoints/step_<step>.pt, or checkpoints/<name> (the best one, never rotated).
+        """
+        env = self.env
+        mine: dict[str, Any] = {"torch": torch.get_rng_state()}
+        if env.device.type == "cuda":
+            mine["cuda"] = torch.cuda.get_rng_state(env.device)
+        # As CPU tensors: a CUDA tensor pickled by rank 1 would be unpickled onto rank 1's GPU
+        # by rank 0's process.
+        mine.update({k: _to_cpu(obj.state_dict()) for k, obj in self.per_rank.items()})
+        ranks = all_gather_objects(mine, env)
+        if env.is_main:
+            state = {key: obj.state_dict() for key, obj in self.stateful.items()}
+            if "optimizer" in self.stateful:
+                state["scheduler"] = self.stateful["optimizer"].scheduler_state()
+            state.update(self.meta, **position, world_size=env.world_size, rng=ranks)
+            path = save(state, self.output_dir, position["step"], self.keep, name)
+            log.info("checkpoint: %s", path)
+        # Nobody races ahead and dies before the file is complete.
+        barrier(env)
+
+    def keep_as_best(self, step: int) -> None:
+        """Rank 0: the checkpoint just saved at `step` is also checkpoints/best.pt."""
+        if self.env.is_main:
+            keep_as_best(self.output_dir, step)
+
+    def restore(self, path: Path, position_keys: list[str]) -> dict[str, int]:
+        """Load `path` into every stateful object and this rank's RNG; return the position, with
+        the world size and batch size it was counted in (`saved_world_size`,
+        `saved_batch_size`; 0: not recorded)."""
+        env = self.env
+        state = load(path)
+        load_model_state(self.stateful["model"], state, path)
+        try:
+            for key, obj in self.stateful.items():
+                if key == "model":
+                    continue
+                if key == "optimizer":  # optim.Optimizers: the optimizers and their schedules
+                    obj.load(state["optimizer"], state["scheduler"], path)
+                    continue
+                if key in OPTIONAL_STATE and key not in state:
+                    # A checkpoint from before the feature was switched on: it starts fresh.
+                    log.warning("%s holds no %s state: starting it fresh", path, key)
+                    continue
+                obj.load_state_dict(state[key])
+            position = {k: int(state.get(k, 0)) for k in position_keys}
+            position["step"] = int(state["step"])
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise UserError(
+                f"{path} does not match this job's optimizer/scheduler setup "
+                f"({type(e).__name__}: {first_line(e)}): resume with the optim.* and "
+                "scheduler.* config it was trained with, or trainer.resume=never"
+            ) from e
+        saved_world = int(state.get("world_size") or env.world_size)
+        # How the data position was counted (rows = batch_in_epoch x batch_size x world size);
+        # a checkpoint from before batch_size was recorded had this job's.
+        position["saved_world_size"] = saved_world
+        position["saved_batch_size"] = int(state.get("batch_size", 0))
+        ranks = state.get("rng") or []
+        mine = ranks[env.rank] if env.rank < len(ranks) and saved_world == env.world_size else {}
+        if env.rank < len(ranks):
+            torch.set_rng_state(ranks[env.rank]["torch"].cpu())
+            if env.device.type == "cuda" and "cuda" in ranks[env.rank]:
+                torch.cuda.set_rng_state(ranks[env.rank]["cuda"].cpu(), env.device)
+        for key, obj in self.per_rank.items():
+            if key in mine:
+                obj.load_state_dict(mine[key])
+            else:
+                log.warning(
+                    "%s holds no %s state for rank %d: starting it fresh", path, key, env.rank
+                )
+        return position
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

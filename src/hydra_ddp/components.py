@@ -16,6 +16,7 @@ missing argument fails in one line that names the config key and what the target
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any, Mapping
@@ -26,9 +27,10 @@ from hydra.utils import get_object, instantiate
 from hydra_ddp.errors import UserError
 
 
-def build(cfg: Mapping[str, Any], key: str, **runtime: Any) -> Any:
+def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtime: Any) -> Any:
     """Instantiate the component configured at `key` (e.g. "model"), passing the `runtime`
-    keywords its signature asks for."""
+    keywords its signature asks for. `_as_function`: a plain function as `_target_` is the
+    component itself (a loss `def focal(output, target)`), its YAML arguments bound to it."""
     if not isinstance(cfg, Mapping) or "_target_" not in cfg:
         raise UserError(
             f"{key} has no _target_: pick a choice of the {key.split('.')[0]} group "
@@ -39,9 +41,13 @@ def build(cfg: Mapping[str, Any], key: str, **runtime: Any) -> Any:
         obj = get_object(target)
     except Exception as e:
         raise UserError(
-            f"{key}._target_={target!r} cannot be imported: {str(e).splitlines()[0]}"
+            # Hydra's message puts the cause (the ImportError) on its later lines.
+            f"{key}._target_={target!r} cannot be imported: "
+            + " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         ) from None
     given = {k for k in cfg if not (k.startswith("_") and k.endswith("_"))}
+    if _as_function and (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+        return functools.partial(obj, **{k: cfg[k] for k in given}) if given else obj
     params = _parameters(obj)
     if params is None:  # no inspectable signature (some builtins): let the call decide
         passed = {}

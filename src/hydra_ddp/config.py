@@ -68,16 +68,17 @@ class DDPConfig:
     comm_hook: CommHook = CommHook.none
     # PowerSGD: rank of the low-rank approximation (higher = more accurate, more bytes).
     powersgd_rank: int = 2
-    # PowerSGD: plain all-reduce for this many steps before compression starts.
+    # PowerSGD: plain all-reduce for this many steps before compression starts (>= 2: PowerSGD's
+    # error feedback needs the first two steps uncompressed).
     powersgd_start_iter: int = 10
 
     def __post_init__(self) -> None:
         _require(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
         _require(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
         _require(
-            self.powersgd_start_iter >= 1,
+            self.powersgd_start_iter >= 2,
             "ddp.powersgd_start_iter",
-            ">= 1",
+            ">= 2 (PowerSGD compresses from the third step at the earliest)",
             self.powersgd_start_iter,
         )
 
@@ -168,9 +169,15 @@ class LoggerConfig:
     # Seconds W&B may take to reach its server when an online run starts; then the job stops
     # with one line (W&B's own default: 90 s, then a traceback). WANDB_INIT_TIMEOUT overrides.
     init_timeout_s: float = 60.0
+    # Seconds the end of a run may wait for W&B's uploads (then the rest is dropped with a
+    # warning, and `wandb sync` can send it later); 0: wait as long as it takes.
+    finish_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _require(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
+        _require(
+            self.finish_timeout_s >= 0, "logger.finish_timeout_s", ">= 0", self.finish_timeout_s
+        )
         _require(
             self.min_interval_s >= 0,
             "logger.min_interval_s",
@@ -226,6 +233,13 @@ class TrainerConfig:
     # auto: continue from the newest checkpoint in the output dir if there is one;
     # never: always start fresh; or a path to a checkpoint file.
     resume: str = "auto"
+    # Fine-tuning: start from the model weights of this checkpoint file (or the newest
+    # checkpoint of this run dir) with a fresh optimizer, schedule and loop position. A
+    # checkpoint in the job's own output dir (trainer.resume=auto) still wins: a restarted
+    # fine-tune continues.
+    init_from: Optional[str] = None
+    # false: load only the tensors whose names and shapes match (a new head), naming the rest.
+    init_strict: bool = True
     # What a NaN/inf loss does.
     nan_policy: NanPolicy = NanPolicy.stop
     # DataLoader worker processes per rank (0: load in the training process).
@@ -355,6 +369,13 @@ class TrainConfig:
     loss: Any = MISSING
     # name -> metric component; each is reported as val/<name> and test/<name>.
     metrics: Dict[str, Any] = field(default_factory=dict)
+    # Your own step instead of the default one (step.default_step):
+    # `_target_: my_steps.gan_step`, called as (tools, model, micro_batches, objective,
+    # optimizers) -> {"loss": ..., other scalars}; see step.StepTools. null: the model's
+    # `training_step` method if it has one, else the default step.
+    step: Optional[Any] = None
+    # name -> callback component (hydra_ddp/callbacks.py): `+callbacks.NAME._target_=pkg.Class`.
+    callbacks: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.precision_needs_cuda and self.dist.device == Device.cpu:

@@ -20,7 +20,10 @@ and row at fault. Checks that need no rows (shapes, dtypes) belong in the source
 constructor, which runs in the launching process before any worker or process group starts.
 
 A source is a component: `data._target_` names its class and the rest of `data.*` are its
-constructor's arguments. `Rows` and `TokenWindows` are ready-made datasets for arrays.
+constructor's arguments. `Rows` and `TokenWindows` are ready-made datasets for arrays (the fast
+path: one vectorised gather per batch). `TorchDatasets` takes any map-style
+`torch.utils.data.Dataset` per split instead (per-item `__getitem__`, transforms, a Hugging Face
+`datasets.Dataset`), batched by a `collate_fn` in DataLoader workers.
 `TrainData` and `EvalData` tie a source to a sampling policy.
 
 Every source here is real and needs no download: scikit-learn's digits and diabetes ship inside
@@ -38,7 +41,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from hydra_ddp.components import check
 from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
@@ -172,7 +175,8 @@ class TokenWindows(Dataset):
             m = seg == s
             out[m] = self.segments[s][offsets[m]]
         t = torch.from_numpy(out)
-        return t[:, :-1], t[:, 1:]
+        # Two contiguous tensors, not views of one: each is pinned and copied to the GPU whole.
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +285,110 @@ class DataSource:
     def load(self, split: str, ranges: Ranges | None) -> Dataset:
         """Read only the rows in `ranges` (half-open, in order); None: the whole split."""
         raise NotImplementedError
+
+
+class TorchDatasets(DataSource):
+    """One map-style `torch.utils.data.Dataset` per split, each a component of its own:
+
+        data:
+          _target_: hydra_ddp.data.TorchDatasets
+          train: {_target_: my_data.Images, root: /data, split: train, augment: true}
+          val: {_target_: my_data.Images, root: /data, split: val}
+          test: {_target_: my_data.Images, root: /data, split: test}
+          spec: {out_features: 10}       # what the model is told (optional)
+          collate_fn: null               # default: torch's default_collate
+
+    Items are read one `dataset[i]` at a time, in DataLoader workers (`trainer.num_workers`),
+    and batched by `collate_fn`. `sampler=strided` partitions the shared per-epoch permutation
+    as for arrays; `sampler=sharded` gives each rank contiguous rows (a `Subset`) and touches no
+    other row."""
+
+    per_item = True  # TrainData/EvalData batch it with a DataLoader batch sampler
+
+    def __init__(
+        self,
+        train: Any,
+        val: Any,
+        test: Any,
+        collate_fn: Any = None,
+        spec: dict[str, Any] | None = None,
+        unit: str = "samples",
+    ) -> None:
+        self.splits = {"train": train, "val": val, "test": test}
+        for split, dataset in self.splits.items():
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise UserError(
+                    f"data.{split} is a {type(dataset).__name__}, not a map-style dataset "
+                    "(__getitem__ and __len__): give a torch.utils.data.Dataset component"
+                )
+            if len(dataset) == 0:
+                raise UserError(f"data.{split} ({type(dataset).__name__}) holds no rows")
+        self.collate_fn, self.spec, self.unit = collate_fn, dict(spec or {}), unit
+
+    def num_rows(self, split: str) -> int:
+        return len(self.splits[split])
+
+    def load(self, split: str, ranges: Ranges | None) -> Dataset:
+        dataset = self.splits[split]
+        if ranges is None:
+            return dataset
+        return Subset(dataset, [i for a, b in ranges for i in range(a, b)])
+
+
+def check_source(source: Any) -> None:
+    """Refuse a `data` component that meets neither contract, in one line naming both."""
+    if callable(getattr(source, "num_rows", None)) and callable(getattr(source, "load", None)):
+        return
+    what = f"data._target_ built a {type(source).__module__}.{type(source).__qualname__}"
+    if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
+        raise UserError(
+            f"{what}, a per-item dataset: give one per split through data._target_="
+            "hydra_ddp.data.TorchDatasets (data.train, data.val, data.test), or write a "
+            "DataSource (num_rows(split), load(split, ranges), spec)"
+        )
+    raise UserError(
+        f"{what}, which is neither a DataSource (num_rows(split), load(split, ranges), spec; "
+        "see hydra_ddp/data.py) nor a map-style dataset for hydra_ddp.data.TorchDatasets"
+    )
+
+
+def loader(
+    source: DataSource, dataset: Dataset, sampler: Any, env: DistEnv, num_workers: int
+) -> DataLoader:
+    """A DataLoader over `sampler`'s index batches: a whole batch per `dataset[idx]` for array
+    sources, `dataset[i]` per item and `collate_fn` for TorchDatasets. Its own generator:
+    without one, every iter() draws a seed from the global RNG, so a run resumed mid-epoch (one
+    extra iter() after the RNG state is restored) would get other dropout masks than the
+    uninterrupted run."""
+    common = dict(
+        num_workers=num_workers,
+        pin_memory=env.device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator(),
+    )
+    if getattr(source, "per_item", False):
+        return DataLoader(
+            dataset,
+            batch_sampler=_IndexLists(sampler),
+            collate_fn=getattr(source, "collate_fn", None) or default_collate,
+            **common,
+        )
+    # batch_size=None: the sampler yields whole index arrays and the dataset gathers a batch in
+    # one call, so the DataLoader only adds workers and pinning when asked for.
+    return DataLoader(dataset, sampler=sampler, batch_size=None, **common)
+
+
+class _IndexLists:
+    """A sampler of index arrays as a DataLoader batch sampler (lists of Python ints)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (np.asarray(idx).tolist() for idx in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 def check_fractions(val_fraction: float, test_fraction: float) -> None:
@@ -395,6 +503,11 @@ class CharText(DataSource):
                     f"({len(stream)} characters): lower data.block_size"
                 )
         self.spec = {"vocab_size": len(chars), "block_size": block_size}
+        self.chars = "".join(chars)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Token ids back to text."""
+        return "".join(self.chars[t] for t in tokens)
 
     def num_rows(self, split: str) -> int:
         return (len(self.streams[split]) - 1) // self.block
@@ -588,20 +701,7 @@ class TrainData:
         self._part_epoch = epoch
 
     def _make_loader(self) -> DataLoader:
-        # batch_size=None: the sampler yields whole index arrays and the dataset gathers a
-        # batch in one call, so the DataLoader only adds workers and pinning when asked for.
-        # Its own generator: without one, every iter() draws a seed from the global RNG, so a
-        # run resumed mid-epoch (one extra iter() after the RNG state is restored) would get
-        # other dropout masks than the uninterrupted run.
-        return DataLoader(
-            self.dataset,
-            sampler=self.sampler,
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=self.env.device.type == "cuda",
-            persistent_workers=self.num_workers > 0,
-            generator=torch.Generator(),
-        )
+        return loader(self.source, self.dataset, self.sampler, self.env, self.num_workers)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -668,9 +768,17 @@ class EvalData:
     (no DistributedSampler padding: ranks may hold one row more or less)."""
 
     def __init__(
-        self, source: DataSource, split: str, policy: SamplerPolicy, env: DistEnv, batch_size: int
+        self,
+        source: DataSource,
+        split: str,
+        policy: SamplerPolicy,
+        env: DistEnv,
+        batch_size: int,
+        num_workers: int = 0,
     ):
+        self.source, self.env, self.num_workers = source, env, num_workers
         n = source.num_rows(split)
+        self.first_row = 0  # the split's row number of this rank's first loaded row
         if policy == SamplerPolicy.strided:
             self.dataset = source.load(split, None)
             check_loaded(self.dataset, source.spec, split)
@@ -680,6 +788,7 @@ class EvalData:
         else:
             # Each rank reads only its own contiguous part of the split.
             part = partition_rows(n, env.world_size)[env.rank]
+            self.first_row = part[0][0] if part else 0
             self.dataset = source.load(split, part)
             check_loaded(self.dataset, source.spec, split)
             self.sampler = (
@@ -690,7 +799,20 @@ class EvalData:
                 else None
             )
 
+        self._loader: DataLoader | None = None
+
+    def rows(self) -> Iterator[np.ndarray]:
+        """The split's row numbers of each batch `__iter__` yields, in the same order (one pass
+        of the sampler: finish it before iterating the batches)."""
+        if self.sampler is None:
+            return iter(())
+        return (np.asarray(idx) + self.first_row for idx in self.sampler)
+
     def __iter__(self) -> Iterator:
         if self.sampler is None:
             return iter(())
-        return (self.dataset[idx] for idx in self.sampler)
+        if self._loader is None:  # made once: its workers persist between evaluations
+            self._loader = loader(
+                self.source, self.dataset, self.sampler, self.env, self.num_workers
+            )
+        return iter(self._loader)

@@ -1,10 +1,10 @@
-"""Wrapping the model in DistributedDataParallel as the ddp/ config group says, and turning
-DDP's own failure messages into one line that says what to change."""
+"""Wrapping the model in DistributedDataParallel as the ddp/ config group says."""
 
 from __future__ import annotations
 
 import inspect
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,11 @@ from hydra_ddp.errors import UserError
 log = logging.getLogger(__name__)
 
 
-def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn.Module:
-    """Move the model to this rank's device and wrap it in DDP as the ddp/ config says.
+def wrap_model(
+    model: torch.nn.Module, env: DistEnv, cfg: DDPConfig
+) -> tuple[torch.nn.Module, CommHookState | None]:
+    """Move the model to this rank's device and wrap it in DDP as the ddp/ config says; also
+    return the comm hook's checkpointable state (PowerSGD's), if it has one.
 
     device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
     would name a GPU that does not exist.
@@ -31,9 +34,9 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn
                 "let every rank train its own diverging copy: use ddp=default, or "
                 "run one process"
             )
-        return model
+        return model, None
     if not env.distributed:
-        return model
+        return model, None
     on_cuda = env.device.type == "cuda"
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same per-forward meaning;
     # the sync at construction is init_sync's job); older releases know only the old name.
@@ -53,7 +56,7 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn
         static_graph=cfg.static_graph,
         init_sync=cfg.init_sync,
     )
-    hook = _register_comm_hook(ddp, cfg)
+    hook, state = _register_comm_hook(ddp, cfg)
     # Read back from the wrapper, not echoed from the config: what DDP actually does.
     log.info(
         "DDP: static_graph=%s find_unused_parameters=%s gradient_as_bucket_view=%s "
@@ -64,11 +67,12 @@ def wrap_model(model: torch.nn.Module, env: DistEnv, cfg: DDPConfig) -> torch.nn
         ddp.bucket_bytes_cap / 2**20,
         hook,
     )
-    return ddp
+    return ddp, None if state is None else CommHookState(state, env.device)
 
 
-def _register_comm_hook(ddp: DDP, cfg: DDPConfig) -> str:
-    """Register the configured gradient-compression hook; return its name ("none" if none)."""
+def _register_comm_hook(ddp: DDP, cfg: DDPConfig) -> tuple[str, Any]:
+    """Register the configured gradient-compression hook; return its name ("none" if none)
+    and its state object (None for the stateless hooks)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if cfg.comm_hook == CommHook.bf16_compress and dist.get_backend() != "nccl":
@@ -90,21 +94,43 @@ def _register_comm_hook(ddp: DDP, cfg: DDPConfig) -> str:
         )
         hook = powerSGD_hook.powerSGD_hook
     if hook is None:
-        return "none"
+        return "none", None
     ddp.register_comm_hook(state, hook)
-    return hook.__name__
+    return hook.__name__, state
 
 
-def explain(e: BaseException) -> UserError | None:
-    """A one-line UserError for a failure whose torch message is a paragraph, else None.
+class CommHookState:
+    """PowerSGD's state as a checkpoint member: its step count (so a resume does not redo the
+    warm-up of `ddp.powersgd_start_iter` plain all-reduce steps), this rank's error feedback and
+    warm-start factors (per rank: the checkpointer gathers them), and its random generator.
+    Only tensors and numbers, so `torch.load(weights_only=True)` reads it back."""
 
-    Called on the error path only, never per step."""
-    # DDP's own message for this case is a paragraph about reductions and buckets.
-    if isinstance(e, RuntimeError) and "Expected to have finished reduction" in str(e):
-        return UserError(
-            "some model parameters got no gradient in a step and DDP was not told "
-            "to expect that: use ddp=unused_params (sets "
-            "ddp.find_unused_parameters=true), or make every parameter take part "
-            "in the loss"
-        )
-    return None
+    _TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+    def __init__(self, state: Any, device: torch.device) -> None:
+        self.state, self.device = state, device
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.state
+        kind, keys, pos, has_gauss, gauss = state.rng.get_state()
+        saved = {name: dict(getattr(state, name)) for name in self._TENSOR_DICTS}
+        return {
+            **saved,
+            "iter": state.iter,
+            "rank": state.matrix_approximation_rank,
+            "rng": [torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state = self.state
+        state.iter = int(saved["iter"])
+        state.error_dict = {k: _to(v, self.device) for k, v in saved["error_dict"].items()}
+        if int(saved["rank"]) == state.matrix_approximation_rank:  # else P and Q change shape
+            for name in ("p_memory_dict", "q_memory_dict"):
+                setattr(state, name, {k: _to(v, self.device) for k, v in saved[name].items()})
+        keys, pos, has_gauss, gauss = saved["rng"]
+        state.rng.set_state(("MT19937", keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if torch.is_tensor(value) else value

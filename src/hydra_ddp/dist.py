@@ -7,18 +7,18 @@ none of those variables set the job runs as one process with no process group at
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import functools
 import logging
 import os
-import sys
+import socket
 import threading
+import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from hydra_ddp.config import Backend, Device, DistConfig
 from hydra_ddp.errors import UserError
@@ -116,6 +116,9 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
             "dist.device=cuda but CUDA is not available here: use dist.device=cpu or auto"
         )
     count = torch.cuda.device_count()
+    if count == 1 and local_rank > 0 and _one_gpu_per_task():
+        # SLURM's --gpus-per-task=1 (or a binding script) shows each task only its own GPU.
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise UserError(
             f"local rank {local_rank} has no GPU: this node has {count} visible GPU(s) but more "
@@ -125,15 +128,9 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def make_deterministic() -> None:
-    """trainer.deterministic: the same result for the same inputs, at some cost in speed.
-
-    Here, not in train.py: a self-launched or submitit job pickles train.py's functions by
-    value, and `torch.backends.cudnn` (a module-like object) cannot be pickled."""
-    # cuBLAS reads it when its first handle is made, after this (the model is not built yet).
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+def _one_gpu_per_task() -> bool:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([d for d in visible.split(",") if d.strip()]) == 1
 
 
 def backend_for(cfg: DistConfig, device: torch.device) -> str:
@@ -158,6 +155,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    _check_resolves(os.environ.get("MASTER_ADDR", ""), env.rank)
     # A client of a port that accepts connections but never answers (another program's
     # listener) waits in torch's store handshake with no timeout at all: give up from a
     # thread (the wait releases the GIL), since the waiting call cannot be interrupted.
@@ -205,6 +203,19 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
 _WATCHDOG_MARGIN_S = 10.0
 
 
+def _check_resolves(host: str, rank: int) -> None:
+    """A MASTER_ADDR that names no host would make every rank retry for dist.timeout_s and then
+    blame the port: say so at once."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(
+            f"rank {rank}: MASTER_ADDR={host} does not resolve to an address ({e}): set it to "
+            "the head node's host name or IP (under SLURM: the first of `scontrol show "
+            "hostnames $SLURM_JOB_NODELIST`)"
+        ) from None
+
+
 def _give_up(message: str) -> None:
     """Fail the whole process from a watchdog thread, with the usual one-line error."""
     log.error("error: %s", message)
@@ -239,31 +250,41 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"hydra_ddp/pg/{attempt}/", client)
 
 
-def lost_peer(e: BaseException) -> bool:
-    """True for the error a collective raises when another rank died mid-job."""
-    return isinstance(e, RuntimeError) and any(
-        s in str(e)
-        for s in (
-            "Connection reset by peer",
-            "Connection closed by peer",
-            "Broken pipe",
-            "NCCL communicator was aborted",
-        )
-    )
-
-
-def timed_out(e: BaseException) -> bool:
-    """True for the error a collective raises when a peer stopped answering (alive but
-    stalled: SIGSTOP, a hung filesystem, a much slower rank) for longer than the timeout."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and (
-        "Timed out waiting" in text or "Watchdog caught collective operation timeout" in text
-    )
-
-
 def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
+    """The process group's lifetime (none without a launcher), and its teardown order.
+
+    Run the code that builds the DDP wrapper in a function called inside this block, so the
+    wrapper dies with that function's frame, before the group. On an error the traceback keeps
+    the failed frames (and the wrapper) alive: they are cleared here first. Dropping the group's
+    last reference inside the wrapper's deallocation joins gloo's threads with the GIL held,
+    which deadlocks when one of them still frees a tensor (seen under load)."""
+    init_process_group(env, cfg)
+    try:
+        yield
+    except BaseException as e:
+        # The whole chain: a translated error keeps the original (and its frames) as cause.
+        seen: set[int] = set()
+        chained: BaseException | None = e
+        while chained is not None and id(chained) not in seen:
+            seen.add(id(chained))
+            traceback.clear_frames(chained.__traceback__)
+            chained = chained.__cause__ or chained.__context__
+        raise
+    finally:
+        destroy_process_group()
+
+
+def use_device(env: DistEnv) -> None:
+    """Make this rank's GPU the current one before anything touches CUDA (building the model,
+    autocast's bf16 check, NCCL): otherwise every rank opens a context on GPU 0 first."""
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,11 +338,6 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-# --------------------------------------------------------------------------------------------
-# Hydra resolvers: one output directory per job, whatever started the ranks
-# --------------------------------------------------------------------------------------------
-
-
 def launcher_rank() -> int:
     for key in ("RANK", "SLURM_PROCID"):
         if key in os.environ:
@@ -329,104 +345,3 @@ def launcher_rank() -> int:
     if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
         return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
     return 0
-
-
-@functools.cache
-def job_dir(default: str) -> str:
-    """hydra.run.dir for this process.
-
-    With `@hydra.main` under torchrun every rank composes its own config, seconds apart on
-    several nodes, so each would resolve `${now:}` to its own timestamp. Here rank 0's choice is
-    agreed through the store torchrun's agent already runs for the job (compare_set, so a
-    restarted worker group gets the directory of the first attempt and can resume from it).
-    Without an agent store the launcher's job id names the directory. A timestamped dir is
-    claimed by creating it (`claim_dir`), so jobs started in the same second get their own.
-    """
-    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return _agree_through_store(default)
-        return os.path.join("outputs", "torchrun", os.environ["TORCHELASTIC_RUN_ID"])
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
-        return os.path.join(
-            "outputs", "slurm", f"{os.environ['SLURM_JOB_ID']}_{os.environ.get('SLURM_STEP_ID', 0)}"
-        )
-    return claim_dir(default)
-
-
-def _agree_through_store(default: str) -> str:
-    key = f"hydra_ddp/job_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    if launcher_rank() == 0:
-        if store.check([key]):  # a restarted worker group: the first attempt's dir
-            return store.get(key).decode()
-        # compare_set writes only if the key is absent and returns what the key holds.
-        return store.compare_set(key, "", claim_dir(default)).decode()
-    return store.get(key).decode()
-
-
-def claim_dir(path: str) -> str:
-    """`path`, or `path-2`, `path-3`, ... if it exists: created here, exclusively, so two jobs
-    started in the same second (same `${now:}` timestamp) never share an output dir."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    for n in range(1, 10_000):
-        candidate = path if n == 1 else f"{path}-{n}"
-        try:
-            os.mkdir(candidate)
-            return candidate
-        except FileExistsError:
-            continue
-    raise UserError(f"could not create a new output dir next to {path}: 10,000 exist")
-
-
-@functools.cache
-def hydra_subdir(default: str, output_dir: str) -> str | None:
-    """hydra.output_subdir: only global rank 0 writes the .hydra/ dump.
-
-    A later run in a dir that already has one (a resume, a re-run, a refused resume) writes
-    `.hydra.2`, `.hydra.3`, ... instead: `.hydra/` stays the record of the config the dir's
-    first run, and its checkpoints, were made with. Cached: Hydra resolves this more than once
-    per job, and the second time `.hydra/` exists."""
-    if launcher_rank() != 0:
-        return None
-    n = 1
-    while os.path.exists(os.path.join(output_dir, default if n == 1 else f"{default}.{n}")):
-        n += 1
-    return default if n == 1 else f"{default}.{n}"
-
-
-def log_file(output_dir: str, stem: str) -> str:
-    """The job's log file: one per rank whenever a launcher started several ranks.
-
-    Opening it is the first write into the output dir (Hydra sets up logging before anything
-    else), so a dir that cannot be written to (read-only, full, no permission) stops the job
-    here with one line rather than with Hydra's "Unable to configure handler" traceback."""
-    name = f"{stem}_rank{launcher_rank()}" if under_launcher() else stem
-    path = os.path.join(output_dir, f"{name}.log")
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        sys.stderr.write(
-            f"error: cannot write to the output dir {output_dir} ({e.strerror}): make it "
-            "writable, free space there, or choose another with hydra.run.dir=...\n"
-        )
-        raise SystemExit(2) from None
-    return path
-
-
-def register_resolvers() -> None:
-    from hydra_ddp.sweeps import sweep_subdir  # here, not at the top: sweeps imports dist
-
-    for name, fn in [
-        ("ddp_job_dir", job_dir),
-        ("ddp_hydra_subdir", hydra_subdir),
-        ("ddp_log_file", log_file),
-        ("ddp_sweep_subdir", sweep_subdir),
-    ]:
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn, use_cache=True)

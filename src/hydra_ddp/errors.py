@@ -1,9 +1,164 @@
-"""One exception type for everything a user can get wrong.
+"""Errors a user can act on: the one exception type for bad input, and the one place where
+other exceptions (a dead peer, a timed-out collective, a full disk, DDP's paragraphs) become a
+single `error:` line.
 
-The entry point prints a `UserError` as a single line and exits with status 2, so a typo'd
-override or a missing file reads as one sentence, not as a traceback from every rank.
+The entry (train.py), the loop (loop.py) and the launcher (launch.py) all go through
+`one_line`, so a message is written once and reads the same whichever path raised it.
 """
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+from pathlib import Path
+from typing import Iterator
 
 
 class UserError(Exception):
-    """Bad input: the message names the key or file and says what to do."""
+    """Bad input: the message names the key or file and says what to do. The entry prints it
+    as one line and exits with status 2, instead of a traceback from every rank."""
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+# What a collective raises when another rank died mid-job: gloo's socket errors, and NCCL's
+# watchdog and communicator errors (the remote process exited or the network failed).
+_LOST_PEER = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+    "ncclRemoteError",
+)
+# What a collective raises when a peer is alive but stopped answering for dist.timeout_s:
+# gloo's wait, and NCCL's watchdog.
+_TIMED_OUT = (
+    "Timed out waiting",
+    "Application timeout caused pair closure",
+    "Watchdog caught collective operation timeout",
+)
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The gist of a library error: its first non-empty line, without a `[file:line]` source
+    prefix, cut at the first sentence when long."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    if len(line) > limit and ". " in line:
+        line = line[: line.index(". ") + 1]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def lost_peer(e: BaseException) -> bool:
+    """True for the error a collective raises when another rank died mid-job."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _LOST_PEER)
+
+
+def timed_out(e: BaseException) -> bool:
+    """True for the error a collective raises when a peer stopped answering (alive but
+    stalled: SIGSTOP, a hung filesystem, a much slower rank) for longer than the timeout."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _TIMED_OUT)
+
+
+def config_error(e: BaseException) -> UserError | None:
+    """One line for a config value that OmegaConf cannot resolve: usually `${...}` typed on the
+    command line (a shell variable, a template string), which OmegaConf reads as an
+    interpolation."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    if not isinstance(e, InterpolationResolutionError):
+        return None
+    key = getattr(e, "full_key", None) or "a value"
+    return UserError(
+        f"{key}: {first_line(e)}: a value holding ${{...}} is read as an interpolation; to keep "
+        "it literally, escape it on the command line as \\${...} (in single quotes: "
+        "'key=a\\${IFS}b'), or name a key that exists (${trainer.seed})"
+    )
+
+
+def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) -> UserError | None:
+    """The one-line UserError for an exception raised while a rank trains, or None when it has
+    no better message than its own traceback."""
+    if isinstance(e, UserError):
+        return e
+    if isinstance(e, RuntimeError) and "Expected to have finished reduction" in str(e):
+        # DDP's own message for this case is a paragraph about reductions and buckets.
+        return UserError(
+            "some model parameters got no gradient in a step and DDP was not told "
+            "to expect that: use ddp=unused_params (sets "
+            "ddp.find_unused_parameters=true), or make every parameter take part "
+            "in the loss"
+        )
+    if lost_peer(e):
+        # Every survivor of a dead rank gets the same collective traceback, which says nothing
+        # about the cause.
+        return UserError(
+            f"rank {rank} lost contact with another rank ({first_line(e)}): that rank most "
+            "likely died, see its log for why; with torchrun --max-restarts=K (or "
+            "dist.max_restarts=K) the group restarts and resumes from the newest checkpoint"
+        )
+    if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+        return UserError(
+            f"could not write {e.filename or output_dir} ({e.strerror}): free space "
+            "or quota there, or resume in another dir (hydra.run.dir=...); the checkpoints "
+            "already written are intact"
+        )
+    if timed_out(e):
+        return UserError(
+            f"rank {rank} waited dist.timeout_s={timeout_s:g}s for another rank in a "
+            f"collective ({first_line(e)}): a rank stopped answering (stopped, hung on I/O, or "
+            "far slower than the others), see the other ranks' logs; raise dist.timeout_s if "
+            "one rank legitimately works that long alone"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
+    """Re-raise what `one_line` can say in one line as that UserError (the original chained
+    as its cause, so the rank's log file keeps the traceback)."""
+    try:
+        yield
+    except Exception as e:
+        better = one_line(e, rank, timeout_s, output_dir)
+        if better is None or better is e:
+            raise
+        raise better from e
+
+
+def exit_code(e: Exception, log: logging.Logger) -> int:
+    """Log a failed job's error as the entry and the workers do, and return its exit status:
+    2 and one `error:` line for a UserError (a known condition: its line says it all), 1 and
+    the full traceback, on the console and in the rank's log file, for anything else."""
+    if isinstance(e, UserError):
+        log.error("error: %s", e)
+        return 2
+    log.error("unexpected error: %s: %s", type(e).__name__, e, exc_info=e)
+    return 1
+
+
+def worker_failed(
+    exit_codes: dict[int, int], said_dir: Path, output_dir: Path, log_stem: str = "train"
+) -> UserError:
+    """The launcher's one line for a failed worker group (`exit_codes`: failed rank -> exit
+    code). It names the lowest rank that said why it stopped (`said_dir/rank<r>.txt`; the
+    agent may record only the rank that exited first, or a rank it terminated itself), else
+    the lowest failed rank."""
+    said = sorted(
+        int(p.stem[len("rank") :])
+        for p in said_dir.glob("rank*.txt")
+        if p.stem[len("rank") :].isdigit()
+    )
+    rank = said[0] if said else min(exit_codes)
+    why_file = said_dir / f"rank{rank}.txt"
+    if why_file.is_file():
+        why = why_file.read_text().strip()
+    else:
+        why = f"exit code {exit_codes[rank]}" if rank in exit_codes else "it stopped"
+    return UserError(
+        f"worker rank {rank} failed: {why} (log: {output_dir / f'{log_stem}_rank{rank}.log'})"
+    )

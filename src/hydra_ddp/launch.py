@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, exit_code, worker_failed
+from hydra_ddp.loop import train
 from hydra_ddp.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 
 log = logging.getLogger(__name__)
@@ -27,16 +28,20 @@ _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-TrainFn = Callable[..., dict[str, Any]]
-
-
-def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
-    """Run `train(cfg, env, run)` on `cfg.dist.nproc_per_node` local workers; return rank 0's
-    summary. `train` is passed in (pickled by reference) so this module needs no import of the
-    loop."""
+def spawn(
+    cfg: TrainConfig,
+    run: Any,
+    target: Callable[..., Any] = train,
+    args: tuple = (),
+    log_stem: str = "train",
+) -> Any:
+    """Run `target(cfg, env, run, *args)` (loop.train: the training job) on
+    `cfg.dist.nproc_per_node` local workers, each logging to <output dir>/<log_stem>_rank<r>.log;
+    return rank 0's result. `target` is pickled by reference: a function of a module, not of
+    the script that runs."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if "OMP_NUM_THREADS" not in os.environ:
         # What torchrun does too: N workers each running a full-size OpenMP pool on the same
@@ -45,23 +50,12 @@ def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
     errors = Path(run.output_dir) / "errors"
     for old in errors.glob("rank*.txt"):
         old.unlink()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.dist.nproc_per_node,
-        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
-        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=cfg.dist.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
+    config = _launch_config(cfg)
     log.info(
         "starting %d workers (max_restarts=%d); logs: %s",
         cfg.dist.nproc_per_node,
         cfg.dist.max_restarts,
-        Path(run.output_dir) / "train_rank*.log",
+        Path(run.output_dir) / f"{log_stem}_rank*.log",
     )
     # The workers' process group gets a fresh store from worker rank 0 at every attempt instead
     # of the agent's store, which outlives restarts: on that one a restarted rank can read the
@@ -74,7 +68,7 @@ def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_drop_traceback)
     try:
-        results = elastic_launch(config, worker)(train, cfg, run)
+        results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
     except SignalException as e:
         # The agent got the signal and passed it on; the workers saved a checkpoint first.
         raise Preempted(
@@ -92,22 +86,8 @@ def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
                 f"the workers stopped on {signal_name(signum)}: re-run the same command with "
                 f"{run_dir_override(run.output_dir)} to resume from its newest checkpoint",
             ) from None
-        # Name the lowest rank that said why it stopped (the agent may record only the rank
-        # that exited first, or a rank it terminated itself); else the lowest failed rank.
-        said = sorted(
-            int(p.stem[len("rank") :])
-            for p in errors.glob("rank*.txt")
-            if p.stem[len("rank") :].isdigit()
-        )
-        rank = said[0] if said else min(e.failures)
-        failure = e.failures.get(rank)
-        why = _first_error(errors, rank) or (
-            f"exit code {failure.exitcode}" if failure else "it stopped"
-        )
-        raise UserError(
-            f"worker rank {rank} failed: {why} (log: "
-            f"{Path(run.output_dir) / f'train_rank{rank}.log'})"
-        ) from None
+        exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
     finally:
         agent_log.removeFilter(_drop_traceback)
         if saved is None:
@@ -117,38 +97,50 @@ def spawn(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
     return results[0]
 
 
+def _launch_config(cfg: TrainConfig) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.dist.nproc_per_node,
+        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
+        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=cfg.dist.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+
+
 def _drop_traceback(record: logging.LogRecord) -> bool:
     record.exc_info, record.exc_text = None, None
     return True
 
 
-def _first_error(errors: Path, rank: int) -> str | None:
-    path = errors / f"rank{rank}.txt"
-    return path.read_text().strip() if path.is_file() else None
-
-
-def worker(train: TrainFn, cfg: TrainConfig, run: Any) -> dict[str, Any]:
-    """One worker started by `spawn`: log setup, then the same `train` torchrun ranks run."""
+def worker(
+    target: Callable[..., Any], cfg: TrainConfig, run: Any, args: tuple, log_stem: str
+) -> Any:
+    """One worker started by `spawn`: log setup, then what torchrun's ranks run."""
     rank = int(os.environ.get("RANK", 0))
-    _setup_worker_logging(Path(run.output_dir), rank)
+    _setup_worker_logging(Path(run.output_dir), rank, log_stem)
     try:
-        return train(cfg, env_from_environ(cfg.dist), run)
+        return target(cfg, env_from_environ(cfg.dist), run, *args)
     except Preempted as e:
         (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
-    except UserError as e:
-        log.error("error: %s", e)
-        errors = Path(run.output_dir) / "errors"
-        errors.mkdir(exist_ok=True)
-        (errors / f"rank{rank}.txt").write_text(str(e) + "\n")
-        # A clean exit code rather than a traceback from every worker.
-        sys.exit(2)
-    except Exception:
-        log.exception("rank %d failed", rank)
-        raise
+    except Exception as e:
+        code = exit_code(e, log)
+        if isinstance(e, UserError):
+            errors = Path(run.output_dir) / "errors"
+            errors.mkdir(exist_ok=True)
+            (errors / f"rank{rank}.txt").write_text(str(e) + "\n")
+        # A clean exit code rather than a traceback from every worker (the log has it).
+        sys.exit(code)
 
 
-def _setup_worker_logging(output_dir: Path, rank: int) -> None:
+def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in list(root.handlers):
@@ -156,7 +148,7 @@ def _setup_worker_logging(output_dir: Path, rank: int) -> None:
     console = logging.StreamHandler(sys.stderr)
     # Only rank 0 talks on the console; every rank keeps its full log in its own file.
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    file = logging.FileHandler(output_dir / f"train_rank{rank}.log")
+    file = logging.FileHandler(output_dir / f"{stem}_rank{rank}.log")
     for handler in (console, file):
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))
         root.addHandler(handler)

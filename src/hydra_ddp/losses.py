@@ -1,15 +1,21 @@
-"""Example losses: `loss(output, target) -> scalar tensor`, chosen with `loss=<name>`.
+"""Example losses, chosen with `loss=<name>`.
 
-Any callable of that shape is a loss here, e.g. `_target_: torch.nn.MSELoss` (conf/loss/mse.yaml).
+Any callable is a loss here: `loss(output, target)` (e.g. `_target_: torch.nn.MSELoss`,
+conf/loss/mse.yaml, or a plain function), or with parameters named `batch` and `model` to get
+the whole batch and the module (see objective.py). It returns a scalar tensor, or a dict with
+`loss` and extra terms logged next to it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from hydra_ddp.components import check
+from hydra_ddp.errors import UserError
 
 
 class CrossEntropy(nn.Module):
@@ -28,3 +34,18 @@ class CrossEntropy(nn.Module):
             target.reshape(-1),
             label_smoothing=self.label_smoothing,
         )
+
+
+class ModelOutput:
+    """`loss=model_output`: the loss the model computed itself, `output.loss` or
+    `output["loss"]` (a Hugging Face model given `labels`)."""
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if loss is None:
+            raise UserError(
+                f"loss=model_output, but the model returned a {type(output).__name__} without "
+                "a loss (output.loss or output['loss']): give the batch its labels, or pick a "
+                "loss that computes it from the output"
+            )
+        return loss

@@ -14,10 +14,27 @@ import logging
 import math
 from typing import Any
 
-from hydra_ddp.config import MonitorMode, TrainerConfig
+from hydra_ddp.config import MonitorMode, TrainConfig, TrainerConfig
 from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+def monitor_key(cfg: TrainConfig) -> str:
+    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`).
+
+    Raises a UserError naming the available ones (the loss and each `metrics.*` name) when the
+    job does not compute it, so a typo fails before training instead of after it."""
+    available = ["loss", *cfg.metrics]
+    key = cfg.trainer.monitor[len("val/") :]
+    if key not in available:
+        raise UserError(
+            f"trainer.monitor={cfg.trainer.monitor} is not a validation metric of this job: "
+            f"use one of {', '.join('val/' + name for name in available)} (the loss and the "
+            "metrics config group)"
+        )
+    return key
 
 
 class Monitor:

@@ -1,27 +1,163 @@
-"""Parameter groups for the optimizer, and the example learning-rate schedules.
+"""The optimizers: parameter groups, several named optimizers, the example schedules.
 
-The optimizer itself is a component (`optim._target_`, e.g. torch.optim.AdamW), built with the
-groups below as its `params`; the schedule is one too (`scheduler._target_`), built with the
-optimizer and the run's total number of optimizer steps.
+The optimizer is a component (`optim._target_`, e.g. torch.optim.AdamW), built with the groups
+below as its `params`; the schedule is one too (`scheduler._target_`), built with the optimizer
+and the run's total number of optimizer steps. Two keys in `optim` are the template's:
+
+- `param_groups`: a list of `{params: <name pattern(s)>, lr: ..., weight_decay: ...}`; the
+  parameters whose names match a pattern (fnmatch, e.g. `head.*`) get that group's settings;
+  the rest keep the optimizer's. Biases and norm weights take no weight decay unless a group
+  sets one.
+- several optimizers: `optim` without a `_target_` of its own is a dict of named optimizers,
+  each with `params` (its pattern(s); together they must cover every trainable parameter, each
+  once) and optionally its own `scheduler`. A GAN: `optim=gan`.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import math
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from hydra_ddp.components import check
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
-def param_groups(model: torch.nn.Module) -> list[dict]:
-    """Trainable parameters in two groups: matrices and embeddings take the optimizer's weight
-    decay; biases and norm weights (1-D) take none, as in GPT-2 and most transformer recipes."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2]},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+def param_groups(model: torch.nn.Module, groups: Sequence[Mapping[str, Any]] = ()) -> list[dict]:
+    """Trainable parameters in groups: matrices and embeddings take the optimizer's weight
+    decay; biases and norm weights (1-D) take none, as in GPT-2 and most transformer recipes.
+    Each of `groups` (`{params: pattern(s), **settings}`) first takes the parameters whose names
+    match, with its settings."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return _grouped(named, groups, "optim.param_groups")
+
+
+def _grouped(
+    named: list[tuple[str, torch.Tensor]], groups: Sequence[Mapping[str, Any]], key: str
+) -> list[dict]:
+    out: list[dict] = []
+    left = list(named)
+    for i, group in enumerate(groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        if "params" not in group:
+            raise UserError(f"{key}[{i}] has no params: give a name pattern, e.g. params: 'head.*'")
+        mine, left = _match(left, group["params"])
+        if not mine:
+            raise UserError(
+                f"{key}[{i}].params={group['params']!r} matches no trainable parameter; "
+                f"names look like {', '.join(n for n, _ in named[:3])}"
+            )
+        out += _decay_split([p for _, p in mine], settings)
+    rest = [p for _, p in left]
+    default = [
+        {"params": [p for p in rest if p.ndim >= 2]},
+        {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
     ]
+    return out + (default if rest or not out else [])
+
+
+def _decay_split(params: list[torch.Tensor], settings: dict[str, Any]) -> list[dict]:
+    if "weight_decay" in settings:  # the group says: all its parameters alike
+        return [{"params": params, **settings}]
+    split = [
+        {"params": [p for p in params if p.ndim >= 2], **settings},
+        {"params": [p for p in params if p.ndim < 2], **settings, "weight_decay": 0.0},
+    ]
+    return [g for g in split if g["params"]]
+
+
+def _match(
+    named: list[tuple[str, torch.Tensor]], patterns: str | Sequence[str]
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    pats = [patterns] if isinstance(patterns, str) else list(patterns)
+    hit = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, q) for q in pats)]
+    return hit, [(n, p) for n, p in named if not any(fnmatch.fnmatchcase(n, q) for q in pats)]
+
+
+class Optimizers:
+    """The job's optimizers by name (one, `default`, for a plain `optim`) and their schedules.
+
+    Checkpointed as `optimizer` and `scheduler`: a single optimizer's state as it always was,
+    several as a dict by name."""
+
+    def __init__(self, optimizers: dict[str, Any], schedulers: dict[str, Any]) -> None:
+        self.optimizers, self.schedulers = optimizers, schedulers
+        self.single = list(optimizers) == ["default"]
+
+    @classmethod
+    def build(cls, cfg: Mapping[str, Any], scheduler_cfg: Any, model: torch.nn.Module,
+              total_steps: int) -> Optimizers:  # fmt: skip
+        from hydra_ddp.components import build
+
+        def one(key: str, spec: Mapping[str, Any], named: list) -> tuple[Any, Any]:
+            spec = dict(spec)
+            groups = spec.pop("param_groups", None) or []
+            sched = spec.pop("scheduler", None) or scheduler_cfg
+            spec.pop("params", None)
+            opt = build(spec, key, params=_grouped(named, groups, f"{key}.param_groups"))
+            return opt, build(sched, f"{key}.scheduler" if sched is not scheduler_cfg else
+                              "scheduler", optimizer=opt, total_steps=total_steps)  # fmt: skip
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if "_target_" in cfg:
+            opt, sched = one("optim", cfg, named)
+            return cls({"default": opt}, {"default": sched})
+        optimizers, schedulers, left = {}, {}, named
+        for name, spec in cfg.items():
+            if not isinstance(spec, Mapping) or "params" not in spec:
+                raise UserError(
+                    f"optim.{name} has no params: with several optimizers each names its "
+                    "parameters (params: 'generator.*'), or give optim a _target_"
+                )
+            mine, left = _match(left, spec["params"])
+            if not mine:
+                raise UserError(
+                    f"optim.{name}.params={spec['params']!r} matches no trainable parameter "
+                    "not already taken by an earlier optimizer"
+                )
+            optimizers[name], schedulers[name] = one(f"optim.{name}", spec, mine)
+        if left:
+            raise UserError(
+                f"trainable parameters in no optimizer: {', '.join(n for n, _ in left[:5])}"
+                f"{' ...' if len(left) > 5 else ''}: widen an optim.<name>.params pattern"
+            )
+        return cls(optimizers, schedulers)
+
+    def step_schedules(self) -> None:
+        for scheduler in self.schedulers.values():
+            scheduler.step()
+
+    def last_lr(self) -> float:
+        return next(iter(self.schedulers.values())).get_last_lr()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {n: o.state_dict() for n, o in self.optimizers.items()}
+        return states["default"] if self.single else states
+
+    def scheduler_state(self) -> dict[str, Any]:
+        states = {n: s.state_dict() for n, s in self.schedulers.items()}
+        return states["default"] if self.single else states
+
+    def load(self, optimizer_state: dict, scheduler_state: dict, path: Any) -> None:
+        opts = {"default": optimizer_state} if self.single else optimizer_state
+        scheds = {"default": scheduler_state} if self.single else scheduler_state
+        missing = sorted(set(self.optimizers) - set(opts))
+        if missing or self.single != ("param_groups" in optimizer_state):
+            raise UserError(
+                f"{path} holds optimizers {sorted(opts) if not self.single else ['default']}, "
+                f"this job has {sorted(self.optimizers)}: resume with the optim it was trained "
+                "with, or start from its weights with trainer.init_from=<checkpoint>"
+            )
+        for name, optimizer in self.optimizers.items():
+            # The scheduler first: its base learning rates are the optimizer's old ones until
+            # load_optimizer_state applies a changed learning rate to both.
+            self.schedulers[name].load_state_dict(scheds[name])
+            load_optimizer_state(optimizer, self.schedulers[name], opts[name], path)
 
 
 def warmup_cosine(
@@ -57,3 +193,59 @@ def _warmup_then(optimizer, total_steps, warmup_steps, after) -> torch.optim.lr_
         return after(min((step - warmup) / max(total_steps - warmup, 1), 1.0))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# Keys of a param group that are bookkeeping, not the optimizer's hyperparameters.
+_NOT_SETTINGS = {"params", "initial_lr", "lr", "param_names"}
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, scheduler: Any, saved: dict[str, Any], path: Any
+) -> None:
+    """Resume the optimizer from a checkpoint's `saved` state, refusing another optimizer in one
+    line and applying (and saying so) any changed hyperparameter of this job's config.
+
+    torch's `load_state_dict` would otherwise take the saved hyperparameters silently (a new
+    `optim.lr` ignored while the run's config records it) and accept another optimizer's state
+    (AdamW's into SGD), failing later mid-step with `KeyError: 'momentum'`."""
+    configured = [
+        {k: v for k, v in g.items() if k not in _NOT_SETTINGS} for g in optimizer.param_groups
+    ]
+    base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+    groups = saved.get("param_groups", [])
+    mine, theirs = set(configured[0]) if configured else set(), set()
+    for g in groups:
+        theirs |= set(g) - _NOT_SETTINGS
+    kind = type(optimizer).__name__
+    if len(groups) != len(configured) or (theirs and theirs != mine):
+        only_theirs = ", ".join(sorted(theirs - mine)) or "-"
+        only_mine = ", ".join(sorted(mine - theirs)) or "-"
+        raise UserError(
+            f"{path} holds the state of another optimizer or parameter grouping than this "
+            f"job's optim ({kind}; settings only the checkpoint has: {only_theirs}; only this "
+            f"job's: {only_mine}; {len(groups)} vs {len(configured)} group(s)): resume with the "
+            "optim it was trained with, or start from its weights with "
+            "trainer.init_from=<checkpoint> (fresh optimizer and schedule)"
+        )
+    optimizer.load_state_dict(saved)
+    changes: dict[str, tuple[Any, Any]] = {}
+    for i, (group, want) in enumerate(zip(optimizer.param_groups, configured)):
+        for key, value in want.items():
+            if group.get(key) != value:
+                changes.setdefault(key, (group.get(key), value))
+                group[key] = value
+        old_base = group.get("initial_lr", group["lr"])
+        if old_base != base_lrs[i]:
+            changes.setdefault("lr", (old_base, base_lrs[i]))
+            group["lr"] = group["lr"] * base_lrs[i] / old_base if old_base else base_lrs[i]
+            group["initial_lr"] = base_lrs[i]
+    if "lr" in changes and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = list(base_lrs)
+    for key, (old, new) in changes.items():
+        log.warning(
+            "optim.%s %s -> %s (changed since %s) applied to all parameter groups",
+            key,
+            old,
+            new,
+            path,
+        )

@@ -1,8 +1,9 @@
 """Stopping on request: a preempted or interrupted job ends with a checkpoint, not a traceback.
 
-Schedulers ask a job to stop before they kill it: SLURM sends SIGTERM (and, with
-`--signal=USR1@90`, SIGUSR1 before the time limit; submitit uses SIGUSR2), torchrun's agent
-forwards SIGTERM/SIGINT to its workers and kills them 30 s later, and Ctrl-C sends SIGINT. The
+Schedulers ask a job to stop before they kill it: SLURM sends SIGTERM (scripts/
+slurm_example.sbatch turns its time-limit warning into SIGTERM for every rank; submitit uses
+SIGUSR2), torchrun's agent forwards SIGTERM/SIGINT to its workers and kills them 30 s later,
+and Ctrl-C sends SIGINT. The
 signal only sets a flag; at the next step boundary every rank learns whether any rank got one
 and, if so, all save one checkpoint together and stop with `Preempted` (exit status 128 +
 the signal's number, as a shell reports a process killed by it). Re-running the same command in
@@ -16,6 +17,7 @@ terminal, and forwarded by the agent; those two count as one.)
 from __future__ import annotations
 
 import ctypes
+import datetime
 import logging
 import os
 import signal
@@ -65,6 +67,14 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def stop_message(signum: int, step: int, total_steps: int, run: Any) -> str:
+    return (
+        f"stopped on {signal_name(signum)} at step {step} of {total_steps} with a checkpoint: "
+        f"re-run the same command with {run_dir_override(run.output_dir)} to resume (a SLURM "
+        "or submitit requeue does so by itself)"
+    )
+
+
 class StopOnSignal:
     """Catches the stop signals while the loop runs; `agreed()` at each step boundary says
     whether the ranks are to stop there.
@@ -77,9 +87,11 @@ class StopOnSignal:
     its own: reading a CUDA tensor would sync the GPU.
     """
 
-    def __init__(self, env: DistEnv) -> None:
+    def __init__(self, env: DistEnv, timeout_s: float = 1800.0) -> None:
         self.env = env
-        self.received = 0
+        self.timeout_s = timeout_s  # dist.timeout_s, also for the gloo group of the check
+        self.received = 0  # the first stop signal
+        self.signals: list[int] = []  # every stop signal received, in order
         self._when = 0.0
         self._previous: dict[int, Any] = {}
         # [the signal some rank got, rank 0's steps until the next check]; reduced with MAX.
@@ -99,18 +111,24 @@ class StopOnSignal:
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._on_signal)
         if self.env.distributed and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
+            )
         return self
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if self.received and now - self._when > _REPEAT_WINDOW_S:
-            # Asked twice: give the signal back its earlier meaning and deliver it again.
+        if signum in self.signals and now - self._when > _REPEAT_WINDOW_S:
+            # The same request twice: give the signal back its earlier meaning and deliver it
+            # again. (Another signal, e.g. a site's SIGTERM then submitit's SIGUSR2, is not a
+            # repeat: it is remembered, and its handler runs after the checkpoint.)
             self.restore()
             signal.raise_signal(signum)
             return
         if not self.received:
             self.received, self._when = signum, now
+        if signum not in self.signals:
+            self.signals.append(signum)
 
     def agreed(self) -> int:
         """The signal (its number) that some rank got before the previous check, the same on
@@ -153,11 +171,13 @@ class StopOnSignal:
             self._pending = None
 
     def chain(self) -> None:
-        """After the checkpoint: let an earlier Python handler of the signal run too, e.g.
-        submitit's, which requeues the SLURM job on its preemption signal."""
-        previous = self._previous.get(self.received)
-        if callable(previous) and previous is not signal.default_int_handler:
-            previous(self.received, None)
+        """After the checkpoint: let the earlier Python handler of every signal received run
+        too, in order, e.g. submitit's, which requeues the SLURM job on its preemption signal
+        (even when the site's SIGTERM came first)."""
+        for signum in self.signals:
+            previous = self._previous.get(signum)
+            if callable(previous) and previous is not signal.default_int_handler:
+                previous(signum, None)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -1,140 +1,50 @@
-"""Sweeps of DDP jobs: job dir names, the objective, and the report at the end.
+"""Sweeps of DDP jobs: a failed job's record, and the report at the end.
 
-`sweep_subdir` names each job's dir (`0_model=mlp`: the job number and the swept keys, safe and
-short as a file name), `monitor_key` is the metric `trainer.monitor` names (each job's
-objective), and `SweepReport` is a Hydra callback that tables every job at the end of a
-multirun (status, objective, metrics, and for a failed job why and where its logs are).
+`SweepReport` is a Hydra callback that tables every job at the end of a multirun (status,
+objective, metrics, and for a failed job why and where its logs are). Job dir names are
+paths.sweep_subdir's; each job's objective is the metric `trainer.monitor` names
+(monitor.monitor_key).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
-import re
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.config import TrainConfig
+from hydra_ddp import jsonfile
 from hydra_ddp.dist import launcher_rank
-from hydra_ddp.errors import UserError
+from hydra_ddp.paths import SWEPT_KEYS_FILE, split_override, swept_keys
 
 log = logging.getLogger(__name__)
 
 _sweep_failed = False
 
-# At most this many characters in a job dir's name; longer ones end in a hash of the full name.
-SUBDIR_MAX_CHARS = 80
-# What a job dir's name keeps as it is; any other character (`/`, `:`, spaces, quotes, ...)
-# becomes `_`.
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+@%-]")
-# In the sweep dir: the keys the sweep varies (written at its start), and one line per job as it
-# starts and ends (from whatever process runs it), so the report finds every job launched.
-_SWEPT_KEYS = "sweep_keys.json"
 _JOURNAL = "sweep_jobs.jsonl"
 _JOB_RETURN = "job_return.json"
 
 
 def record_failure(output_dir: Path, message: str) -> None:
-    """Mark a job of a sweep as failed, for SweepReport to find."""
+    """Mark a job of a sweep as failed, for SweepReport to find. Global rank 0 writes it: under
+    a submitit sweep every task of the job gets here, and a peer of a failed rank fails too."""
+    if launcher_rank() != 0:
+        return
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / "failure.json").write_text(json.dumps({"error": message}) + "\n")
+    jsonfile.write(Path(output_dir) / "failure.json", {"error": message}, indent=None)
 
 
 def sweep_failed() -> bool:
     """True when the sweep that just ran in this process had a failing job."""
     return _sweep_failed
-
-
-def monitor_key(cfg: TrainConfig) -> str:
-    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`).
-
-    Raises a UserError naming the available ones (the loss and each `metrics.*` name) when the
-    job does not compute it, so a typo fails before training instead of after it."""
-    available = ["loss", *cfg.metrics]
-    key = cfg.trainer.monitor[len("val/") :]
-    if key not in available:
-        raise UserError(
-            f"trainer.monitor={cfg.trainer.monitor} is not a validation metric of this job: "
-            f"use one of {', '.join('val/' + name for name in available)} (the loss and the "
-            "metrics config group)"
-        )
-    return key
-
-
-def swept_keys(task_overrides: Sequence[str], sweeper_params: Any = None) -> list[str]:
-    """The keys a sweep varies: each command-line override that is a sweep (`model=mlp,cnn`,
-    `optim.lr=interval(...)`), and each entry of `hydra.sweeper.params` that is one."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = dict(sweeper_params or {})
-    lines = [f"{k}={v}" for k, v in params.items()] + list(task_overrides)
-    keys: list[str] = []
-    for override in OverridesParser.create().parse_overrides(lines):
-        key = _key(override)
-        if override.is_sweep_override() and key not in keys:
-            keys.append(key)
-    return keys
-
-
-def sweep_subdir(
-    num: Any, task_overrides: Sequence[str], sweep_dir: str, sweeper_params: Any = None
-) -> str:
-    """hydra.sweep.subdir: the job number, then `key=value` for each swept key (`0_model=mlp`).
-
-    The keys swept are those SweepReport wrote to <sweep dir>/sweep_keys.json at the start of
-    the sweep, else what Hydra's basic sweeper saved in <sweep dir>/multirun.yaml, else the
-    job's `hydra.sweeper.params`; when none of those tell, every override of the job counts.
-    Characters unsafe in a file name become `_`, so a value never nests dirs, and a name over
-    SUBDIR_MAX_CHARS is cut and ends in a hash of the whole, so no name is too long for the
-    file system and two long ones stay apart. Resolved in the job's own process (also under
-    submitit), from its own overrides."""
-    pairs = [_split(line) for line in task_overrides]
-    keys = _known_swept_keys(Path(sweep_dir), sweeper_params)
-    if keys is not None:
-        pairs = [(k, v) for k, v in pairs if k in keys]
-    full = "_".join([str(num), *([",".join(f"{k}={v}" for k, v in pairs)] if pairs else [])])
-    name = _UNSAFE.sub("_", full)
-    if len(name) > SUBDIR_MAX_CHARS:
-        digest = hashlib.sha256(full.encode()).hexdigest()[:8]
-        name = f"{name[: SUBDIR_MAX_CHARS - len(digest) - 1]}-{digest}"
-    return name
-
-
-def _key(override: Any) -> str:
-    """An override's key without its `+`/`++`/`~` prefix, with its `@package` if any."""
-    key = override.key_or_group
-    return f"{key}@{override.package}" if override.package else key
-
-
-def _split(line: str) -> tuple[str, str]:
-    """`+a.b=1e-3` -> ("a.b", "1e-3"): the key as `_key` spells it and the value as typed."""
-    key, _, value = str(line).partition("=")
-    return key.lstrip("+~"), value
-
-
-def _known_swept_keys(sweep_dir: Path, sweeper_params: Any) -> list[str] | None:
-    recorded = _read_json(sweep_dir / _SWEPT_KEYS)
-    if isinstance(recorded, list):
-        return [str(k) for k in recorded]
-    try:
-        saved = OmegaConf.load(sweep_dir / "multirun.yaml")
-        return swept_keys(
-            OmegaConf.select(saved, "hydra.overrides.task", default=[]),
-            OmegaConf.select(saved, "hydra.sweeper.params", default=None),
-        )
-    except Exception:  # no such file, or one we cannot read: try the next source
-        pass
-    keys = swept_keys([], sweeper_params)
-    return keys or None
 
 
 class SweepReport(Callback):
@@ -158,7 +68,7 @@ class SweepReport(Callback):
             OmegaConf.to_container(config.hydra.overrides.task),
             OmegaConf.select(config, "hydra.sweeper.params", default=None),
         )
-        (sweep_dir / _SWEPT_KEYS).write_text(json.dumps(keys) + "\n")
+        jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, keys, indent=None)
         # A sweep rerun into the same dir starts its journal afresh.
         (sweep_dir / _JOURNAL).write_text("")
 
@@ -191,9 +101,9 @@ class SweepReport(Callback):
                 "status": job_return.status.name,
                 "return_type": type(value).__name__,
                 # JSON has no NaN: a failed job's NaN objective is written as null.
-                "return_value": number if number is not None and math.isfinite(number) else None,
+                "return_value": jsonfile.finite_or_none(number),
             }
-            (output_dir / _JOB_RETURN).write_text(json.dumps(returned) + "\n")
+            jsonfile.write(output_dir / _JOB_RETURN, returned, indent=None)
             # `config`, not the copy in job_return: that one lost the resolved `${now:}` of the
             # sweep dir's name.
             _journal(config, event="end", **returned)
@@ -220,7 +130,7 @@ class SweepReport(Callback):
         best = (min if mode == "min" else max)(scored, key=lambda j: j["objective"], default=None)
         for j in jobs:
             j["best"] = j is best
-        (sweep_dir / "sweep_report.json").write_text(json.dumps(jobs, indent=2) + "\n")
+        jsonfile.write(sweep_dir / "sweep_report.json", jobs)
         failed = [j for j in jobs if j["status"] != "ok"]
         _sweep_failed = bool(failed)
         log.info(
@@ -335,7 +245,7 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
     if job_dir is not None and overrides is None:
         saved = _read_yaml(Path(job_dir) / ".hydra" / "overrides.yaml")
         overrides = list(saved) if saved is not None else []
-    swept = dict(_split(line) for line in overrides or [])
+    swept = dict(split_override(line) for line in overrides or [])
     swept = {k: v for k, v in swept.items() if k in keys}
     summary: dict[str, Any] = {}
     logs: list[str] = []
@@ -346,8 +256,8 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
     else:
         path = Path(job_dir)
         logs = sorted(str(p) for p in path.glob("*.log"))
-        failure = _read_json(path / "failure.json")
-        summary = _read_json(path / "summary.json") or {}
+        failure = jsonfile.read(path / "failure.json")
+        summary = jsonfile.read(path / "summary.json") or {}
         if failure is not None:
             status, detail = "FAILED", str(failure.get("error", failure))
         elif summary:
@@ -356,7 +266,7 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
             status, detail = "FAILED", "no summary.json (the job died)"
     objective = record.get("return_value")
     if objective is None and job_dir is not None:
-        objective = (_read_json(Path(job_dir) / _JOB_RETURN) or {}).get("return_value")
+        objective = (jsonfile.read(Path(job_dir) / _JOB_RETURN) or {}).get("return_value")
     if objective is None and status == "ok":
         objective = summary.get("objective")
     if not isinstance(objective, (int, float)) or not math.isfinite(objective):
@@ -388,7 +298,7 @@ def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
             j["job"],
             _cell(j["objective"]),
             *(_cell(j["metrics"].get(n)) for n in names),
-            _clip(" ".join(f"{k}={v}" for k, v in j["overrides"].items()) or "-", 60),
+            _ellipsize(" ".join(f"{k}={v}" for k, v in j["overrides"].items()) or "-", 60),
         ]
         for j in jobs
     ]
@@ -398,7 +308,9 @@ def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
         line = "  " + " ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
         if j is not None and j["status"] != "ok":
             # The whole error is in the JSON report; here a line stays a line.
-            line += f"  {_clip(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"
+            line += (
+                f"  {_ellipsize(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"
+            )
         lines.append(line)
     return lines
 
@@ -407,7 +319,7 @@ def _cell(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, (int, float)) else "-"
 
 
-def _clip(text: str, width: int) -> str:
+def _ellipsize(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -415,13 +327,6 @@ def _is_multirun(config: DictConfig) -> bool:
     from hydra.types import RunMode
 
     return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _read_yaml(path: Path) -> Any:

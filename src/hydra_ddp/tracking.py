@@ -46,16 +46,21 @@ import logging
 import math
 import os
 import re
+import secrets
+import shlex
+import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, TextIO
 
 import torch
 import torch.distributed as dist
 
+from hydra_ddp import jsonfile, redact
 from hydra_ddp.config import Layout, LoggerBackend, LoggerConfig, WandbMode
+from hydra_ddp.dist import all_gather_objects
 from hydra_ddp.errors import UserError
 
 if TYPE_CHECKING:  # wandb is imported lazily: logger.backend=none must not import it at all
@@ -70,9 +75,6 @@ STEP_METRIC = "trainer/step"
 _SPREAD_STATS = ("step_time", "data_wait")
 # W&B rejects longer groups/names/job types.
 _WANDB_MAX_LEN = 128
-# Config keys that name a credential (``api_key``, ``hf_token``; not ``tokenizer``).
-_SECRET_KEY = re.compile(r"(?:^|[_.-])(?:api_?key|token|secret|password|passwd)$", re.IGNORECASE)
-_REDACTED = "<redacted>"
 # The longest W&B reason quoted in an error line.
 _REASON_MAX_LEN = 200
 # Where the job's W&B run ids are recorded, in its output dir.
@@ -88,6 +90,7 @@ class RunInfo:
     job_name: str  # e.g. "model=cnn,sampler=sharded" in a sweep, or "train"
     group: str  # one per sweep (or per job when not sweeping)
     config: dict  # the resolved config as plain containers (the run's W&B config)
+    overrides: List[str] = field(default_factory=list)  # the job's command-line overrides
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,9 +109,11 @@ _ENV_MODES = {
 def wandb_credentials_source() -> Optional[str]:
     """Where W&B would find credentials on this machine, or None when there are none.
 
-    The places W&B documents: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, and the
-    ``.netrc`` entry (``$NETRC`` or ``~/.netrc``) that ``wandb login`` writes for the W&B host
-    (``WANDB_BASE_URL``, default api.wandb.ai). Only local files are read: it never prompts and
+    The places W&B reads: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, and the netrc
+    entry (``$NETRC``, ``~/.netrc`` or ``~/_netrc``) that ``wandb login`` writes for the W&B
+    host: ``WANDB_BASE_URL``, else the ``base_url`` that ``wandb login --host`` saved in W&B's
+    settings file (``$WANDB_CONFIG_DIR/settings``, default ``~/.config/wandb/settings``, or
+    ``./wandb/settings``), else api.wandb.ai. Only local files are read: it never prompts and
     never contacts the server, so a key's validity is not checked here. Returns a short
     description of the source, never the key itself.
     """
@@ -116,19 +121,46 @@ def wandb_credentials_source() -> Optional[str]:
         return "WANDB_API_KEY"
     if os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return "WANDB_IDENTITY_TOKEN_FILE"
-    return "netrc" if _netrc_has_wandb_host() else None
+    host, where = wandb_host()
+    found = _netrc_entry(host)
+    return f"{found} for {host} ({where})" if found else None
 
 
-def _netrc_has_wandb_host() -> bool:
-    import netrc
+def wandb_host() -> tuple[str, str]:
+    """The W&B server host W&B itself would use, and which setting named it."""
     from urllib.parse import urlsplit
 
-    path = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
-    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc
-    try:
-        return bool(netrc.netrc(str(path)).authenticators(host))
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
+    url, where = os.environ.get("WANDB_BASE_URL"), "WANDB_BASE_URL"
+    if not url:
+        import configparser
+
+        config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")).expanduser()
+        for path in (Path("wandb") / "settings", config_dir / "settings"):
+            parser = configparser.ConfigParser()
+            try:
+                parser.read(path)
+            except configparser.Error:
+                continue
+            if parser.has_option("default", "base_url"):
+                url, where = parser.get("default", "base_url"), str(path)
+                break
+    if not url:
+        url, where = "https://api.wandb.ai", "the default host"
+    return urlsplit(url if "//" in url else f"https://{url}").netloc, where
+
+
+def _netrc_entry(host: str) -> Optional[str]:
+    import netrc
+
+    paths = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    for name in paths:
+        path = Path(name).expanduser()
+        try:
+            if netrc.netrc(str(path)).authenticators(host):
+                return f"{path.name}"
+        except (FileNotFoundError, netrc.NetrcParseError, OSError):
+            continue
+    return None
 
 
 def resolve_mode(mode: WandbMode) -> tuple[str, str]:
@@ -137,6 +169,13 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
     ``auto`` honours an explicit ``WANDB_MODE`` / ``WANDB_DISABLED`` in the environment, else
     goes online exactly when W&B credentials exist locally (see `wandb_credentials_source`).
     """
+    if mode == WandbMode.online and wandb_credentials_source() is None:
+        # W&B would ask for a key on a terminal and wait forever (or fail on every rank).
+        host, where = wandb_host()
+        raise UserError(
+            f"logger.mode=online but W&B has no login for {host} (from {where}): run `wandb "
+            "login` (or set WANDB_API_KEY), or use logger.mode=offline / auto"
+        )
     if mode != WandbMode.auto:
         return mode.value, f"logger.mode={mode.value}"
     if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
@@ -146,8 +185,9 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
         return _ENV_MODES[env_mode], f"WANDB_MODE={env_mode}"
     source = wandb_credentials_source()
     if source is None:
+        host, _ = wandb_host()
         return "offline", (
-            "logger.mode=auto found no W&B login: no WANDB_API_KEY and no netrc entry"
+            f"logger.mode=auto found no W&B login: no WANDB_API_KEY and no netrc entry for {host}"
         )
     return "online", f"logger.mode=auto found W&B credentials in {source}"
 
@@ -155,11 +195,6 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
 # --------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _json_number(value: float) -> Optional[float]:
-    """JSON has no NaN/inf; write them as null so every JSON reader can load the file."""
-    return value if math.isfinite(value) else None
 
 
 def _clip(text: str, limit: int = _WANDB_MAX_LEN) -> str:
@@ -178,6 +213,43 @@ def _shorten(text: str, limit: int = 60, quote: bool = False) -> str:
     return f"{head}... ({len(text)} characters)"
 
 
+def _append_to(path: Path) -> TextIO:
+    """Open a JSON-lines file to append to, first dropping a last line that a crash cut short
+    (appending to it would make both it and the next record unreadable)."""
+    if path.is_file():
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                f.truncate(keep)
+                logger.warning(
+                    "%s ended in a partial record (%d bytes, cut short by a crash): dropped",
+                    path,
+                    len(data) - keep,
+                )
+    return open(path, "a", encoding="utf-8")
+
+
+def _for_wandb(value: Any) -> Any:
+    """Text as preformatted HTML (a plain string is no W&B chart); the rest as it is."""
+    if isinstance(value, str):
+        import html
+
+        import wandb
+
+        return wandb.Html(f"<pre>{html.escape(value)}</pre>")
+    return value
+
+
+def physical_gpu(index: int) -> int:
+    """The GPU id W&B's system monitor (which sees every GPU of the machine) knows as CUDA's
+    ordinal `index`: with CUDA_VISIBLE_DEVICES=2,3, cuda:0 is GPU 2."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if index < len(visible) and visible[index].isdigit():
+        return int(visible[index])
+    return index  # unset, or given as UUIDs: the ordinal is the best guess
+
+
 def init_timeout_s(cfg: LoggerConfig) -> tuple[float, str]:
     """How long wandb.init may try to reach the server, and which setting said so."""
     env = os.environ.get("WANDB_INIT_TIMEOUT", "").strip()
@@ -192,24 +264,6 @@ def init_timeout_s(cfg: LoggerConfig) -> tuple[float, str]:
             "set logger.init_timeout_s"
         )
     return cfg.init_timeout_s, "logger.init_timeout_s"
-
-
-def _redact(value: Any, secret: Optional[str]) -> Any:
-    """Copy of a config with secret-looking entries (and the live API key) blanked."""
-    if isinstance(value, Mapping):
-        return {
-            k: (
-                _REDACTED
-                if isinstance(k, str) and _SECRET_KEY.search(k) and v
-                else _redact(v, secret)
-            )
-            for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [_redact(v, secret) for v in value]
-    if isinstance(value, str) and secret and secret in value:
-        return value.replace(secret, _REDACTED)
-    return value
 
 
 def _wandb_reason(error: Exception, project: str) -> str:
@@ -227,17 +281,11 @@ def run_key(layout: Layout, rank: int) -> str:
     return f"rank{rank}" if layout == Layout.group else layout.value
 
 
-def fresh_run_id(cfg: LoggerConfig, run: RunInfo, key: str, attempt: int = 0) -> str:
-    """A deterministic W&B run id for one run of the job in ``run.output_dir``.
-
-    Hashed: the entity, project, the output dir (resolved), the run's key (``gather``,
-    ``shared`` or ``rank{r}``) and, after the first, how many times a job started from step 0
-    in that dir (``attempt``), so a fresh start never reuses a run whose steps it would rewind.
-    The job's name is not hashed: a re-run with other overrides is the same job.
-    """
-    out = str(Path(run.output_dir).resolve())
-    parts = [cfg.entity or "", cfg.project, out, key] + ([str(attempt)] if attempt else [])
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+def fresh_run_id() -> str:
+    """A new W&B run id: random, so an output dir deleted and re-created at the same path, or
+    another machine's job of the same name, never reopens (and overwrites) an old run. The id
+    is recorded in ``wandb_ids.json``: a resumed job reopens its runs from there."""
+    return secrets.token_hex(8)
 
 
 def _read_ids(path: Path) -> Dict[str, Dict[str, Any]]:
@@ -255,15 +303,17 @@ def _read_ids(path: Path) -> Dict[str, Dict[str, Any]]:
     return {k: v for k, v in runs.items() if isinstance(v, dict) and isinstance(v.get("id"), str)}
 
 
-def _last_step(path: Path) -> int:
-    """The highest ``step`` in a JSON-lines stats file (0 when there is none)."""
+def _last_step(path: Path, run_id: str) -> int:
+    """The highest ``step`` among the rows of W&B run ``run_id`` in a JSON-lines stats file (0
+    when there is none): rows of an earlier run in the same dir (after trainer.resume=never)
+    do not count."""
     best = 0
     try:
         with open(path, encoding="utf-8") as handle:
             for line in handle:
-                # Records start with "step" (see Tracker._append): no full parse per line.
+                # Records start with "step" (see Tracker._append): no full parse of other runs'.
                 found = _STEP_FIELD.match(line)
-                if found:
+                if found and f'"run": "{run_id}"' in line:
                     best = max(best, int(found.group(1)))
     except OSError:
         pass
@@ -338,6 +388,7 @@ class Tracker:
         self._last_sent = -math.inf  # time.monotonic() of the last training row sent to W&B
         self._unsent: Optional[Dict[str, float]] = None
         self._resumed_step = resumed_step
+        self._run_id: Optional[str] = None  # this rank's W&B run: tags its rows in the files
         # Rows at or below these steps already went to the reopened W&B run: not sent again.
         self._sent_train = self._sent_eval = 0
         # (step, aggregates) of the newest interval whose gather completed, on rank 0.
@@ -357,19 +408,44 @@ class Tracker:
             self._stats_dir = Path(run.output_dir) / "stats"
             self._stats_dir.mkdir(parents=True, exist_ok=True)
             # Append: a resumed job continues the same files.
-            self._own = open(self._stats_dir / f"rank{env.rank}.jsonl", "a", encoding="utf-8")
+            self._own = _append_to(self._stats_dir / f"rank{env.rank}.jsonl")
             if env.is_main:
-                self._agg = open(self._stats_dir / "aggregate.jsonl", "a", encoding="utf-8")
+                self._agg = _append_to(self._stats_dir / "aggregate.jsonl")
             if cfg.backend == LoggerBackend.wandb:
                 # Decided on every rank (even one whose W&B is disabled): it may be collective.
                 plan = self._plan_runs()
-                if self._wandb_mode != "disabled":
-                    self._run = self._start_wandb(plan)
+                # Shared: the primary (rank 0) first, then the others join its run, as W&B's
+                # docs show; else every rank starts its own at once.
+                turns = [env.is_main, not env.is_main] if cfg.layout == Layout.shared else [True]
+                for mine in turns:
+                    failure: Optional[str] = None
+                    if mine and self._wandb_mode != "disabled":
+                        try:
+                            self._run = self._start_wandb(plan)
+                        except UserError as e:
+                            failure = str(e)
+                    self._agree_on_start(failure)  # collective
+                if self._run is not None:
+                    self._run_id = self._run.id
         except BaseException:
             self.close(failed=True)
             raise
 
     # ---------------------------------------------------------------------------- W&B setup
+
+    def _agree_on_start(self, failure: Optional[str]) -> None:
+        """Collective: a rank whose W&B run could not start tells the others, so every rank
+        stops with the same line instead of waiting dist.timeout_s for it (in the ``gather``
+        layout only rank 0 starts one)."""
+        env = self._env
+        outcomes = all_gather_objects(failure, env) if env.distributed else [failure]
+        failed = [(r, why) for r, why in enumerate(outcomes) if why is not None]
+        if not failed:
+            return
+        rank, why = failed[0]
+        if failure is not None:
+            raise UserError(failure)
+        raise UserError(f"rank {rank}: {why}")
 
     def _wandb_writes(self) -> bool:
         """Whether this rank owns a W&B run (all layouts but gather log from every rank)."""
@@ -440,7 +516,7 @@ class Tracker:
                 attempt = previous + 1 if isinstance(previous, int) and previous >= 0 else 1
             name, group = self._names(key)
             plan[key] = {
-                "id": fresh_run_id(cfg, info, key, attempt),
+                "id": fresh_run_id(),
                 "project": cfg.project,
                 "entity": cfg.entity,
                 "name": name,
@@ -467,13 +543,15 @@ class Tracker:
                 )
         return plan
 
-    def _sent_before(self) -> tuple[int, int]:
+    def _sent_before(self, run_id: str) -> tuple[int, int]:
         """The newest train and eval steps the previous attempts may have sent to this
-        rank's W&B run: the local stats files get every row before W&B does."""
+        rank's W&B run: the local stats files get every row (tagged with its run id) before
+        W&B does."""
         stats, env = self._stats_dir, self._env
         if env.is_main:
-            return _last_step(stats / "aggregate.jsonl"), _last_step(stats / "eval.jsonl")
-        return _last_step(stats / f"rank{env.rank}.jsonl"), 0
+            agg, ev = stats / "aggregate.jsonl", stats / "eval.jsonl"
+            return _last_step(agg, run_id), _last_step(ev, run_id)
+        return _last_step(stats / f"rank{env.rank}.jsonl", run_id), 0
 
     def _start_wandb(self, plan: Optional[Dict[str, Dict[str, Any]]]) -> Optional[Run]:
         if not self._wandb_writes():
@@ -483,7 +561,69 @@ class Tracker:
         cfg, env, info = self._cfg, self._env, self._info
         assert plan is not None
         entry = plan[run_key(self._layout, env.rank)]
-        name, group = entry["name"], entry["group"]
+        settings, kwargs = self._wandb_settings(entry)
+        out = Path(info.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        config = redact.config(info.config)
+        # W&B records sys.argv as the run's command: the same, with secrets blanked.
+        argv, sys.argv = sys.argv, [sys.argv[0], *redact.overrides(sys.argv[1:])]
+        try:
+            wb_run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=entry["name"],
+                group=entry["group"],
+                tags=[_clip(t, 64) for t in dict.fromkeys(cfg.tags)],
+                config=config,
+                dir=str(out),
+                settings=wandb.Settings(**settings),
+                **kwargs,
+            )
+        except (wandb.errors.AuthenticationError, wandb.errors.UsageError) as e:
+            raise self._usage_error(e) from None
+        except (wandb.errors.CommError, TimeoutError) as e:
+            reason = _wandb_reason(e, cfg.project)
+            if re.search(r"not found|404|403|permission|deleted|conflict|409", reason, re.I):
+                # The server answered, and said no: nothing to do with the network.
+                raise UserError(
+                    f"W&B refused the run ({reason}): check logger.entity and logger.project "
+                    "(and your access to them); a run deleted on the server cannot be resumed: "
+                    f"remove {IDS_FILE} from the output dir to start new runs"
+                ) from None
+            # Else the server is out of reach (no network, a wrong WANDB_BASE_URL, a
+            # firewall): wandb.init has given up after `timeout` seconds.
+            timeout, timeout_from = init_timeout_s(cfg)
+            raise UserError(
+                f"W&B could not be reached within {timeout:g} s ({timeout_from}; "
+                f"{_wandb_reason(e, cfg.project)}): rerun with logger.mode=offline and upload "
+                "later with `wandb sync <output dir>/wandb/offline-run-*`, or check the "
+                f"network and WANDB_BASE_URL, or raise {timeout_from}"
+            ) from None
+        except wandb.errors.Error as e:
+            raise UserError(
+                f"W&B could not start a run ({type(e).__name__}: "
+                f"{_wandb_reason(e, cfg.project)}): set logger.mode=offline to train without "
+                "the server, and upload later with `wandb sync`"
+            ) from None
+        finally:
+            sys.argv = argv
+        self._define_metrics(wb_run)
+        if entry["resume"]:
+            logger.info(
+                "W&B run %s (%s) continued in %s: rows after step %d (checkpoint step %s)",
+                wb_run.id,
+                self._wandb_mode,
+                out / "wandb",
+                max(self._sent_train, self._sent_eval),
+                self._resumed_step,
+            )
+        else:
+            logger.info("W&B run %s (%s) in %s", wb_run.id, self._wandb_mode, out / "wandb")
+        return wb_run
+
+    def _wandb_settings(self, entry: Dict[str, Any]) -> tuple[Dict[str, Any], Dict[str, Any]]:
+        """wandb.Settings and the other wandb.init arguments of this rank's run."""
+        cfg, env = self._cfg, self._env
         settings: Dict[str, Any] = {
             "mode": self._wandb_mode,
             # Hydra's basic launcher runs a sweep's jobs one after another in one process:
@@ -494,16 +634,19 @@ class Tracker:
             # No sparkline wall of every key at the end: the job prints its own summary.
             "quiet": True,
             "console": cfg.console.value,
+            # Bounded: the end of a job must not hang on a slow upload.
+            "finish_timeout": cfg.finish_timeout_s,
         }
-        timeout, timeout_from = init_timeout_s(cfg)
         if self._wandb_mode != "offline":
-            settings["init_timeout"] = timeout
-        kwargs: Dict[str, Any] = {"id": entry["id"]}
+            settings["init_timeout"] = init_timeout_s(cfg)[0]
+        # A fresh id is never reopened ("never": W&B refuses an id that exists instead of
+        # mixing into it).
+        kwargs: Dict[str, Any] = {"id": entry["id"], "resume": "never"}
         if entry["resume"]:
             # "allow", not "must": a run recorded offline and never synced does not exist on
             # the server yet, and an online re-run then starts it under the same id.
             kwargs["resume"] = "allow"
-            self._sent_train, self._sent_eval = self._sent_before()
+            self._sent_train, self._sent_eval = self._sent_before(entry["id"])
         if self._layout == Layout.group:
             kwargs["job_type"] = f"rank{env.rank}"
             settings["x_label"] = f"rank{env.rank}"
@@ -518,51 +661,33 @@ class Tracker:
         if self._layout != Layout.gather and env.device.type == "cuda":
             # System stats of this rank's own GPU only; gather's single run watches them all.
             index = env.device.index if env.device.index is not None else env.local_rank
-            settings["x_stats_gpu_device_ids"] = [index]
+            settings["x_stats_gpu_device_ids"] = [physical_gpu(index)]
+        return settings, kwargs
 
-        out = Path(info.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        config = _redact(info.config, os.environ.get("WANDB_API_KEY"))
-        try:
-            wb_run = wandb.init(
-                project=cfg.project,
-                entity=cfg.entity,
-                name=name,
-                group=group,
-                tags=[_clip(t, 64) for t in dict.fromkeys(cfg.tags)],
-                config=config,
-                dir=str(out),
-                settings=wandb.Settings(**settings),
-                **kwargs,
+    def _usage_error(self, e: Exception) -> UserError:
+        import wandb
+
+        cfg = self._cfg
+        reason = _wandb_reason(e, cfg.project)
+        project = _shorten(cfg.project, quote=True)
+        if isinstance(e, wandb.errors.AuthenticationError):
+            todo = "log in again (`wandb login`, or WANDB_API_KEY), or set logger.mode=offline"
+        elif self._wandb_mode == "offline":
+            todo = (
+                "fix logger.project / logger.entity / logger.name (W&B allows up to "
+                f"{_WANDB_MAX_LEN} characters, none of / \\ # ? % :)"
             )
-        except (wandb.errors.AuthenticationError, wandb.errors.UsageError) as e:
-            reason = _wandb_reason(e, cfg.project)
-            project = _shorten(cfg.project, quote=True)
-            if isinstance(e, wandb.errors.AuthenticationError):
-                todo = "log in again (`wandb login`, or WANDB_API_KEY), or set logger.mode=offline"
-            elif self._wandb_mode == "offline":
-                todo = (
-                    "fix logger.project / logger.entity / logger.name (W&B allows up to "
-                    f"{_WANDB_MAX_LEN} characters, none of / \\ # ? % :)"
-                )
-            else:
-                todo = (
-                    "fix logger.project / logger.entity / logger.name and check your W&B "
-                    "login, or set logger.mode=offline"
-                )
-            raise UserError(
-                f"W&B could not start a run for logger.project={project} ({reason}): {todo}"
-            ) from None
-        except wandb.errors.CommError as e:
-            # Anything else W&B raises here is the server out of reach (no network, a wrong
-            # WANDB_BASE_URL, a firewall): wandb.init has given up after `timeout` seconds.
-            raise UserError(
-                f"W&B could not be reached within {timeout:g} s ({timeout_from}; "
-                f"{_wandb_reason(e, cfg.project)}): rerun with logger.mode=offline and upload "
-                "later with `wandb sync <output dir>/wandb/offline-run-*`, or check the "
-                f"network and WANDB_BASE_URL, or raise {timeout_from}"
-            ) from None
+        else:
+            todo = (
+                "fix logger.project / logger.entity / logger.name and check your W&B "
+                "login, or set logger.mode=offline"
+            )
+        return UserError(
+            f"W&B could not start a run for logger.project={project} ({reason}): {todo}"
+        )
 
+    def _define_metrics(self, wb_run: Run) -> None:
+        env = self._env
         wb_run.define_metric(STEP_METRIC)
         if self._layout == Layout.group:
             families = ["train/*"]
@@ -577,18 +702,6 @@ class Tracker:
             families += ["agg/*", "val/*", "test/*"]
         for pattern in families:
             wb_run.define_metric(pattern, step_metric=STEP_METRIC)
-        if entry["resume"]:
-            logger.info(
-                "W&B run %s (%s) continued in %s: rows after step %d (checkpoint step %s)",
-                wb_run.id,
-                self._wandb_mode,
-                out / "wandb",
-                max(self._sent_train, self._sent_eval),
-                self._resumed_step,
-            )
-        else:
-            logger.info("W&B run %s (%s) in %s", wb_run.id, self._wandb_mode, out / "wandb")
-        return wb_run
 
     # ---------------------------------------------------------------------------- logging
 
@@ -671,13 +784,51 @@ class Tracker:
         else:
             self._pending = interval
 
+    def close_all(self) -> None:
+        """Collective, at the end of a successful run: close on every rank; with the shared
+        layout the other ranks first, so the primary finishes the run last."""
+        shared = self._layout == Layout.shared and self._env.distributed
+        if shared and not self._env.is_main:
+            self.close()
+        if self._env.distributed:
+            dist.barrier()
+        self.close()
+
+    def add_config(self, values: Dict[str, Any]) -> None:
+        """More of the run's config (e.g. its provenance), where this rank has a W&B run."""
+        if self._run is not None:
+            self._run.config.update(values, allow_val_change=True)
+
+    def log_values(self, step: int, values: Dict[str, Any]) -> None:
+        """Extra values of this rank at ``step`` (a callback's ``ctx.log``): numbers and text go
+        to this rank's stats file and, like the rank's stats, to W&B (text as HTML); anything
+        else (``wandb.Image``, ``wandb.Histogram``, ...) to W&B only. Not collective: ranks may
+        log different keys at different steps. In the ``gather`` layout only rank 0 has a W&B
+        run."""
+        if self._closed:
+            return
+        numbers = {
+            k: float(v) if not isinstance(v, (int, str)) else v
+            for k, v in values.items()
+            if isinstance(v, (int, float, str)) or (torch.is_tensor(v) and v.numel() == 1)
+        }
+        if numbers:
+            self._append(
+                self._own, {"step": step, "time": time.time(), "rank": self._env.rank, **numbers}
+            )
+        if self._run is None or step <= self._sent_train:
+            return
+        prefix = "train" if self._layout == Layout.group else f"rank{self._env.rank}"
+        row = {f"{prefix}/{k}": _for_wandb(numbers.get(k, v)) for k, v in values.items()}
+        self._run.log({STEP_METRIC: step, **row})
+
     def log_eval(self, step: int, metrics: Dict[str, float]) -> None:
         """Record evaluation metrics keyed like ``val/acc`` or ``test/loss`` (rank 0 only)."""
         if not self._env.is_main or self._closed:
             return
         metrics = {k: float(v) for k, v in metrics.items()}
         if self._eval is None:
-            self._eval = open(self._stats_dir / "eval.jsonl", "a", encoding="utf-8")
+            self._eval = _append_to(self._stats_dir / "eval.jsonl")
         self._append(self._eval, {"step": step, "time": time.time(), **metrics})
         if self._run is not None and step > self._sent_eval:
             self._run.log({STEP_METRIC: step, **metrics})
@@ -693,17 +844,18 @@ class Tracker:
                 merged = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 logger.warning("could not read %s; rewriting it", path)
-        merged.update({k: _json_number(float(v)) for k, v in metrics.items()})
+        merged.update({k: jsonfile.finite_or_none(float(v)) for k, v in metrics.items()})
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         tmp.replace(path)
         if self._run is not None:
             self._run.summary.update(dict(metrics))
 
-    def close(self, failed: bool = False, preempted: bool = False) -> None:
-        """Complete the last interval, finish the W&B run (exit code 1 when ``failed``;
-        marked preempted when ``preempted``) and close the files. Idempotent. Not collective,
-        but on success every rank must call it (the last interval's gather is waited for)."""
+    def close(self, failed: bool = False, preempted: int = 0) -> None:
+        """Complete the last interval, finish the W&B run and close the files. Idempotent.
+        `failed`: the run finishes with exit code 1; `preempted` (the signal's number): marked
+        preempted, exit code 128 + signal, as the process. Not collective, but on success every
+        rank must call it (the last interval's gather is waited for)."""
         if self._closed:
             return
         error: Optional[BaseException] = None
@@ -722,13 +874,13 @@ class Tracker:
                     run.log(self._unsent)
                 if preempted:
                     run.mark_preempting()
-                run.finish(exit_code=1 if failed else 0)
+                run.finish(exit_code=128 + preempted if preempted else int(failed))
             except Exception:  # closing must not mask the error that made us close
                 logger.exception("could not finish W&B run %s", run.id)
             if self._wandb_mode == "offline" and self._env.is_main:
                 logger.info(
                     "W&B offline run saved; upload it later with `wandb sync %s`",
-                    Path(run.dir).parent,
+                    shlex.quote(str(Path(run.dir).parent)),
                 )
         for attr in ("_own", "_agg", "_eval"):
             handle = getattr(self, attr)
@@ -738,11 +890,20 @@ class Tracker:
         if error is not None:
             raise error
 
-    @staticmethod
-    def _append(handle: Optional[TextIO], record: Dict[str, Any]) -> None:
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Leaving a `with tracker:` block on an error closes it as failed."""
+        if exc is not None:
+            self.close(failed=True)
+
+    def _append(self, handle: Optional[TextIO], record: Dict[str, Any]) -> None:
         if handle is None:
             return
-        clean = {k: (_json_number(v) if isinstance(v, float) else v) for k, v in record.items()}
+        if self._run_id is not None:
+            record["run"] = self._run_id
+        clean = {k: jsonfile.finite_or_none(v) for k, v in record.items()}
         handle.write(json.dumps(clean, allow_nan=False) + "\n")
         handle.flush()  # a crashed or killed rank still leaves its stats up to the last interval
 

@@ -1,0 +1,137 @@
+"""Hooks for what a researcher adds to a run without editing the loop.
+
+`callbacks` in the config is a dict of components, empty by default:
+
+    python -m hydra_ddp.train +callbacks.count._target_=my_callbacks.Count +callbacks.count.every=5
+
+A callback is any object with some of these methods, each given a `Context`:
+
+    on_train_start(ctx)   after resume, before the first step
+    on_step_end(ctx)      after each optimizer step
+    on_eval_end(ctx)      after each validation, with its metrics in ctx.metrics
+    on_epoch_end(ctx)     once per epoch that ends (also with grad_accum > 1, limit_train_batches,
+                          and across a resume in the middle of an epoch)
+    on_train_end(ctx)     after the final validation and test, with their metrics
+
+and optionally `state_dict()` / `load_state_dict(state)`, saved in every checkpoint and restored
+on resume. `ctx.log({...})` puts values into this rank's stats at the current step. Callbacks
+run on every rank: a collective inside one must run on all of them, as in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hydra_ddp.components import build
+from hydra_ddp.errors import UserError, first_line
+
+log = logging.getLogger(__name__)
+
+HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_epoch_end", "on_train_end")
+
+
+@dataclass
+class Context:
+    """Where the loop is, for a callback. `model` is the unwrapped module (not DDP's wrapper,
+    so a forward in a hook starts no collective)."""
+
+    rank: int
+    world_size: int
+    model: torch.nn.Module
+    output_dir: Path
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # the epoch being trained (on_epoch_end: the one that just ended)
+    loss: float | torch.Tensor = float("nan")  # the last step's mean loss (a device tensor)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    # ctx.log's destination: the rank's stats file and W&B (see Tracker.log_values).
+    _sink: Callable[[int, dict[str, Any]], None] | None = None
+
+    def log(self, values: Mapping[str, Any]) -> None:
+        """Record `values` in this rank's stats at the current step: numbers in
+        stats/rank<r>.jsonl and W&B, W&B media objects (wandb.Image, ...) in W&B only."""
+        if self._sink is not None:
+            self._sink(self.step, dict(values))
+
+
+class Callbacks:
+    """The configured callbacks, called in config order; `state_dict` holds theirs by name."""
+
+    def __init__(self, configs: Mapping[str, Any], **runtime: Any) -> None:
+        """`runtime`: what a callback may ask for by name in its constructor (`data`, the
+        data source), as models do with the data's spec."""
+        self.items = {name: build(c, f"callbacks.{name}", **runtime) for name, c in configs.items()}
+        for name, cb in self.items.items():
+            if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
+                raise UserError(
+                    f"callbacks.{name} ({type(cb).__name__}) has none of the callback methods "
+                    f"{', '.join(HOOKS)}: define at least one"
+                )
+
+    def __call__(self, hook: str, ctx: Context) -> None:
+        for name, cb in self.items.items():
+            method = getattr(cb, hook, None)
+            if method is None:
+                continue
+            try:
+                method(ctx)
+            except UserError:
+                raise
+            except Exception as e:
+                # The traceback still goes to the rank's log (the entry logs the cause).
+                raise UserError(
+                    f"callbacks.{name} ({type(cb).__module__}.{type(cb).__qualname__}) failed "
+                    f"in {hook} at step {ctx.step}: {type(e).__name__}: {first_line(e)}"
+                ) from e
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            name: cb.state_dict()
+            for name, cb in self.items.items()
+            if callable(getattr(cb, "state_dict", None))
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, cb in self.items.items():
+            if name in state and callable(getattr(cb, "load_state_dict", None)):
+                cb.load_state_dict(state[name])
+
+
+class SampleText:
+    """Example callback (experiment=text_gpt): after each validation, rank 0 samples `length`
+    characters from the model and logs them (its log file, stats/rank0.jsonl, W&B).
+
+    It asks for the data source by name (`data`, like a model asks for `vocab_size`) to turn
+    tokens back into characters. Sampling draws from a generator of its own, so the training
+    RNG, and with it a resumed run, is unchanged."""
+
+    def __init__(self, data: Any, length: int = 200, temperature: float = 0.8, seed: int = 0):
+        if not hasattr(data, "decode"):
+            raise UserError(
+                f"callbacks.sample_text needs a text data set with decode() (data=text), "
+                f"not {type(data).__name__}"
+            )
+        self.data, self.length, self.temperature, self.seed = data, length, temperature, seed
+
+    @torch.no_grad()
+    def on_eval_end(self, ctx: Context) -> None:
+        if ctx.rank != 0:
+            return
+        model = ctx.model
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(self.seed + ctx.step)
+        tokens = torch.zeros((1, 1), dtype=torch.long, device=device)
+        for _ in range(self.length):
+            logits = model(tokens[:, -self.data.block :])[:, -1, :] / self.temperature
+            probs = torch.softmax(logits.float(), dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], 1)
+        model.train(was_training)
+        text = self.data.decode(tokens[0, 1:].tolist())
+        log.info("sample at step %d:\n%s", ctx.step, text)
+        ctx.log({"sample": text})

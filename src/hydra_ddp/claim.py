@@ -1,0 +1,118 @@
+"""One job per run dir: global rank 0 claims `<run dir>/.claim` before anything is written there.
+
+A second job started in a dir that a live job holds (a user re-running a command in a second
+terminal, a resubmitted SLURM job whose first copy still runs) stops in one line naming the
+holder. A claim whose holder is gone is taken over with a warning, so a restart still resumes:
+a dead process on this host, a claim of the same launcher job (torchrun's elastic restart,
+SLURM's requeue: same job id), or one whose heartbeat (the file's mtime, refreshed every
+`HEARTBEAT_S` by its holder) stopped on another host (a lost node).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NAME = ".claim"
+HEARTBEAT_S = 30.0
+STALE_S = 4 * HEARTBEAT_S
+_held: dict[Path, threading.Event] = {}
+
+
+def _job_id() -> str | None:
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID"):
+        if key in os.environ:
+            return f"{key}={os.environ[key]}"
+    return None
+
+
+def _me() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": _job_id(),
+        "since": time.time(),
+    }
+
+
+def _alive(holder: dict[str, Any], path: Path) -> bool:
+    if holder.get("job") and holder.get("job") == _job_id():
+        return False  # an earlier attempt of this very job (restart, requeue)
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, KeyError, ValueError, TypeError):
+            return True
+        return True
+    try:  # another host: alive while its heartbeat is
+        return time.time() - path.stat().st_mtime < STALE_S
+    except OSError:
+        return False
+
+
+def claim(run_dir: str | Path) -> None:
+    """Claim `run_dir` for this process (exit 2 with one line if a live job holds it)."""
+    run_dir = Path(run_dir)
+    path = run_dir / NAME
+    if run_dir in _held:
+        return
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            if holder and _alive(holder, path):
+                who = f"pid {holder.get('pid')} on {holder.get('host')}"
+                who += f" ({holder['job']})" if holder.get("job") else ""
+                sys.stderr.write(
+                    f"error: {run_dir} is in use by another job ({who}, since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
+                    "): wait for it to end, or choose another hydra.run.dir; if that job is "
+                    f"gone, delete {path}\n"
+                )
+                raise SystemExit(2) from None
+            log.warning("taking over %s from a job that is gone: %s", path, holder or "unreadable")
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(_me(), f)
+        stop = threading.Event()
+        _held[run_dir] = stop
+        threading.Thread(target=_heartbeat, args=(path, stop), daemon=True).start()
+        return
+    raise SystemExit(f"error: could not claim {path}: another job keeps taking it")
+
+
+def _heartbeat(path: Path, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            os.utime(path)
+        except OSError:
+            return
+
+
+def release_all() -> None:
+    """Give back this process's claims (the end of the job)."""
+    for run_dir, stop in list(_held.items()):
+        stop.set()
+        path = run_dir / NAME
+        try:
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError):
+            pass
+        _held.pop(run_dir, None)

@@ -1,0 +1,204 @@
+"""Validation during training, judged by the monitor: the best checkpoint and early stopping;
+and the evaluation of a saved checkpoint (`evaluate_run`, behind `python -m hydra_ddp.eval`).
+
+`Evaluator.due(step)` says when (every trainer.eval_interval steps; the end of the run
+validates anyway), `validate` runs the exact distributed evaluation, records it, and keeps the
+step's checkpoint as checkpoints/best.pt when the monitor improves. `finish` is the end of the
+run: the last validation, the last checkpoint, and the test split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hydra_ddp import checkpoint, jsonfile
+from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.components import build
+from hydra_ddp.config import TrainConfig
+from hydra_ddp.console import Console
+from hydra_ddp.data import EvalData
+from hydra_ddp.dist import DistEnv, all_gather_objects, process_group, use_device
+from hydra_ddp.errors import UserError, translated
+from hydra_ddp.metrics import Metric, evaluate
+from hydra_ddp.monitor import Monitor
+from hydra_ddp.objective import forward, to_device
+from hydra_ddp.step import autocast_for
+from hydra_ddp.tracking import RunInfo, Tracker
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    def __init__(
+        self,
+        env: DistEnv,
+        splits: dict[str, EvalData],
+        model: torch.nn.Module,
+        loss_fn: Callable,
+        metrics: Mapping[str, Metric],
+        autocast: contextlib.AbstractContextManager,
+        limit: int,
+        interval: int,
+        total_steps: int,
+        monitor: Monitor,
+        checkpointer: Checkpointer,
+        tracker: Tracker,
+        console: Console,
+    ) -> None:
+        """`model` is the module evaluated: the raw one, or the EMA average."""
+        self.env, self.splits, self.model = env, splits, model
+        self.scoring = (loss_fn, metrics, autocast, limit)
+        self.interval, self.total_steps = interval, total_steps
+        self.monitor, self.checkpointer = monitor, checkpointer
+        self.tracker, self.console = tracker, console
+        self.last: dict[str, float] = {}  # the newest validation's metrics
+
+    def due(self, step: int) -> bool:
+        """Every `interval` steps (0: never); the end of the run validates anyway."""
+        return bool(self.interval) and step % self.interval == 0 and step < self.total_steps
+
+    @property
+    def should_stop(self) -> bool:
+        return self.monitor.stopped_early
+
+    def evaluate(self, split: str) -> dict[str, float]:
+        """Collective: the loss and metrics of `split`, exact over all ranks."""
+        return evaluate(self.model, self.splits[split], self.env, *self.scoring)
+
+    def validate(self, position: Any) -> dict[str, float]:
+        """Collective: validate at `position`; keep its checkpoint as best.pt if the monitor
+        improved; stop early (see `should_stop`) after too many evaluations without."""
+        val = self.last = self.evaluate("val")
+        self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
+        self.console.info_main("step %d | val %s", position.step, _fmt(val))
+        if self.monitor.update(position.step, val, self.env):  # collective
+            self.checkpointer.save(asdict(position), name="best.pt")  # collective
+        elif self.monitor.should_stop:
+            self.monitor.stop(position.step)
+        return val
+
+    def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
+        """Collective, at the end of the run: validate (unless early stopping just did), save
+        the last checkpoint, and test. Returns (val, test) metrics."""
+        # The last validation goes into the monitor before the last checkpoint, so a run
+        # resumed from it (a longer one) continues with the right best score and patience.
+        improved = False
+        if not self.monitor.stopped_early:  # else the loop evaluated this very step already
+            self.last = self.evaluate("val")
+            improved = self.monitor.update(position.step, self.last, self.env)
+        self.checkpointer.save(asdict(position))
+        if improved:
+            self.checkpointer.keep_as_best(position.step)
+        test = self.evaluate("test")
+        self.tracker.log_eval(
+            position.step,
+            {
+                **{f"val/{k}": v for k, v in self.last.items()},
+                **{f"test/{k}": v for k, v in test.items()},
+            },
+        )
+        return self.last, test
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+
+
+# --------------------------------------------------------------------------------------------
+# A saved checkpoint: python -m hydra_ddp.eval
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    run: Path
+    ckpt: str = "last"
+    split: str = "test"
+    predict: bool = False
+
+
+def checkpoint_file(request: Request) -> Path:
+    if request.ckpt == "last":
+        found = checkpoint.latest(request.run)
+        if found is None:
+            raise UserError(
+                f"run={request.run} holds no complete checkpoint (checkpoints/step_*.pt); "
+                "give ckpt=<file>"
+            )
+        return found
+    path = checkpoint.checkpoint_dir(request.run) / "best.pt" if request.ckpt == "best" else None
+    path = path or Path(request.ckpt)
+    if not path.is_file():
+        raise UserError(f"ckpt={request.ckpt}: {path} does not exist; use last, best or a file")
+    return path
+
+
+def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request) -> dict:
+    """One rank's share: rebuild the model and the split, load the checkpoint, evaluate (and
+    predict). Returns the metrics (the same on every rank)."""
+    use_device(env)
+    path = checkpoint_file(request)
+    source = build(cfg.data, "data")
+    split = EvalData(source, request.split, cfg.sampler.policy, env, cfg.trainer.batch_size)
+    model = build(cfg.model, "model", **source.spec)
+    state = checkpoint.load(path)
+    weights = state["model"]
+    if "ema" in state:  # the run evaluated its average: so do we
+        weights = {k[len("module.") :]: v for k, v in state["ema"].items() if k != "n_averaged"}
+        log.info("evaluating the EMA weights of %s", path)
+    model.load_state_dict(weights)
+    model.to(env.device).eval()
+    loss_fn = build(cfg.loss, "loss", _as_function=True)
+    metrics = {name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()}
+    autocast = autocast_for(cfg.trainer.precision, env.device)
+    with process_group(env, cfg.dist), translated(env.rank, cfg.dist.timeout_s, run.output_dir):
+        results = evaluate(model, split, env, loss_fn, metrics, autocast)  # collective
+        if request.predict:
+            _predict(
+                model, split, env, autocast, run.output_dir / f"predictions_{request.split}.pt"
+            )
+    if env.is_main:
+        record = {"checkpoint": str(path), "step": int(state.get("step", 0)), **results}
+        jsonfile.write(
+            run.output_dir / f"eval_{request.split}.json",
+            {k: jsonfile.finite_or_none(v) for k, v in record.items()},
+        )
+        log.info(
+            "%s %s at step %d: %s (%s)",
+            request.split,
+            path.name,
+            record["step"],
+            " ".join(f"{k} {v:.6g}" for k, v in results.items()),
+            run.output_dir / f"eval_{request.split}.json",
+        )
+    return results
+
+
+@torch.no_grad()
+def _predict(model: torch.nn.Module, split: EvalData, env: DistEnv, autocast: Any, out: Path):
+    """Collective: every row's output, gathered on rank 0 in the split's row order."""
+    rows, outputs = [], []
+    row_batches = list(split.rows())  # first: the sampler is iterated once at a time
+    for row_ids, batch in zip(row_batches, split):
+        with autocast:
+            output = forward(model, to_device(batch, env.device))
+        output = getattr(output, "logits", output)  # a Hugging Face model's output object
+        if isinstance(output, Mapping):
+            output = output["logits"]
+        outputs.append(output.float().cpu())
+        rows.append(torch.as_tensor(row_ids))
+    mine = (torch.cat(rows), torch.cat(outputs)) if rows else None
+    parts = [p for p in all_gather_objects(mine, env) if p is not None]
+    if env.is_main:
+        order = torch.cat([r for r, _ in parts]).argsort()
+        predictions = torch.cat([o for _, o in parts])[order]
+        torch.save(predictions, out)
+        log.info(
+            "predictions: %s (%d rows, shape %s)", out, len(predictions), tuple(predictions.shape)
+        )

@@ -1,0 +1,96 @@
+"""Dict batches and a model that computes its own loss, the Hugging Face way, in plain torch.
+
+`TextSnippets` yields one variable-length snippet of CPython's pydoc topics per item as
+`{"input_ids", "labels"}`; `pad_collate` pads a batch and adds an `attention_mask`, with
+`labels = -100` at padding (ignored by the loss and by the metrics). `TinyCausalLM` takes
+`(input_ids, attention_mask=None, labels=None)` and returns an object with `.loss` and `.logits`,
+as a `transformers` model does. `experiment=dict_lm` trains it with `loss=model_output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+
+class TextSnippets(Dataset):
+    """Snippets of 16 to `max_len` characters of a split of the pydoc text, as token ids (one
+    id per character); `labels` are the next characters. Deterministic per item."""
+
+    def __init__(self, split: str, max_len: int = 48, snippets: int = 512) -> None:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        self.chars = sorted(set(text))
+        self.vocab_size = len(self.chars)
+        index = {c: i for i, c in enumerate(self.chars)}
+        n = len(text)
+        bounds = {"train": (0, int(0.9 * n)), "val": (int(0.9 * n), int(0.95 * n))}
+        start, stop = bounds.get(split, (int(0.95 * n), n))
+        self.text = torch.tensor([index[c] for c in text[start:stop]], dtype=torch.long)
+        self.max_len, self.snippets = max_len, snippets
+
+    def __len__(self) -> int:
+        return self.snippets
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        length = int(torch.randint(16, self.max_len + 1, (1,), generator=g))
+        at = int(torch.randint(0, len(self.text) - length - 1, (1,), generator=g))
+        window = self.text[at : at + length + 1]
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def pad_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad to the longest item: input_ids with 0, labels with -100, and an attention_mask."""
+    longest = max(len(item["input_ids"]) for item in items)
+    batch = {
+        "input_ids": torch.zeros(len(items), longest, dtype=torch.long),
+        "labels": torch.full((len(items), longest), -100, dtype=torch.long),
+        "attention_mask": torch.zeros(len(items), longest, dtype=torch.long),
+    }
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        batch["input_ids"][row, :n] = item["input_ids"]
+        batch["labels"][row, :n] = item["labels"]
+        batch["attention_mask"][row, :n] = 1
+    return batch
+
+
+@dataclass
+class CausalLMOutput:
+    """What a Hugging Face causal LM returns, in short."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class TinyCausalLM(nn.Module):
+    """A one-layer causal transformer with Hugging Face's calling convention."""
+
+    def __init__(self, vocab_size: int, width: int = 64, heads: int = 4, max_len: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(max_len, width)
+        self.block = nn.TransformerEncoderLayer(width, heads, 4 * width, 0.0, batch_first=True)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        t = input_ids.shape[1]
+        h = self.tok(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=h.device), 1)
+        padding = None if attention_mask is None else attention_mask == 0
+        logits = self.head(self.block(h, src_mask=causal, src_key_padding_mask=padding))
+        loss = None
+        if labels is not None:  # labels are already the next tokens; -100 is ignored
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return CausalLMOutput(loss=loss, logits=logits)

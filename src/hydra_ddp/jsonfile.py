@@ -1,0 +1,45 @@
+"""The JSON side files a job writes and reads back (summary.json, failure.json, ...).
+
+JSON has no NaN or infinity: non-finite numbers are written as null, so every JSON reader (and
+`json.loads` with its defaults off) can load the files. Writes go to a temporary file that is
+then renamed, so a crash leaves the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def finite_or_none(value: Any) -> Any:
+    """`value`, or None for a float that is NaN or infinite."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def read(path: Path) -> Any:
+    """The file's content, or None when it is missing or not JSON (the caller treats that as
+    absent)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write(path: Path, obj: Any, indent: int | None = 2) -> None:
+    """Write `obj` atomically (temp file in the same folder, then rename), non-finite numbers
+    as null."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(_finite(obj), indent=indent, allow_nan=False) + "\n", "utf-8")
+    tmp.replace(path)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return finite_or_none(obj)

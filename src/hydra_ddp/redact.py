@@ -1,0 +1,62 @@
+"""One rule for what counts as a secret, applied wherever a config or a command line leaves the
+job's own `.hydra/` record: W&B's config, run name, group and command line, the console's config
+tree, the rank logs, `wandb_ids.json` and `run.json`.
+
+A key is secret when its last part contains `token`, `secret`, `password`/`passwd`,
+`api_key`/`apikey`, `access_key`, `credential` or `private_key` (`hf_token`,
+`model.api_token`, `aws_access_key_id`, `db_password`), except the tokenizer's vocabulary
+(`pad_token`, `bos_token`, `eos_token`, `unk_token`, `sep_token`, `cls_token`, `mask_token`,
+`*_token_id`) and token counts (`max_tokens`, `num_tokens`, `tokens_per_s`). Its value becomes
+`<redacted>`; so does the live `WANDB_API_KEY` wherever it appears. `.hydra/config.yaml` on
+your disk stays complete: evaluation and resume rebuild the job from it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Iterable, Mapping
+
+REDACTED = "<redacted>"
+_SECRET = re.compile(
+    r"token|secret|passw(?:or)?d|api_?key|access_?key|credential|private_?key", re.IGNORECASE
+)
+_NOT_SECRET = re.compile(
+    r"^(?:pad|bos|eos|unk|sep|cls|mask)_token$|_token_ids?$|^(?:max|num|n)_tokens$"
+    r"|^tokens?_per_|^tokenizer",
+    re.IGNORECASE,
+)
+
+
+def is_secret(key: str) -> bool:
+    """Whether a config key (dotted or not) names a secret."""
+    last = re.split(r"[.]", key.lstrip("+~"))[-1]
+    return bool(_SECRET.search(last)) and not _NOT_SECRET.search(last)
+
+
+def config(value: Any, live_key: str | None = None) -> Any:
+    """A copy of a config with secret entries blanked (and the live API key wherever it is)."""
+    live_key = os.environ.get("WANDB_API_KEY") if live_key is None else live_key
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED if isinstance(k, str) and is_secret(k) and v else config(v, live_key)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [config(v, live_key) for v in value]
+    return text(value, live_key) if isinstance(value, str) else value
+
+
+def overrides(items: Iterable[str]) -> list[str]:
+    """Command-line arguments with the values of secret `key=value` pairs blanked."""
+    out = []
+    for item in items:
+        key, eq, _ = str(item).partition("=")
+        out.append(f"{key}={REDACTED}" if eq and is_secret(key) else text(str(item)))
+    return out
+
+
+def text(value: str, live_key: str | None = None) -> str:
+    """`value` with the live W&B API key blanked."""
+    live_key = os.environ.get("WANDB_API_KEY") if live_key is None else live_key
+    return value.replace(live_key, REDACTED) if live_key else value

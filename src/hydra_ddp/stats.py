@@ -1,0 +1,92 @@
+"""Per-rank training stats between log points, and what happens at each trainer.log_interval:
+this rank's line in stats/rank<r>.jsonl and W&B (through the Tracker), rank 0's console line
+and the progress bar.
+
+Between log points nothing is read back from the device: the loss is summed there and read
+once per interval (one host-device sync per log interval).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hydra_ddp.console import Console
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.metrics import memory_stats
+from hydra_ddp.tracking import Tracker
+
+
+class StepStats:
+    def __init__(
+        self,
+        env: DistEnv,
+        tracker: Tracker,
+        console: Console,
+        log_interval: int,
+        total_steps: int,
+        start_step: int,
+        unit: str,
+        items_per_row: int,
+    ) -> None:
+        self.env, self.tracker, self.console = env, tracker, console
+        self.log_interval, self.total_steps = log_interval, total_steps
+        self.unit, self.items_per_row = unit, items_per_row
+        self.progress = console.progress(total_steps, start_step)
+        self.last_loss = float("nan")  # the mean loss of the newest log interval
+        self.total_samples = 0  # items (samples or tokens) trained on by this rank, this run
+        self.total_time = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.losses: dict[str, torch.Tensor] = {}  # summed over the window's steps
+        self.steps = 0
+        self.step_time = self.data_wait = 0.0
+        self.samples = 0
+
+    def add_step(
+        self, losses: dict[str, torch.Tensor], rows: int, seconds: float, data_wait: float
+    ) -> None:
+        """`losses`: the step's `loss` and the objective's extra terms."""
+        # They stay on the device: reading them every step would sync the GPU every step.
+        for name, value in losses.items():
+            self.losses[name] = value if name not in self.losses else self.losses[name] + value
+        self.steps += 1
+        self.step_time += seconds
+        self.data_wait += data_wait
+        self.samples += rows * self.items_per_row
+        self.progress.advance()
+
+    def due(self, step: int) -> bool:
+        return step % self.log_interval == 0 or step == self.total_steps
+
+    def log(self, step: int, grad_norm: torch.Tensor, lr: float, **extra: Any) -> None:
+        """Collective (the Tracker gathers every rank's stats): this window's per-step means
+        and throughput, with `extra` (memory, epoch, rows held, ...); starts the next window."""
+        steps = max(self.steps, 1)
+        means = {name: float(total) / steps for name, total in self.losses.items()}
+        self.last_loss = means.pop("loss", float("nan"))
+        self.total_samples += self.samples
+        self.total_time += self.step_time
+        stats = {
+            "loss": self.last_loss,
+            **{f"loss_{name}": value for name, value in means.items()},
+            "step_time": self.step_time / steps,
+            "data_wait": self.data_wait / steps,
+            f"{self.unit}_per_s": self.samples / max(self.step_time, 1e-9),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            **memory_stats(self.env.device),
+            **extra,
+        }
+        self._reset()
+        self.tracker.log(step, stats)
+        self.progress.describe(f"loss {stats['loss']:.4f}")
+        if self.env.is_main and not self.progress.visible:
+            self.console.log_step(
+                step, self.total_steps, stats, self.tracker.last_aggregate, self.unit
+            )
+
+    def close(self) -> None:
+        self.progress.close()

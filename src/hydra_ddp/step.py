@@ -1,0 +1,197 @@
+"""The training step, and what it needs from the precision setting.
+
+`train_step` is one optimizer step: forward, loss, backward (with `no_sync()` on all but the
+last micro-batch), unscale, clip, optimizer step. Nothing in it reads a value back from the
+device unless `skip_non_finite` asks for it: on a GPU every such read stalls the launch queue
+until the device catches up. The loop checks the step's health the same way, later
+(`NonFiniteCheck`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from hydra_ddp.config import NanPolicy, Precision
+from hydra_ddp.dist import DistEnv, all_gather_floats
+from hydra_ddp.errors import UserError
+from hydra_ddp.objective import Objective, forward
+
+log = logging.getLogger(__name__)
+
+
+def autocast_for(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward's autocast context: none at all in fp32 (nanoGPT's idiom)."""
+    if precision == Precision.fp32:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == Precision.bf16 else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def scaler_for(precision: Precision, device: torch.device) -> torch.amp.GradScaler:
+    """fp16's loss scaler; disabled (a no-op) otherwise."""
+    return torch.amp.GradScaler(device.type, enabled=precision == Precision.fp16)
+
+
+class StepTools:
+    """The template's step machinery, as helpers for a step of your own (`step._target_`):
+    mixed precision, `no_sync()` gradient accumulation, unscale-then-clip, skipping a step with
+    non-finite gradients. `train_step` below is the default step written with them:
+
+        losses = tools.backward(model, micro_batches, objective)   # forward + backward
+        grad_norm = tools.step(optimizer)                          # unscale, clip, step
+
+    and the loop calls `tools.update()` (the fp16 scaler's) once after the step.
+    """
+
+    def __init__(
+        self,
+        scaler: torch.amp.GradScaler,
+        autocast: contextlib.AbstractContextManager,
+        max_norm: float,
+        skip_non_finite: bool = True,
+        raw_model: torch.nn.Module | None = None,
+    ) -> None:
+        self.scaler, self.autocast, self.max_norm = scaler, autocast, max_norm
+        self.skip_non_finite, self.raw_model = skip_non_finite, raw_model
+        self.grad_norms: list[torch.Tensor] = []  # of this step's `step` calls
+
+    def backward(
+        self, model: torch.nn.Module, micro_batches: Sequence[Any], objective: Callable
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward over `micro_batches`, gradients accumulated (all-reduced by DDP
+        on the last one only). `objective(output, batch, model) -> (loss, extras)` (an
+        objective.Objective, or a plain `loss(output, target)`). Returns the mean `loss` and
+        extras over the micro-batches, detached, on the device."""
+        if not isinstance(objective, Objective):
+            objective = Objective(objective)
+        model.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        n = len(micro_batches)
+        for i, batch in enumerate(micro_batches):
+            last = i == n - 1
+            with (
+                contextlib.nullcontext()
+                if last or not hasattr(model, "no_sync")
+                else model.no_sync()
+            ):
+                with self.autocast:
+                    loss, extras = objective(forward(model, batch), batch, self.raw_model)
+                self.scaler.scale(loss / n).backward()
+            for name, value in {"loss": loss.detach(), **extras}.items():
+                totals[name] = value / n if name not in totals else totals[name] + value / n
+        return totals
+
+    def step(
+        self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Unscale (fp16), clip the gradient norm of `parameters` (default: the optimizer's),
+        step unless the norm is non-finite (with `skip_non_finite`), and zero the gradients.
+        Returns the norm before clipping, on the device."""
+        if parameters is None:
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_norm or math.inf)
+        # The norm is the same on every rank (gradients are averaged by now), so all ranks skip
+        # the same steps. Reading it is the one host sync: only with skip_non_finite.
+        if self.scaler.is_enabled() or not self.skip_non_finite or torch.isfinite(grad_norm):
+            self.scaler.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self.grad_norms.append(grad_norm)
+        return grad_norm
+
+    def update(self) -> torch.Tensor:
+        """After the step: the fp16 scaler's update; returns the step's gradient norm (of all
+        its `step` calls together) and starts the next step's list."""
+        self.scaler.update()
+        norms, self.grad_norms = self.grad_norms, []
+        if len(norms) == 1:
+            return norms[0]
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def default_step(
+    tools: StepTools,
+    model: torch.nn.Module,
+    micro_batches: Sequence[Any],
+    objective: Callable,
+    optimizers: dict[str, torch.optim.Optimizer],
+) -> dict[str, torch.Tensor]:
+    """The step the loop runs unless `step._target_` names another with this signature: one
+    backward over the micro-batches, then every optimizer steps. Returns `loss` and extras."""
+    losses = tools.backward(model, micro_batches, objective)
+    for optimizer in optimizers.values():
+        tools.step(optimizer)
+    return losses
+
+
+def train_step(
+    model: torch.nn.Module,
+    micro_batches: Sequence[Any],
+    loss_fn: Callable,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    autocast: contextlib.AbstractContextManager,
+    max_norm: float,
+    skip_non_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `micro_batches` (gradient accumulation when more than one):
+    forward, loss, backward (with `no_sync()` on all but the last micro-batch), unscale, clip,
+    optimizer step.
+
+    Returns the mean loss and the gradient norm before clipping, both left on the device.
+
+    Host-device syncs: none, except that `skip_non_finite` (trainer.nan_policy=skip) reads the
+    gradient norm to decide whether to apply the update (one sync per step; fp16's GradScaler
+    skips overflowed steps on the device by itself with a fused optimizer). With it off, a
+    non-finite step is applied and the loop's `NonFiniteCheck` stops the run at the next log
+    interval, evaluation or checkpoint, before anything is saved.
+    """
+    tools = StepTools(scaler, autocast, max_norm, skip_non_finite)
+    losses = default_step(tools, model, micro_batches, loss_fn, {"default": optimizer})
+    return losses["loss"], tools.update()
+
+
+class NonFiniteCheck:
+    """trainer.nan_policy: notice a non-finite loss or gradient norm without a host sync per
+    step. `observe` keeps, on the device, the first step whose gradient norm and the first
+    whose loss went non-finite; `check` (collective) reads them at a step every rank reaches
+    (log interval, evaluation, checkpoint) and stops or warns naming the step and ranks."""
+
+    _NONE = 2**62
+
+    def __init__(self, env: DistEnv, policy: NanPolicy) -> None:
+        self.env, self.policy = env, policy
+        self._first = torch.full((2,), self._NONE, dtype=torch.long, device=env.device)
+        self._steps = torch.arange(2, device=env.device)  # reused: no per-step allocation
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        finite = torch.stack([torch.isfinite(grad_norm), torch.isfinite(loss)])
+        torch.minimum(self._first, torch.where(finite, self._NONE, step), out=self._first)
+
+    def check(self) -> None:
+        """Collective. Raise (nan_policy=stop) or log each skipped step (skip) since the last
+        check."""
+        firsts = all_gather_floats(self._first.tolist(), self.env)
+        self._first.fill_(self._NONE)
+        step = int(min(min(f) for f in firsts))
+        if step >= self._NONE:
+            return
+        ranks = [r for r, (_, loss_step) in enumerate(firsts) if int(loss_step) == step]
+        if ranks:
+            what = f"non-finite loss at step {step} on rank(s) {', '.join(map(str, ranks))}"
+        else:
+            what = (
+                f"non-finite gradients at step {step} on every rank (the loss was finite on all "
+                "ranks; the averaged gradient overflowed)"
+            )
+        if self.policy == NanPolicy.stop:
+            raise UserError(
+                f"{what}: lower optim.lr, enable trainer.grad_clip, check the data those "
+                "ranks read, or set trainer.nan_policy=skip to drop such steps"
+            )
+        log.warning("skipping step %d (trainer.nan_policy=skip): %s", step, what)

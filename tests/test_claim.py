@@ -1,0 +1,75 @@
+"""One job per run dir (hydra_ddp/claim.py), in process: a live holder on this host refuses a
+second job in one line naming it; a dead holder, an earlier attempt of the same launcher job,
+or a holder on another host whose heartbeat stopped is taken over with a warning; a finished
+job gives its claim back."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hydra_ddp import claim
+
+
+@pytest.fixture(autouse=True)
+def _no_job_id(monkeypatch):
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    yield
+    claim.release_all()
+
+
+def _write(run_dir: Path, **holder) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / claim.NAME
+    path.write_text(json.dumps({"host": socket.gethostname(), "since": time.time(), **holder}))
+    return path
+
+
+def test_a_live_holder_refuses_a_second_job_naming_it(tmp_path: Path, capsys) -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write(tmp_path, pid=other.pid, job="SLURM_JOB_ID=41")
+        with pytest.raises(SystemExit) as e:
+            claim.claim(tmp_path)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path} is in use by another job (pid {other.pid} on")
+        assert "SLURM_JOB_ID=41" in err and len(err.strip().splitlines()) == 1
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_dead_holders_and_earlier_attempts_are_taken_over(tmp_path: Path, monkeypatch) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write(tmp_path / "a", pid=dead.pid)
+    claim.claim(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / claim.NAME).read_text())["pid"] == os.getpid()
+
+    # A requeued SLURM job: same job id, its first attempt's process "alive" elsewhere.
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    _write(tmp_path / "b", pid=1, host="another-node", job="SLURM_JOB_ID=77")
+    claim.claim(tmp_path / "b")
+
+    # Another host, another job, its heartbeat stopped long ago: a lost node.
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    old = _write(tmp_path / "c", pid=1, host="lost-node", job="SLURM_JOB_ID=5")
+    os.utime(old, (time.time() - claim.STALE_S - 1,) * 2)
+    claim.claim(tmp_path / "c")
+    # ...but with a fresh heartbeat it is alive.
+    _write(tmp_path / "d", pid=1, host="busy-node", job="SLURM_JOB_ID=6")
+    with pytest.raises(SystemExit):
+        claim.claim(tmp_path / "d")
+
+    claim.release_all()
+    assert not any((tmp_path / d / claim.NAME).exists() for d in "abc")
+    assert (tmp_path / "d" / claim.NAME).exists()  # not ours: left alone

@@ -1,0 +1,171 @@
+"""What the ranks must agree on, on 2 real gloo ranks in process (tests/ranks.py): exact
+distributed evaluation, the stop on a signal, the monitor's early-stop decision. And the helper
+itself: a rank's exception reaches the test, a hang fails it within the timeout.
+
+(Also on real ranks elsewhere: the sampler's partition in test_sampling.py, DDP equal to one
+process with the global batch in test_train.py.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import ranks
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.config import MonitorMode, TrainerConfig
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import UserError
+from hydra_ddp.metrics import Accuracy, MeanSquaredError, evaluate
+from hydra_ddp.monitor import Monitor
+from hydra_ddp.preemption import StopOnSignal
+
+# --------------------------------------------------------------------------------------------
+# The helper
+# --------------------------------------------------------------------------------------------
+
+
+def _sum_of_ranks(env: DistEnv, extra: int) -> tuple[int, int]:
+    t = torch.tensor([env.rank + extra])
+    dist.all_reduce(t)
+    print(f"rank {env.rank} of {env.world_size} printed")
+    return env.rank, int(t)
+
+
+def _rank1_raises(env: DistEnv) -> int:
+    if env.rank == 1:
+        raise UserError("rank 1 was told so")
+    dist.barrier()  # rank 0 waits on rank 1, which is gone: its error is the one reported
+    return env.rank
+
+
+def _hang(env: DistEnv) -> None:
+    time.sleep(600)
+
+
+def test_ranks_run_a_function_on_every_rank_over_gloo() -> None:
+    done = ranks.run(_sum_of_ranks, 10)
+    assert list(done) == [(0, 21), (1, 21)]
+    assert [f"rank {r} of 2 printed" in out for r, out in enumerate(done.outputs)] == [True] * 2
+
+
+def test_a_ranks_exception_is_raised_in_the_test() -> None:
+    with pytest.raises(UserError, match="rank 1 was told so") as info:
+        ranks.run(_rank1_raises)
+    assert any("raised on rank 1 of 2" in note for note in info.value.__notes__)
+
+
+def test_a_hang_fails_within_the_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ranks.RankFailed, match="timed out after 2 s"):
+        ranks.run(_hang, world_size=1, timeout=2)
+    assert time.monotonic() - t0 < 30
+    assert ranks.run(_sum_of_ranks, 1, world_size=1) == [(0, 1)]  # fresh workers after it
+
+
+# --------------------------------------------------------------------------------------------
+# Exact distributed evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def _split(rows: list[int], rank: int, task: str):
+    """The same 32 rows everywhere; rank r takes rows[r] of them, in batches of 5 (a share
+    starts at a multiple of 5: the batches are those of one process over all rows)."""
+    torch.manual_seed(0)
+    out = 3 if task == "classify" else 1
+    model = torch.nn.Linear(8, out)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(rows), 8, generator=g)
+    y = torch.randint(0, 3, (sum(rows),), generator=g) if out == 3 else torch.randn(sum(rows), 1)
+    start = sum(rows[:rank])
+    x, y = x[start : start + rows[rank]], y[start : start + rows[rank]]
+    batches = [(x[i : i + 5], y[i : i + 5]) for i in range(0, len(x), 5)]
+    if task == "classify":
+        return model, batches, torch.nn.CrossEntropyLoss(), {"acc": Accuracy()}
+    return model, batches, torch.nn.MSELoss(), {"mse": MeanSquaredError()}
+
+
+def _evaluate_share(env: DistEnv, rows: list[int], task: str) -> dict[str, float]:
+    model, batches, loss_fn, metrics = _split(rows, env.rank, task)
+    return evaluate(model, batches, env, loss_fn, metrics, contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("task", ["classify", "regress"])
+@pytest.mark.parametrize("rows", [[20, 12], [32, 0]], ids=["uneven", "one_rank_empty"])
+def test_evaluation_over_ranks_equals_one_process(rows: list[int], task: str) -> None:
+    """Every row counted once, weighted by its batch: the ranks' sums give exactly the loss and
+    metrics of one process over all rows (the same batches), even when a rank holds no row."""
+    done = ranks.run(_evaluate_share, rows, task)
+    assert done[0] == done[1]  # one answer on every rank
+    model, batches, loss_fn, metrics = _split([sum(rows)], 0, task)
+    alone = evaluate(model, batches, DistEnv(), loss_fn, metrics, contextlib.nullcontext())
+    assert done[0] == pytest.approx(alone, rel=1e-12)
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    assert alone["loss"] == pytest.approx(loss_fn(model(x), y).item(), rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Stopping on a signal
+# --------------------------------------------------------------------------------------------
+
+
+def _steps_until_stop(env: DistEnv, signalled_rank: int, at_step: int) -> tuple[int, int]:
+    """A loop of 2 ms steps; `signalled_rank` gets SIGUSR1 before step `at_step`. Where each
+    rank stops, and on which signal."""
+    stopper = StopOnSignal(env).start()
+    try:
+        for step in range(2000):
+            if env.rank == signalled_rank and step == at_step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            signum = stopper.agreed()
+            if signum:
+                return step, signum
+            time.sleep(0.002)
+        stopper.finish()
+        return -1, 0
+    finally:
+        stopper.restore()
+
+
+@pytest.mark.parametrize("signalled_rank", [0, 1])
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(signalled_rank: int) -> None:
+    done = ranks.run(_steps_until_stop, signalled_rank, 30)
+    (step, signum), other = done
+    assert other == (step, signum) and signum == signal.SIGUSR1
+    assert 30 <= step < 30 + 200  # within about the check interval (0.1 s of steps)
+
+
+# --------------------------------------------------------------------------------------------
+# The monitor's early stop
+# --------------------------------------------------------------------------------------------
+
+
+def _monitor_decisions(env: DistEnv, values: list[list[float]]) -> list[tuple[bool, bool]]:
+    tcfg = TrainerConfig(
+        monitor="val/acc",
+        monitor_mode=MonitorMode.max,
+        eval_interval=5,
+        early_stop_patience=2,
+    )
+    monitor = Monitor(tcfg, "acc")
+    decisions = []
+    for i, value in enumerate(values[env.rank], 1):
+        improved = monitor.update(5 * i, {"acc": value}, env)
+        decisions.append((improved, monitor.should_stop))
+    return decisions
+
+
+def test_monitor_ranks_take_rank0s_decision() -> None:
+    """Rank 1 sees (made-up) values that keep improving, rank 0 values that stop improving:
+    both ranks take rank 0's decision at every evaluation, so they stop together."""
+    rank0 = [0.5, 0.6, 0.6, 0.55]
+    rank1 = [0.5, 0.7, 0.8, 0.9]
+    done = ranks.run(_monitor_decisions, [rank0, rank1])
+    want = [(True, False), (True, False), (False, False), (False, True)]
+    assert done[0] == done[1] == want

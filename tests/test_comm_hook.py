@@ -1,0 +1,64 @@
+"""PowerSGD's state in the checkpoint, on two gloo ranks: its step count and each rank's error
+feedback are saved, and restored into a fresh hook as they were (so a resume neither repeats
+the plain all-reduce warm-up nor drops the error feedback). ddp.powersgd_start_iter=1, which
+PowerSGD itself refuses, is refused when the config is composed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from inproc import FAST, job, train_ranks, typed
+
+from hydra_ddp import checkpoint
+from hydra_ddp.errors import UserError
+
+POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_rank=1"]
+
+
+def _restore_hook(env, cfg, run, path: str) -> dict:
+    """A rank: a fresh DDP wrap with the PowerSGD hook, restored from `path`; its state."""
+    from hydra_ddp.checkpoint import Checkpointer
+    from hydra_ddp.ddp import wrap_model
+    from hydra_ddp.loop import prepare
+
+    job_ = prepare(cfg, env, run)
+    _, hook = wrap_model(job_.parts.model, env, cfg.ddp)
+    before = hook.state_dict()["iter"]
+    Checkpointer(
+        run.output_dir, env, 0, 1, 1, {"model": job_.parts.model}, {"comm_hook": hook}
+    ).restore(Path(path), ["step"])
+    return {"before": before, **checkpoint._to_cpu(hook.state_dict())}
+
+
+def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
+    import ranks
+
+    train_ranks(tmp_path, *POWERSGD, "trainer.max_steps=6")
+    path = checkpoint.latest(tmp_path)
+    saved = checkpoint.load(path)["rng"]
+    for rank in (0, 1):
+        hook = saved[rank]["comm_hook"]
+        assert hook["iter"] == 6 and hook["error_dict"], "error feedback is saved per rank"
+    assert not torch.equal(
+        next(iter(saved[0]["comm_hook"]["error_dict"].values())),
+        next(iter(saved[1]["comm_hook"]["error_dict"].values())),
+    ), "each rank's own error feedback, not rank 0's twice"
+
+    cfg, run = job(tmp_path, *POWERSGD, "trainer.max_steps=6")
+    restored = ranks.run(_restore_hook, cfg, run, str(path))
+    for rank in (0, 1):
+        assert restored[rank]["before"] == 0 and restored[rank]["iter"] == 6
+        for key, tensor in saved[rank]["comm_hook"]["error_dict"].items():
+            torch.testing.assert_close(restored[rank]["error_dict"][key], tensor)
+
+    # And the real resume continues from there.
+    summaries = train_ranks(tmp_path, *POWERSGD, "trainer.max_steps=8")
+    assert summaries[0]["steps"] == 8 and summaries[0]["steps_this_run"] == 2
+    assert checkpoint.load(checkpoint.latest(tmp_path))["rng"][1]["comm_hook"]["iter"] == 8
+
+
+def test_powersgd_start_iter_below_two_is_refused_at_compose() -> None:
+    with pytest.raises(UserError, match=r"ddp\.powersgd_start_iter=1 is not allowed: .* >= 2"):
+        typed("ddp=powersgd", "ddp.powersgd_start_iter=1")

@@ -1,0 +1,58 @@
+"""A user's callbacks, outside the package (tests/ is on sys.path): what `+callbacks.NAME.
+_target_=user_callbacks.Count` points at in test_callbacks.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Count:
+    """Counts each hook; writes the counts of its rank to <output dir>/count_rank<r>.json at the
+    end, and logs a running count with ctx.log at every step."""
+
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+        self.counts = {"train_start": 0, "step_end": 0, "epoch_end": 0, "eval_end": 0}
+        self.epochs: list[int] = []
+        self.steps: list[int] = []
+
+    def on_train_start(self, ctx) -> None:
+        self.counts["train_start"] += 1
+
+    def on_step_end(self, ctx) -> None:
+        self.counts["step_end"] += 1
+        self.steps.append(ctx.step)
+        if ctx.step % self.every == 0:
+            ctx.log(
+                {"callback_steps": self.counts["step_end"], "rank_plus_step": ctx.rank + ctx.step}
+            )
+
+    def on_epoch_end(self, ctx) -> None:
+        self.counts["epoch_end"] += 1
+        self.epochs.append(ctx.epoch)
+
+    def on_eval_end(self, ctx) -> None:
+        assert "val/loss" in ctx.metrics
+        self.counts["eval_end"] += 1
+
+    def on_train_end(self, ctx) -> None:
+        assert "test/loss" in ctx.metrics and "val/loss" in ctx.metrics
+        out = Path(ctx.output_dir) / f"count_rank{ctx.rank}.json"
+        out.write_text(json.dumps({**self.counts, "epochs": self.epochs, "steps": self.steps}))
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts), "epochs": list(self.epochs), "steps": list(self.steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts, self.epochs, self.steps = state["counts"], state["epochs"], state["steps"]
+
+
+class Boom:
+    def on_step_end(self, ctx) -> None:
+        if ctx.step == 3:
+            raise ValueError("boom at three")
+
+
+class NoHooks:
+    pass
