@@ -2,8 +2,8 @@
 (Hydra's compose API on the same config dir, resolvers and schema), type and preflight it, and
 run the training loop on one rank here or on several with tests/ranks.py.
 
-`train` and `train_step` are imported from wherever the package keeps them now (the loop is
-moving out of train.py): this shim is the one place the tests name their module.
+`train` (hydra_ddp.loop) and `train_step` (hydra_ddp.step) are re-exported here: the one place
+the tests name their modules.
 
 `isolated()` puts back what a run changes in the process: environment variables, the working
 directory, RNG states, torch's determinism and anomaly flags and thread count, logging handlers
@@ -30,26 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.dist import DistEnv, env_from_environ, under_launcher
+from hydra_ddp.loop import train
+from hydra_ddp.paths import register_resolvers
+from hydra_ddp.step import train_step
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import config_dir, preflight, to_typed
-
-try:
-    from hydra_ddp.loop import train
-except ModuleNotFoundError as e:
-    if e.name != "hydra_ddp.loop":
-        raise
-    from hydra_ddp.train import train
-try:
-    from hydra_ddp.step import train_step
-except ModuleNotFoundError as e:
-    if e.name != "hydra_ddp.step":
-        raise
-    from hydra_ddp.step import train_step
-
-try:
-    from hydra_ddp.paths import register_resolvers
-except ImportError:  # moved with the Hydra path resolvers
-    from hydra_ddp.paths import register_resolvers  # type: ignore[no-redef]
 
 __all__ = [
     "FAST",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -73,3 +74,62 @@ def test_dead_holders_and_earlier_attempts_are_taken_over(tmp_path: Path, monkey
     claim.release_all()
     assert not any((tmp_path / d / claim.NAME).exists() for d in "abc")
     assert (tmp_path / "d" / claim.NAME).exists()  # not ours: left alone
+
+
+def _lone_rank_with_bad_master(env, cfg, run):
+    from inproc import train
+
+    return train(cfg, env, run)
+
+
+def test_an_unresolvable_master_addr_fails_at_once_naming_the_host(tmp_path: Path) -> None:
+    import ranks
+    from inproc import FAST, job
+
+    from hydra_ddp.errors import UserError
+
+    cfg, run = job(tmp_path, *FAST, "dist.timeout_s=300")
+    t0 = time.monotonic()
+    done = ranks.run(
+        _lone_rank_with_bad_master, cfg, run, world_size=1, group=False,
+        env={"MASTER_ADDR": "no-such-host.invalid"}, return_exceptions=True, timeout=60,
+    )  # fmt: skip
+    assert time.monotonic() - t0 < 30
+    assert isinstance(done[0], UserError), done[0]
+    assert "MASTER_ADDR=no-such-host.invalid does not resolve" in str(done[0])
+
+
+@pytest.mark.slow  # two real jobs in one dir
+def test_a_second_job_in_a_live_jobs_dir_is_refused_and_a_killed_ones_is_taken_over(
+    tmp_path: Path,
+) -> None:
+    from conftest import user_env
+
+    env = user_env(tmp_path)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "logger=none", "trainer.progress=false",
+           f"hydra.run.dir={run_dir}", "dist.nproc_per_node=2"]  # fmt: skip
+    first = subprocess.Popen([*cmd, "trainer.max_steps=100000", "trainer.ckpt_interval=20"],
+                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list((run_dir / "checkpoints").glob("step_*.pt")):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        before = sorted(p.name for p in run_dir.iterdir())
+        second = subprocess.run([*cmd, "trainer.max_steps=10"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-2000:]
+        errors = [ln for ln in second.stderr.splitlines() if "error:" in ln]
+        assert len(errors) == 1 and f"pid {first.pid} on" in errors[0], second.stderr[-2000:]
+        assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing written
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the whole job, as a lost node would
+        first.wait()
+    third = subprocess.run([*cmd, "trainer.max_steps=40"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "taking over" in third.stderr and "resumed from" in (
+        (run_dir / "train_rank0.log").read_text()
+    )

@@ -76,16 +76,17 @@ def claim(run_dir: str | Path) -> None:
             except (OSError, ValueError):
                 holder = {}
             if holder and _alive(holder, path):
-                who = f"pid {holder.get('pid')} on {holder.get('host')}"
-                who += f" ({holder['job']})" if holder.get("job") else ""
                 sys.stderr.write(
-                    f"error: {run_dir} is in use by another job ({who}, since "
+                    f"error: {run_dir} is in use by another job ({_describe(holder)}, since "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
                     "): wait for it to end, or choose another hydra.run.dir; if that job is "
                     f"gone, delete {path}\n"
                 )
                 raise SystemExit(2) from None
-            log.warning("taking over %s from a job that is gone: %s", path, holder or "unreadable")
+            # Hydra has not set up logging yet (this runs as it resolves the log file's name).
+            sys.stderr.write(
+                f"warning: taking over {path} from a job that is gone ({_describe(holder)})\n"
+            )
             path.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
@@ -95,6 +96,13 @@ def claim(run_dir: str | Path) -> None:
         threading.Thread(target=_heartbeat, args=(path, stop), daemon=True).start()
         return
     raise SystemExit(f"error: could not claim {path}: another job keeps taking it")
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "an unreadable claim"
+    who = f"pid {holder.get('pid')} on {holder.get('host')}"
+    return who + (f" ({holder['job']})" if holder.get("job") else "")
 
 
 def _heartbeat(path: Path, stop: threading.Event) -> None:

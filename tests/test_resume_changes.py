@@ -1,0 +1,112 @@
+"""Resumes that change the job, and what a run records (in process, one rank): the data
+position is kept in rows, so a resume with another batch size continues at the first unseen
+row (the rows seen over the run equal an uninterrupted run's, or the log says how many are
+trained again); trainer.epochs counts passes whatever grad_accum is; a stats file cut
+mid-record is repaired before anything is appended; run.json records the code and versions;
+a changed optim.lr is applied and said."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from inproc import FAST, train_here
+
+ROWS = 256  # user_data.Blobs rows in the training split
+
+
+def _job(reads: Path, batch: int, *extra: str) -> list[str]:
+    log = f",log_dir:'{reads}'"
+    return [
+        *FAST, "data=torch",
+        f"data.train={{_target_:user_data.Blobs,rows:{ROWS},seed:0{log}}}",
+        "data.val={_target_:user_data.Blobs,rows:32,seed:1}",
+        "data.test={_target_:user_data.Blobs,rows:32,seed:2}",
+        "+data.spec={in_features:8,out_features:4}", f"trainer.batch_size={batch}",
+        "trainer.ckpt_interval=1", "trainer.log_interval=1", *extra,
+    ]  # fmt: skip
+
+
+def _rows_read(reads: Path) -> collections.Counter:
+    return collections.Counter(
+        int(line) for p in reads.glob("reads_*") for line in p.read_text().split()
+    )
+
+
+@pytest.mark.parametrize("first, second", [(32, 64), (64, 32)])
+def test_a_resume_with_another_batch_size_sees_each_row_once(
+    tmp_path: Path, first: int, second: int, caplog
+) -> None:
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    run = tmp_path / "run"
+    stop = 128 // first  # half an epoch of rows, in the first batch size
+    train_here(run, *_job(reads, first, f"trainer.max_steps={stop}"))
+    with caplog.at_level(logging.WARNING):
+        # The rest of the epoch, in the second batch size: 128 more rows.
+        train_here(run, *_job(reads, second, f"trainer.max_steps={stop + 128 // second}"))
+    assert _rows_read(reads) == collections.Counter(range(ROWS)), "each row exactly once"
+    said = [r.message for r in caplog.records if "continues at its row 128" in r.message]
+    assert said and said[0].endswith(", exactly"), said
+
+
+def test_a_resume_that_cannot_be_exact_says_how_many_rows_repeat(tmp_path: Path, caplog) -> None:
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    run = tmp_path / "run"
+    train_here(run, *_job(reads, 48, "trainer.max_steps=3"))  # 144 rows
+    with caplog.at_level(logging.WARNING):
+        train_here(run, *_job(reads, 64, "trainer.max_steps=4"))
+    line = next(r.message for r in caplog.records if "continues at its row 144" in r.message)
+    assert "(batch 2 here); 16 rows of it are trained again" in line
+    assert sum(_rows_read(reads).values()) == 144 + 64  # one more step: rows 128-191
+
+
+def test_epochs_count_passes_whatever_grad_accum_is(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO):
+        s = train_here(tmp_path, *FAST, "trainer.epochs=1", "trainer.grad_accum=25")
+    # digits: 20 batches of 64 a rank and epoch; one step of 20 micro-batches, not 25.
+    assert s["epochs"] == 1 and s["steps"] == 1
+    assert any("the last step accumulates 20 of trainer.grad_accum=25" in r.message
+               for r in caplog.records)  # fmt: skip
+    assert any("| 0.8 steps/epoch |" in r.message for r in caplog.records)
+
+
+def test_a_stats_file_cut_mid_record_is_repaired_on_resume(tmp_path: Path) -> None:
+    job = [*FAST, "trainer.log_interval=5", "trainer.ckpt_interval=10"]
+    train_here(tmp_path, *job, "trainer.max_steps=10")
+    stats = tmp_path / "stats" / "rank0.jsonl"
+    text = stats.read_text()
+    stats.write_text(text + text.splitlines()[-1][:25])  # a crash in the middle of a write
+    train_here(tmp_path, *job, "trainer.max_steps=20")
+    records = [json.loads(line) for line in stats.read_text().splitlines()]  # all parse
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+
+
+def test_run_json_records_code_versions_and_each_resume(tmp_path: Path) -> None:
+    train_here(tmp_path, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
+    train_here(tmp_path, *FAST, "trainer.max_steps=6", "optim.lr=0.004")
+    runs = json.loads((tmp_path / "run.json").read_text())["runs"]
+    assert len(runs) == 2  # a resume appends
+    first = runs[0]
+    assert first["versions"]["torch"] == torch.__version__ and first["world_size"] == 1
+    assert {"hydra-core", "omegaconf", "wandb", "numpy"} <= set(first["versions"])
+    git = first["git"]
+    assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool)
+    if git["dirty"]:
+        assert (tmp_path / git["diff"]).is_file()
+    assert first["command"] and first["hosts"]
+
+
+def test_a_changed_learning_rate_on_resume_is_applied_and_said(tmp_path: Path, caplog) -> None:
+    train_here(tmp_path, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
+    with caplog.at_level(logging.WARNING):
+        train_here(tmp_path, *FAST, "trainer.max_steps=6", "optim.lr=0.02")
+    said = [r.message for r in caplog.records if r.message.startswith("optim.lr 0.002 -> 0.02")]
+    assert said and "applied to all parameter groups" in said[0]
+    state = torch.load(tmp_path / "checkpoints" / "step_00000006.pt", weights_only=True)
+    assert {g["initial_lr"] for g in state["optimizer"]["param_groups"]} == {0.02}
