@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import ranks
 import wandb_records  # noqa: E402  (a test helper next to conftest.py)
 from conftest import (
     FAST,
@@ -65,12 +67,6 @@ def sweep_dir(root: Path) -> Path:
     dirs = [p.parent for p in (root / "multirun").rglob("multirun.yaml")]
     assert len(dirs) == 1, dirs
     return dirs[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,7 +332,7 @@ def _two_agents(
         "--nnodes=2",
         "--nproc_per_node=1",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=localhost:{free_port()}",
+        f"--rdzv-endpoint=localhost:{ranks.free_port()}",
         f"--rdzv-id=two-nodes-{tmp.name}",
         *args,
         "-m",
@@ -675,3 +671,51 @@ def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
     # Idempotent: a second call (e.g. a requeued task) leaves the variables alone.
     export_submitit_env()
     assert os.environ["RANK"] == "1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_submitit_sweep_survives_the_time_limit_signal(tmp_path: Path) -> None:
+    """submitit's USR2 to the first job's tasks: every rank checkpoints, submitit requeues the
+    job (max_num_timeout > 0 in the presets), the requeued job resumes and finishes, and the
+    sweep ends with a report listing both jobs, the first requeued."""
+    cmd = [
+        sys.executable, "-m", "hydra_ddp.train", "-m", "hydra/launcher=local",
+        "hydra.launcher.tasks_per_node=2", "dist.device=cpu", *FAST, "trainer.max_steps=300",
+        "trainer.log_interval=20", "trainer.seed=1,2",
+    ]  # fmt: skip
+    env = user_env(tmp_path)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        stats = None
+        while stats is None or stats.read_text().count("\n") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            found = list(tmp_path.glob("multirun/*/*/0_*/stats/rank0.jsonl"))
+            stats = found[0] if found else None
+            time.sleep(0.3)
+        job_dir = stats.parent.parent
+        import psutil
+
+        tasks = [
+            p for p in psutil.process_iter(["cmdline", "environ"])
+            if "submitit.core._submit" in " ".join(p.info["cmdline"] or [])
+            and str(job_dir.parent) in " ".join(p.info["cmdline"] or [])
+            and (p.info["environ"] or {}).get("SUBMITIT_LOCAL_JOB_ID")
+        ]  # fmt: skip
+        first_job = min(p.info["environ"]["SUBMITIT_LOCAL_JOB_ID"] for p in tasks)
+        for p in tasks:  # SLURM signals every task of the job
+            if p.info["environ"]["SUBMITIT_LOCAL_JOB_ID"] == first_job:
+                p.send_signal(signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    report = json.loads(next(tmp_path.glob("multirun/*/*/sweep_report.json")).read_text())
+    assert [j["status"] for j in report] == ["ok", "ok"], report
+    assert report[0]["requeued"] == 1 and report[1]["requeued"] == 0, report
+    logs = (job_dir / "train_rank0.log").read_text()
+    assert "stopped on SIGUSR2 at step" in logs and "resumed from" in logs
+    assert json.loads((job_dir / "summary.json").read_text())["steps"] == 300

@@ -128,7 +128,8 @@ def worker(
     try:
         return target(cfg, env_from_environ(cfg.dist), run, *args)
     except Preempted as e:
-        (log.warning if rank == 0 else log.info)("%s", e)
+        if not e.logged:
+            (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
     except Exception as e:
         code = exit_code(e, log)

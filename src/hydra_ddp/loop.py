@@ -353,8 +353,12 @@ def _stop(loop: Loop, pos: Position, signum: int) -> None:
     loop.stats.close()
     loop.checkpointer.save(asdict(pos))  # collective
     loop.evaluator.tracker.close(preempted=signum)
+    stopped = Preempted(signum, stop_message(signum, pos.step, loop.job.total_steps, loop.job.run))
+    # Said before the earlier handlers run: submitit's requeues and exits from inside chain().
+    (log.warning if loop.env.is_main else log.info)("%s", stopped)
+    stopped.logged = True
     loop.stopper.chain()
-    raise Preempted(signum, stop_message(signum, pos.step, loop.job.total_steps, loop.job.run))
+    raise stopped
 
 
 def _resume(job: Job, checkpointer: Checkpointer) -> tuple[Position, bool]:

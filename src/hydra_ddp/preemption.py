@@ -48,6 +48,7 @@ class Preempted(Exception):
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
         self.signum = signum
+        self.logged = False  # the loop logs its own stop before submitit's handler may exit
 
     @property
     def exit_code(self) -> int:

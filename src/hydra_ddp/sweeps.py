@@ -199,7 +199,10 @@ def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
         except ValueError:
             continue  # a torn line of a job killed while writing it
         if isinstance(record, dict) and "dir" in record:
-            jobs.setdefault(record["dir"], {}).update(record)
+            job = jobs.setdefault(record["dir"], {})
+            # A start after the first: the job was requeued (preemption, time limit) or rerun.
+            starts = job.get("starts", 0) + (record.get("event") == "start")
+            job.update(record, starts=starts)
     return jobs
 
 
@@ -281,6 +284,8 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
         "objective": objective,
         "metrics": {k: v for k, v in summary.items() if k.startswith("val_")},
         "detail": detail,
+        # How often it was started again (a requeue after a time limit or a preemption).
+        "requeued": max(int(record.get("starts", 1)) - 1, 0),
         "dir": job_dir,
         "logs": logs,
     }
@@ -294,7 +299,7 @@ def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
     rows = [
         [
             "*" if j["best"] else "",
-            j["status"],
+            j["status"] + (f" (requeued {j['requeued']}x)" if j.get("requeued") else ""),
             j["job"],
             _cell(j["objective"]),
             *(_cell(j["metrics"].get(n)) for n in names),

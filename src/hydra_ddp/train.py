@@ -11,6 +11,7 @@ torch's elastic agent (launch.py). The training itself is loop.py's `train`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -124,7 +125,8 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
             summary = train(cfg, env_from_environ(cfg.dist), run)
         return float(summary["objective"])
     except Preempted as e:
-        (log.warning if launcher_rank() == 0 else log.info)("%s", e)
+        if not e.logged:
+            (log.warning if launcher_rank() == 0 else log.info)("%s", e)
         if multirun and "SUBMITIT_EXECUTOR" in os.environ:
             # A submitit job that was not requeued (submitit's handler ran already): a result
             # for the sweep, so the others are still collected and reported.
@@ -142,7 +144,16 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
         # objective marks the trial failed for sweepers such as Optuna's.
         why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         sweeps.record_failure(output_dir, why)
+        _fail_task_at_exit(code)
         return float("nan")
+
+
+def _fail_task_at_exit(code: int) -> None:
+    """Under submitit: the job's result (NaN, so the sweep goes on and reports it) is saved when
+    this returns, and the task's exit status is then `code`, so SLURM's accounting (sacct) shows
+    the failed job as FAILED rather than COMPLETED."""
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        atexit.register(os._exit, code)
 
 
 def _check_run_dir(argv: list[str]) -> None:
