@@ -169,3 +169,30 @@ def test_monitor_ranks_take_rank0s_decision() -> None:
     done = ranks.run(_monitor_decisions, [rank0, rank1])
     want = [(True, False), (True, False), (False, False), (False, True)]
     assert done[0] == done[1] == want
+
+
+def test_every_signal_is_remembered_and_each_earlier_handler_runs_after_the_checkpoint() -> None:
+    """A site's SIGTERM, then submitit's SIGUSR2: the stop happens on the first, and both
+    earlier handlers run after the checkpoint (submitit requeues on its USR2 even when TERM came
+    first). A different second signal is not "asked twice": it does not stop at once."""
+    import signal
+
+    from hydra_ddp.dist import DistEnv
+
+    called: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        for sig in saved:
+            signal.signal(sig, lambda signum, frame: called.append(signum))
+        stopper = StopOnSignal(DistEnv()).start()
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGUSR2)
+        assert stopper.agreed() == signal.SIGTERM
+        assert stopper.signals == [signal.SIGTERM, signal.SIGUSR2]
+        assert called == []  # nothing ran yet: the checkpoint comes first
+        stopper.chain()
+        assert called == [signal.SIGTERM, signal.SIGUSR2]
+        stopper.restore()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

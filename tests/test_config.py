@@ -341,3 +341,22 @@ def test_plus_key_under_a_typed_group_is_refused(override: str) -> None:
     key = override[1:].split("=")[0]
     with pytest.raises(UserError, match=rf"^{key} is not a key of {key.split('.')[0]} "):
         to_typed(composed(override))
+
+
+def test_a_dollar_brace_value_on_the_command_line_is_one_line_saying_how_to_escape() -> None:
+    """`logger.name='a${IFS}b'` (a shell variable, a template string) is read by OmegaConf as
+    an interpolation: the entry turns the raw InterpolationKeyError into one line."""
+    from omegaconf import OmegaConf
+
+    from hydra_ddp.errors import UserError, config_error
+
+    with pytest.raises(Exception) as raised:  # what hydra_entry catches
+        OmegaConf.to_container(composed("logger.name=a${IFS}b"), resolve=True)
+    error = config_error(raised.value)
+    assert isinstance(error, UserError)
+    line = str(error)
+    assert line.startswith("logger.name: Interpolation key 'IFS' not found") and "\n" not in line
+    assert "escape it on the command line as \\${...}" in line
+    # Escaped, it is kept as written.
+    escaped = OmegaConf.to_container(composed("logger.name=a\\${IFS}b"), resolve=True)
+    assert escaped["logger"]["name"] == "a${IFS}b"

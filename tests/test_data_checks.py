@@ -119,3 +119,12 @@ def test_check_loaded_on_a_users_rows() -> None:
     tokens = np.array([0, 1, 2, 99, 1], dtype=np.int64)
     with pytest.raises(UserError, match="position 3 has token id 99"):
         check_loaded(TokenWindows([tokens], 2), {"vocab_size": 3}, "train")
+
+
+def test_a_data_path_that_is_a_symlink_loop_says_so(tmp_path: Path) -> None:
+    from hydra_ddp.data import SyntheticArrays
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(UserError, match=r"data.path=.*/a is a symlink loop"):
+        SyntheticArrays(str(tmp_path / "a"), in_memory=False)

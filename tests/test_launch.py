@@ -672,6 +672,44 @@ def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
     export_submitit_env()
     assert os.environ["RANK"] == "1"
 
+    # A MASTER_PORT the user set is respected (submitit's own export refuses to run with it).
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        del os.environ[key]
+    os.environ["MASTER_PORT"] = "29555"
+    export_submitit_env()
+    assert os.environ["MASTER_PORT"] == "29555" and os.environ["RANK"] == "1"
+
+
+def test_the_slurm_preset_asks_for_the_signal_requeues_and_cpus() -> None:
+    """The sbatch text submitit writes for the `slurm` preset (nothing submitted): its time-limit
+    signal, requeue on time-out, and CPUs per task."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from hydra_ddp.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher["max_num_timeout"] > 0  # submitit requeues on its time-limit signal
+    text = _make_sbatch_string(
+        command="python -m hydra_ddp.train",
+        folder="/tmp/submitit/%j",
+        job_name="hydra-ddp",
+        partition="gpu",
+        time=launcher["timeout_min"],
+        nodes=launcher["nodes"],
+        ntasks_per_node=launcher["tasks_per_node"],
+        cpus_per_task=launcher["cpus_per_task"],
+        gpus_per_node=launcher["gpus_per_node"],
+        signal_delay_s=launcher["signal_delay_s"],
+    )
+    assert f"#SBATCH --signal=USR2@{launcher['signal_delay_s']}" in text
+    assert f"#SBATCH --cpus-per-task={launcher['cpus_per_task']}" in text
+    assert f"--ntasks-per-node={launcher['tasks_per_node']}" in text
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)

@@ -26,6 +26,7 @@ from inproc import job, train_ranks
 from hydra_ddp.config import WandbMode
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.errors import UserError
+from hydra_ddp.tracking import STEP_METRIC as STEP
 from hydra_ddp.tracking import resolve_mode
 
 PLOT = REPO / "scripts" / "plot_run.py"
@@ -511,3 +512,64 @@ def test_resumed_from_an_older_checkpoint_skips_the_steps_wandb_has(tmp_path: Pa
         assert _steps(files[1:], "train/loss") == [9]
     steps = [r["step"] for r in _jsonl(out / "stats" / "rank1.jsonl")]
     assert steps == [*range(1, 9), 7, 8, 9]
+
+
+def _train_rank(env: DistEnv, cfg, run) -> dict:
+    from inproc import train
+
+    return train(cfg, env, run)
+
+
+def test_wandb_init_failing_on_rank_0_stops_every_rank_at_once(tmp_path: Path) -> None:
+    """The gather layout starts W&B on rank 0 only: its failure reaches the other rank through
+    one small collective, so both stop with W&B's reason instead of rank 1 waiting
+    dist.timeout_s (300 s) for a rank that left."""
+    env = wandb_env(
+        tmp_path,
+        WANDB_API_KEY=FAKE_KEY,
+        WANDB_BASE_URL=f"http://127.0.0.1:{_closed_port()}",
+        WANDB_INIT_TIMEOUT="3",
+    )
+    cfg, run = job(
+        tmp_path / "job", "logger=wandb", "logger.mode=online", "logger.layout=gather",
+        "trainer.progress=false", "trainer.max_steps=3", "dist.timeout_s=300",
+    )  # fmt: skip
+    t0 = time.monotonic()
+    done = ranks.run(_train_rank, cfg, run, world_size=2, group=False, env=env,
+                     return_exceptions=True, timeout=120)  # fmt: skip
+    assert time.monotonic() - t0 < 60
+    assert all(isinstance(d, UserError) for d in done), done
+    assert "W&B could not be reached within 3 s" in str(done[0])
+    assert str(done[1]).startswith("rank 0: W&B could not be reached"), done[1]
+
+
+def test_a_resume_counts_only_its_own_runs_rows(tmp_path: Path) -> None:
+    """Rows of an earlier W&B run in the same dir (before trainer.resume=never) do not count as
+    sent: the resumed run re-sends from its own last row, not the earlier run's."""
+    out = tmp_path / "job"
+    offline = wandb_env(tmp_path, WANDB_MODE="offline")
+    common = ["logger=wandb", "logger.mode=offline", "trainer.progress=false",
+              "trainer.log_interval=1", "trainer.ckpt_interval=2"]  # fmt: skip
+    for overrides in (["trainer.max_steps=8"], ["trainer.max_steps=4", "trainer.resume=never"],
+                      ["trainer.max_steps=6"]):  # fmt: skip
+        cfg, run = job(out, *common, *overrides)
+        ranks.run(_train_rank, cfg, run, world_size=1, group=False, env=offline)
+    rows = _jsonl(out / "stats" / "aggregate.jsonl")
+    ids = [r["run"] for r in rows]
+    assert len(set(ids)) == 2  # the first run, then the second (reopened by the resume)
+    second = [r for r in rows if r["run"] == ids[-1]]
+    # The second run got steps 1-4, then 5-6 after its resume: nothing skipped for the first
+    # run's steps 5-8.
+    assert [r["step"] for r in second] == [1, 2, 3, 4, 5, 6], second
+    # trainer.resume=never set the first run's checkpoints aside instead of mixing them in.
+    assert sorted(p.name for p in (out / "checkpoints.before-1").glob("step_*")) == [
+        "step_00000006.pt", "step_00000008.pt",
+    ]  # fmt: skip
+    (newest,) = [
+        p for p in sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+        if ids[-1] in p.name
+    ][-1:]  # fmt: skip
+    sent = [
+        r[STEP] for r in wandb_records.history_rows(newest) if STEP in r and "agg/loss_mean" in r
+    ]
+    assert sent == [5, 6], sent

@@ -113,3 +113,14 @@ def test_fine_tuning_resume_changes_and_evaluation(tmp_path: Path) -> None:
     assert evaluated["acc"] == pytest.approx(first["test_acc"])
     predictions = torch.load(base / "predictions_test.pt")
     assert predictions.shape == (270, 10) and "predictions" in out.stderr
+
+
+def test_a_tiny_transformers_model_trains_on_two_ranks(tmp_path: Path) -> None:
+    """The real Hugging Face class (GPT2LMHeadModel, randomly initialised: nothing downloaded),
+    dict batches, its own `.loss`; runs where the optional `transformers` extra is installed
+    (.ci/run installs it)."""
+    pytest.importorskip("transformers")
+    s = train_ranks(tmp_path, *FAST, "experiment=dict_lm_transformers", "trainer.max_steps=20",
+                    "trainer.log_interval=10")[0]  # fmt: skip
+    assert s["world_size"] == 2 and s["steps"] == 20
+    assert math.isfinite(s["val_loss"]) and s["val_loss"] < math.log(103)

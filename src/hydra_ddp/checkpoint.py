@@ -173,6 +173,23 @@ def check_folder(output_dir: Path) -> None:
         )
 
 
+def set_aside(output_dir: Path) -> Path | None:
+    """trainer.resume=never in a dir that holds checkpoints: move them to
+    checkpoints.before-<n>/ (nothing made earlier is deleted), so the new run's rotation and a
+    later resume see only its own. Rank 0, before any checkpoint is written."""
+    folder = checkpoint_dir(output_dir)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return None
+    n = 1
+    while (aside := folder.with_name(f"checkpoints.before-{n}")).exists():
+        n += 1
+    folder.rename(aside)
+    log.warning(
+        "trainer.resume=never: the checkpoints already in %s were moved to %s", folder, aside
+    )
+    return aside
+
+
 def resolve_resume(resume: str, output_dir: Path) -> Path | None:
     """trainer.resume -> the file to load (None: start fresh).
 

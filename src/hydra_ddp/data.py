@@ -529,6 +529,14 @@ class SyntheticArrays(DataSource):
     def __init__(self, path: str, in_memory: bool):
         self.root, self.in_memory = Path(path), in_memory
         manifest = self.root / "manifest.json"
+        try:
+            self.root.resolve(strict=True)
+        except RuntimeError:  # a symlink that points back at itself
+            raise UserError(
+                f"data.path={path} is a symlink loop: point it at the data set's folder"
+            ) from None
+        except OSError:
+            pass  # missing: said below, with how to create it
         if not manifest.is_file():
             raise UserError(
                 f"data.path={path}: {manifest} not found; create the data set "

@@ -65,8 +65,12 @@ def export_submitit_env() -> None:
         return
     from submitit.helpers import TorchDistributedEnvironment
 
+    # A MASTER_ADDR / MASTER_PORT the user (or a site's script) set is respected: submitit's
+    # export would refuse to run with them set ("Cannot export ... is already set").
+    given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
     # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    os.environ.update(given)
 
 
 def _submitit_tasks() -> int:

@@ -157,6 +157,8 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     callbacks = Callbacks(cfg.callbacks, data=source)
     checkpoint.check_folder(run.output_dir)
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
+    if tcfg.resume == "never" and env.is_main:
+        checkpoint.set_aside(run.output_dir)
     if tcfg.init_from and resume_from is None:
         checkpoint.init_weights(parts.model, tcfg.init_from, tcfg.init_strict)
     elif tcfg.init_from:

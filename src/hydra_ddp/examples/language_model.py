@@ -1,10 +1,14 @@
 """Dict batches and a model that computes its own loss, the Hugging Face way, in plain torch.
 
 `TextSnippets` yields one variable-length snippet of CPython's pydoc topics per item as
-`{"input_ids", "labels"}`; `pad_collate` pads a batch and adds an `attention_mask`, with
-`labels = -100` at padding (ignored by the loss and by the metrics). `TinyCausalLM` takes
+`{"input_ids", "labels"}` (labels: the next characters; with `shifted=false`, the input ids
+themselves, the Hugging Face convention where the model shifts); `pad_collate` pads a batch
+and adds an `attention_mask`, with `labels = -100` at padding (ignored by the loss and by the
+metrics). `TinyCausalLM` takes
 `(input_ids, attention_mask=None, labels=None)` and returns an object with `.loss` and `.logits`,
-as a `transformers` model does. `experiment=dict_lm` trains it with `loss=model_output`.
+as a `transformers` model does. `experiment=dict_lm` trains it with `loss=model_output`;
+`experiment=dict_lm_transformers` trains a tiny randomly initialised `transformers` GPT-2
+(`tiny_gpt2`; needs the optional extra: `pip install -e ".[transformers]"`), nothing downloaded.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ class TextSnippets(Dataset):
     """Snippets of 16 to `max_len` characters of a split of the pydoc text, as token ids (one
     id per character); `labels` are the next characters. Deterministic per item."""
 
-    def __init__(self, split: str, max_len: int = 48, snippets: int = 512) -> None:
+    def __init__(
+        self, split: str, max_len: int = 48, snippets: int = 512, shifted: bool = True
+    ) -> None:
         from pydoc_data.topics import topics
 
         text = "\n\n".join(topics[k] for k in sorted(topics))
@@ -32,7 +38,7 @@ class TextSnippets(Dataset):
         bounds = {"train": (0, int(0.9 * n)), "val": (int(0.9 * n), int(0.95 * n))}
         start, stop = bounds.get(split, (int(0.95 * n), n))
         self.text = torch.tensor([index[c] for c in text[start:stop]], dtype=torch.long)
-        self.max_len, self.snippets = max_len, snippets
+        self.max_len, self.snippets, self.shifted = max_len, snippets, shifted
 
     def __len__(self) -> int:
         return self.snippets
@@ -42,6 +48,8 @@ class TextSnippets(Dataset):
         length = int(torch.randint(16, self.max_len + 1, (1,), generator=g))
         at = int(torch.randint(0, len(self.text) - length - 1, (1,), generator=g))
         window = self.text[at : at + length + 1]
+        if not self.shifted:  # the model shifts (Hugging Face): labels are the inputs
+            return {"input_ids": window[:-1], "labels": window[:-1]}
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
@@ -94,3 +102,14 @@ class TinyCausalLM(nn.Module):
         if labels is not None:  # labels are already the next tokens; -100 is ignored
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         return CausalLMOutput(loss=loss, logits=logits)
+
+
+def tiny_gpt2(vocab_size: int, width: int = 64, layers: int = 1, heads: int = 4, max_len: int = 64):
+    """A randomly initialised, tiny `transformers` GPT-2 (no download): the real Hugging Face
+    model class, called as `model(**batch)`, returning its own `.loss`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size, n_embd=width, n_layer=layers, n_head=heads, n_positions=max_len
+    )
+    return GPT2LMHeadModel(config)
