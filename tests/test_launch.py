@@ -104,6 +104,10 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
     (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    # The cluster's name service: the allocation's nodes resolve, nothing else does.
+    (bin_dir / "getent").write_text(
+        '#!/bin/sh\ncase "$2" in gpu-node-0*) echo "10.0.0.7 $2";; *) exit 2;; esac\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = user_env(
@@ -131,6 +135,12 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
         "-m hydra_ddp.train hydra.run.dir=outputs/slurm/4242 model=cnn",
     ):
         assert part in out, (part, out)
+    # A head node that does not resolve: one line at once, not minutes of rendezvous retries.
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho no-such-node\n")
+    bad = run(["bash", script], tmp_path, env=env, timeout=60)
+    assert bad.returncode == 2 and "srun" not in bad.stdout
+    assert "error: the rendezvous host no-such-node" in bad.stderr, bad.stderr
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
     # A user's own run dir wins.
     out = ok(run(["bash", script, "hydra.run.dir=mine"], tmp_path, env=env, timeout=60)).stdout
     assert "-m hydra_ddp.train hydra.run.dir=mine\n" in out or out.rstrip().endswith(

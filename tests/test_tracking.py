@@ -573,3 +573,16 @@ def test_a_resume_counts_only_its_own_runs_rows(tmp_path: Path) -> None:
         r[STEP] for r in wandb_records.history_rows(newest) if STEP in r and "agg/loss_mean" in r
     ]
     assert sent == [5, 6], sent
+
+
+def test_wandb_gpu_ids_follow_cuda_visible_devices(monkeypatch) -> None:
+    """W&B's system monitor sees every GPU of the machine: cuda:0 of a task that sees GPUs 2,3
+    is GPU 2 there."""
+    from hydra_ddp.tracking import physical_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert (physical_gpu(0), physical_gpu(1)) == (2, 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-3f2a")  # UUIDs: the ordinal is all we have
+    assert physical_gpu(0) == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert physical_gpu(1) == 1

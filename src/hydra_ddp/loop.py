@@ -264,7 +264,8 @@ def _run(job: Job) -> dict[str, Any]:
 def fit(loop: Loop, pos: Position) -> float:
     """The training loop, from `pos` to trainer.max_steps (or the end of trainer.epochs, or an
     early stop); returns its wall time. `# collective`: every rank, same step."""
-    tcfg, env, job, callbacks = loop.tcfg, loop.env, loop.job, loop.job.callbacks
+    tcfg, env, job = loop.tcfg, loop.env, loop.job
+    parts, callbacks = job.parts, job.callbacks
     batches = _batches(job.train_data, pos, tcfg)
     epochs_done = _epochs_done(pos, job.steps_per_epoch)
     callbacks("on_train_start", _at(loop.ctx, pos))
@@ -279,7 +280,6 @@ def fit(loop: Loop, pos: Position) -> float:
         micro_batches = [next(batches) for _ in range(_micro_batches(job, pos))]
         data_wait = time.perf_counter() - t_step
         micro_batches = [to_device(b, env.device) for b in micro_batches]
-        parts = job.parts
         losses = parts.step(
             loop.tools, loop.step_model, micro_batches, parts.objective,
             parts.optimizers.optimizers,
@@ -299,7 +299,7 @@ def fit(loop: Loop, pos: Position) -> float:
         if loop.stats.due(step) or loop.evaluator.due(step) or loop.checkpointer.due(step):
             loop.health.check()  # collective: nothing non-finite is logged, judged or saved
         if loop.stats.due(step):
-            lr = job.parts.optimizers.last_lr()
+            lr = parts.optimizers.last_lr()
             loop.stats.log(step, grad_norm, lr, **_data_stats(job, pos))  # collective
         callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"]))
         for epoch in range(epochs_done, _epochs_done(pos, job.steps_per_epoch)):
@@ -313,7 +313,7 @@ def fit(loop: Loop, pos: Position) -> float:
         loop.checkpointer.maybe_save(asdict(pos))  # collective
     if loop.stats.steps:  # an early stop between two log intervals: its last steps' stats
         loop.health.check()  # collective
-        lr = job.parts.optimizers.last_lr()
+        lr = parts.optimizers.last_lr()
         loop.stats.log(pos.step, grad_norm, lr, **_data_stats(job, pos))  # collective
     loop.stopper.finish()  # collective
     loop.stats.close()
