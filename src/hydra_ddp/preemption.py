@@ -91,7 +91,6 @@ class StopOnSignal:
     def __init__(self, env: DistEnv, timeout_s: float = 1800.0) -> None:
         self.env = env
         self.timeout_s = timeout_s  # dist.timeout_s, also for the gloo group of the check
-        self.received = 0  # the first stop signal
         self.signals: list[int] = []  # every stop signal received, in order
         self._when = 0.0
         self._previous: dict[int, Any] = {}
@@ -126,10 +125,15 @@ class StopOnSignal:
             self.restore()
             signal.raise_signal(signum)
             return
-        if not self.received:
-            self.received, self._when = signum, now
+        if not self.signals:
+            self._when = now
         if signum not in self.signals:
             self.signals.append(signum)
+
+    @property
+    def received(self) -> int:
+        """The first stop signal received (0: none)."""
+        return self.signals[0] if self.signals else 0
 
     def agreed(self) -> int:
         """The signal (its number) that some rank got before the previous check, the same on
