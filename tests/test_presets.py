@@ -101,7 +101,15 @@ def test_experiment_keeps_the_data_sets_task_and_the_command_line_wins() -> None
     assert choices()["experiment"] is None and choices()["model"] == "mlp"
 
 
-@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+# The "your project" examples train on 2 ranks in test_your_project.py too (dict batches, the
+# GAN, per-item data): their runs here are slow ones.
+EXAMPLES = {"images", "dict_lm", "dict_lm_transformers", "siamese", "gradient_penalty", "gan"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in EXAMPLES else n for n in sorted(EXPERIMENTS)],
+)
 def test_experiment_runs_on_two_ranks(tmp_path: Path, name: str) -> None:
     if name == "dict_lm_transformers":
         pytest.importorskip("transformers")  # the optional extra (.ci/run installs it)
