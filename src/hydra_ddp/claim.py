@@ -11,7 +11,6 @@ SLURM's requeue: same job id), or one whose heartbeat (the file's mtime, refresh
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import sys
@@ -19,8 +18,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 NAME = ".claim"
 HEARTBEAT_S = 30.0

@@ -174,7 +174,7 @@ def score(
     being the batch's targets or rows, then each metric's `sums`), left on `device`: nothing is
     read back to the host here."""
     objective = loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
-    callers = {name: Caller(m.sums, f"metrics.{name}") for name, m in metrics.items()}
+    callers = {name: Caller(m.sums) for name, m in metrics.items()}
     totals: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(data):
         if limit and i >= limit:

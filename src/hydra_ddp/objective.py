@@ -106,8 +106,8 @@ class Caller:
     """Calls a loss or a metric method with what its parameters ask for: (output, target) by
     default, `batch=` and `model=` by name."""
 
-    def __init__(self, fn: Callable, key: str) -> None:
-        self.fn, self.key = fn, key
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
         signature = _signature(fn)
         names = [] if signature is None else list(signature.parameters.values())[1:]
         self.wants_batch = any(p.name == "batch" for p in names)
@@ -147,7 +147,7 @@ class Objective:
 
     def __init__(self, loss_fn: Callable) -> None:
         self.loss_fn = loss_fn
-        self.call = Caller(loss_fn, "loss")
+        self.call = Caller(loss_fn)
 
     def __call__(
         self, output: Any, batch: Any, model: Any = None

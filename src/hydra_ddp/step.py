@@ -167,7 +167,6 @@ class NonFiniteCheck:
     def __init__(self, env: DistEnv, policy: NanPolicy) -> None:
         self.env, self.policy = env, policy
         self._first = torch.full((2,), self._NONE, dtype=torch.long, device=env.device)
-        self._steps = torch.arange(2, device=env.device)  # reused: no per-step allocation
 
     def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         finite = torch.stack([torch.isfinite(grad_norm), torch.isfinite(loss)])
