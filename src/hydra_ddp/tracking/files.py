@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
 from hydra_ddp import jsonfile
+from hydra_ddp.dist import DistEnv
 from hydra_ddp.tracking import names
 from hydra_ddp.tracking.sink import Kind, Record, Sink
 from hydra_ddp.tracking.values import plain
@@ -81,6 +82,12 @@ def drop_rows_after(path: Path, step: int) -> int:
     return len(later)
 
 
+def _rank_of(path: Path) -> int:
+    """The rank of a stats/rank<r>.jsonl file (-1 for another name)."""
+    digits = path.stem[len("rank") :]
+    return int(digits) if digits.isdigit() else -1
+
+
 def append_to(path: Path) -> TextIO:
     """Open a JSON-lines file to append to, first dropping a last line that a crash cut short
     (appending to it would make both it and the next record unreadable)."""
@@ -102,13 +109,17 @@ class JsonFiles(Sink):
     """This rank's stats/rank{r}.jsonl; on rank 0 also aggregate.jsonl, eval.jsonl and
     summary.json."""
 
-    def __init__(self, output_dir: Path, rank: int, is_main: bool, resumed_step: Optional[int]):
-        self.rank, self.is_main = rank, is_main
+    def __init__(self, output_dir: Path, env: DistEnv, resumed_step: Optional[int]):
+        self.rank, self.is_main = env.rank, env.is_main
         self.run_id: Optional[str] = None  # set by the W&B sink: tags every row
         self.dir = stats_dir(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        own = self.dir / f"rank{rank}.jsonl"
-        mine = [own, *((self.dir / "aggregate.jsonl", self.dir / "eval.jsonl") if is_main else ())]
+        own = self.dir / f"rank{env.rank}.jsonl"
+        mine = [own]
+        if env.is_main:
+            # Rank 0 also trims the files of ranks a smaller job no longer has.
+            gone = [p for p in self.dir.glob("rank*.jsonl") if _rank_of(p) >= env.world_size]
+            mine += [self.dir / "aggregate.jsonl", self.dir / "eval.jsonl", *gone]
         if resumed_step is not None:
             dropped = {p.name: drop_rows_after(p, resumed_step) for p in mine}
             if any(dropped.values()):
@@ -121,7 +132,7 @@ class JsonFiles(Sink):
         self.handles: Dict[str, Optional[TextIO]] = {"own": None, "aggregate": None, "eval": None}
         # Append: a resumed job continues the same files.
         self.handles["own"] = append_to(own)
-        if is_main:
+        if env.is_main:
             self.handles["aggregate"] = append_to(mine[1])
 
     def log(self, record: Record, step: int) -> None:

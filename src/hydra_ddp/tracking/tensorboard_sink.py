@@ -45,7 +45,7 @@ class TensorBoardSink(Sink):
                 if isinstance(value, str):
                     writer.add_text(f"train/{key}", value, step)
                 elif not is_media(value):
-                    writer.add_scalar(f"train/{key}", value, step, walltime=record.time)
+                    writer.add_scalar(f"train/{key}", float(value), step, walltime=record.time)
         elif record.kind == Kind.interval:
             for key, value in record.aggregates.items():
                 writer.add_scalar(f"agg/{key}", value, step, walltime=record.time)

@@ -49,7 +49,7 @@ class Tracker:
         from step 0). `# collective` for W&B's `group` and `shared` layouts: build it on every
         rank."""
         self.env, self.closed = env, False
-        self.files = JsonFiles(run.output_dir, env.rank, env.is_main, resumed_step)
+        self.files = JsonFiles(run.output_dir, env, resumed_step)
         self.sinks: List[Sink] = [self.files]
         self.pending: Optional[gather.Interval] = None
         self.queued: gather.Queued = []  # this rank's ctx.log rows for rank 0 to forward
@@ -57,6 +57,7 @@ class Tracker:
         # (step, aggregates) of the newest interval whose gather completed, on rank 0.
         self.last_aggregate: Tuple[int, Dict[str, float]] = (0, {})
         self.forward = False  # whether other ranks' ctx.log values go to rank 0's sinks
+        self.warned_media = False  # said once: media of other ranks are not forwarded
         try:
             if cfg.backend in SINKS:
                 sink = _sink_class(cfg.backend)(cfg, env, run, resumed_step, self.files.dir)
@@ -124,9 +125,10 @@ class Tracker:
         self._fan_out(Record(Kind.values, self.env.rank, checked, time.time()), step)
         if self.forward and not self.env.is_main:
             plain = {k: v for k, v in checked.items() if not values.is_media(v)}
-            if len(plain) < len(checked):
+            if len(plain) < len(checked) and not self.warned_media:
+                self.warned_media = True
                 logger.warning(
-                    "ctx.log at step %d: W&B media of rank %d are not sent under "
+                    "ctx.log at step %d: W&B media of rank %d are not sent (now and later) under "
                     "logger.layout=gather (only rank 0 has a run): use logger.layout=group",
                     step,
                     self.env.rank,
@@ -159,12 +161,7 @@ class Tracker:
         """`# collective`, at the end of a successful run: hand rank 0 the last ctx.log rows,
         then close on every rank; with W&B's shared layout the other ranks first, so the
         primary finishes the run last."""
-        if self.forward and not self.closed:
-            pending, self.pending = self.pending, None
-            if pending is not None:
-                self._finish(pending, exchange=True)
-            queued, self.queued = self.queued, []
-            self._forwarded(gather.exchange_values(self.env, queued))  # collective
+        self._hand_over()  # collective
         shared = self.env.distributed and getattr(self.sinks[-1], "layout", None) == Layout.shared
         if shared and not self.env.is_main:
             self.close()
@@ -172,10 +169,22 @@ class Tracker:
             dist.barrier()
         self.close()
 
+    def _hand_over(self) -> None:
+        """`# collective` where values are forwarded: the last interval and the ctx.log rows
+        queued since, to rank 0, at the end of a run."""
+        if not self.forward or self.closed:
+            return
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._finish(pending, exchange=True)
+        queued, self.queued = self.queued, []
+        self._forwarded(gather.exchange_values(self.env, queued))  # collective
+
     def close(self, failed: bool = False, preempted: int = 0) -> None:
         """Complete the last interval, close every sink. Idempotent. `failed`: the run failed;
         `preempted` (the signal's number): stopped by it. Not collective, but on success every
-        rank must call it (the last interval's gather is waited for)."""
+        rank must call it (the last interval's gather is waited for). Other ranks' ctx.log rows
+        not yet handed to rank 0 (close_all does) stay in their stats files only."""
         if self.closed:
             return
         error: Optional[BaseException] = None
@@ -183,7 +192,7 @@ class Tracker:
         # After a failure a peer may be gone: only an interval already gathered is kept.
         if pending is not None and (not failed or pending.work.is_completed()):
             try:
-                self._finish(pending, exchange=not failed)
+                self._finish(pending, exchange=False)
             except Exception as e:  # still close the sinks
                 error, failed = e, True
         self.closed = True
