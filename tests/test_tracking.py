@@ -499,7 +499,8 @@ def test_resumed_job_continues_its_wandb_runs(tmp_path: Path, layout: str) -> No
 def test_resumed_from_an_older_checkpoint_skips_the_steps_wandb_has(tmp_path: Path) -> None:
     """Killed after logging step 8 but checkpointed at 6 (here: resumed from the step-6
     checkpoint on purpose): steps 7 and 8 are trained again but not sent again, on either
-    rank's run, so W&B has every step once; the local JSON lines keep both attempts."""
+    rank's run, so W&B has every step once; the stats files hold every step once too, the
+    first attempt's 7 and 8 moved to stats/superseded/ (which W&B's accounting still reads)."""
     out = tmp_path / "job"
     _job(tmp_path, out, "trainer.max_steps=8", "logger.layout=group")
     older = out / "checkpoints" / "step_00000006.pt"
@@ -510,8 +511,10 @@ def test_resumed_from_an_older_checkpoint_skips_the_steps_wandb_has(tmp_path: Pa
     for files in by_id.values():
         assert _steps(files, "train/loss") == list(range(1, 10))
         assert _steps(files[1:], "train/loss") == [9]
-    steps = [r["step"] for r in _jsonl(out / "stats" / "rank1.jsonl")]
-    assert steps == [*range(1, 9), 7, 8, 9]
+    for name in ("rank0.jsonl", "rank1.jsonl", "aggregate.jsonl"):
+        assert [r["step"] for r in _jsonl(out / "stats" / name)] == list(range(1, 10)), name
+        superseded = _jsonl(out / "stats" / "superseded" / name)
+        assert [r["step"] for r in superseded] == [7, 8], name
 
 
 def _train_rank(env: DistEnv, cfg, run) -> dict:
@@ -556,11 +559,15 @@ def test_a_resume_counts_only_its_own_runs_rows(tmp_path: Path) -> None:
         ranks.run(_train_rank, cfg, run, world_size=1, group=False, env=offline)
     rows = _jsonl(out / "stats" / "aggregate.jsonl")
     ids = [r["run"] for r in rows]
-    assert len(set(ids)) == 2  # the first run, then the second (reopened by the resume)
-    second = [r for r in rows if r["run"] == ids[-1]]
+    assert len(set(ids)) == 1  # the second run (reopened by the resume) alone
+    # trainer.resume=never set the first run's stats and summary aside with its checkpoints.
+    first = _jsonl(out / "stats.before-1" / "aggregate.jsonl")
+    assert [r["step"] for r in first] == list(range(1, 9))
+    assert {r["run"] for r in first} != set(ids)
+    assert json.loads((out / "stats.before-1" / "job_summary.json").read_text())["steps"] == 8
     # The second run got steps 1-4, then 5-6 after its resume: nothing skipped for the first
     # run's steps 5-8.
-    assert [r["step"] for r in second] == [1, 2, 3, 4, 5, 6], second
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], rows
     # trainer.resume=never set the first run's checkpoints aside instead of mixing them in.
     assert sorted(p.name for p in (out / "checkpoints.before-1").glob("step_*")) == [
         "step_00000006.pt", "step_00000008.pt",
@@ -586,3 +593,59 @@ def test_wandb_gpu_ids_follow_cuda_visible_devices(monkeypatch) -> None:
     assert physical_gpu(0) == 0
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert physical_gpu(1) == 1
+
+
+@pytest.mark.parametrize("layout", ["gather", "group"])
+def test_every_ranks_ctx_log_and_every_groups_lr_reach_wandb(tmp_path: Path, layout: str) -> None:
+    """ctx.log on both ranks at every step: under gather rank 1's values reach rank 0's run as
+    rank1/<key> (at the next log interval, the last ones at the end), under group its own run;
+    every parameter group's learning rate is a key of its own."""
+    out = tmp_path / "job"
+    _job(
+        tmp_path, out, "trainer.max_steps=5", "trainer.log_interval=2", f"logger.layout={layout}",
+        "+callbacks.log._target_=user_log_callbacks.LogEveryRank",
+        "+optim.param_groups=[{params: 'net.0.*', lr: 0.01}]",
+    )  # fmt: skip
+    runs = {wandb_records.run_info(p)["job_type"]: p for p in _runs(out)}
+    rows = {key: wandb_records.history_rows(path) for key, path in runs.items()}
+    for rank in (0, 1):
+        if layout == "gather":
+            mine, key, lr = rows[""], f"rank{rank}/rank_step", f"rank{rank}/lr/default/0"
+        else:
+            mine, key, lr = rows[f"rank{rank}"], "train/rank_step", "train/lr/default/0"
+        logged = sorted((r[STEP], r[key]) for r in mine if key in r)
+        assert logged == [(s, 100 * rank + s) for s in range(1, 6)], (key, logged)
+        notes = [r for r in mine if key.replace("rank_step", "note/_type") in r]  # text: HTML
+        assert len(notes) == 5 and all(r[key.replace("rank_step", "half")] == 0.5 for r in notes)
+        assert _steps([runs[""] if layout == "gather" else runs[f"rank{rank}"]], lr) == [2, 4, 5]
+        stats = [r for r in _jsonl(out / "stats" / f"rank{rank}.jsonl") if "loss" in r]
+        assert all({"lr/default/0", "lr/default/rest"} <= r.keys() for r in stats)
+
+
+def test_a_resume_writes_no_step_twice_and_resume_never_sets_the_stats_aside(
+    tmp_path: Path,
+) -> None:
+    """Run to 10 (checkpoints at 5 and 10), lose the step-10 checkpoint, resume to 12: steps
+    6..10 appear once in each rank's file, the aggregate and eval.jsonl (the first attempt's
+    rows past step 5 are in stats/superseded/). Then trainer.resume=never in that dir moves the
+    stats and summary aside, as it does the checkpoints."""
+    out = tmp_path / "job"
+    every = ["logger=none", "trainer.ckpt_interval=5", "trainer.eval_interval=2"]
+    _job(tmp_path, out, *every, "trainer.max_steps=10")
+    (out / "checkpoints" / "step_00000010.pt").unlink()
+    _job(tmp_path, out, *every, "trainer.max_steps=12")
+    stats = out / "stats"
+    for name in ("rank0.jsonl", "rank1.jsonl", "aggregate.jsonl"):
+        steps = [r["step"] for r in _jsonl(stats / name)]
+        assert steps == list(range(1, 13)), (name, steps)
+        assert [r["step"] for r in _jsonl(stats / "superseded" / name)] == [6, 7, 8, 9, 10]
+    evals = [r["step"] for r in _jsonl(stats / "eval.jsonl")]
+    assert evals == sorted(set(evals)) and evals[-1] == 12 and 6 in evals, evals
+    assert json.loads((out / "summary.json").read_text())["steps"] == 12
+
+    _job(tmp_path, out, *every, "trainer.max_steps=3", "trainer.resume=never")
+    aside = out / "stats.before-1"
+    assert [r["step"] for r in _jsonl(aside / "rank1.jsonl")] == list(range(1, 13))
+    assert json.loads((aside / "job_summary.json").read_text())["steps"] == 12
+    assert [r["step"] for r in _jsonl(stats / "rank1.jsonl")] == [1, 2, 3]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3

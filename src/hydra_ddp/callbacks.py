@@ -48,12 +48,15 @@ class Context:
     epoch: int = 0  # the epoch being trained (on_epoch_end: the one that just ended)
     loss: float | torch.Tensor = float("nan")  # the last step's mean loss (a device tensor)
     metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
-    # ctx.log's destination: the rank's stats file and W&B (see Tracker.log_values).
+    # ctx.log's destination: the rank's stats file and the logger (Tracker.log_values).
     _sink: Callable[[int, dict[str, Any]], None] | None = None
 
     def log(self, values: Mapping[str, Any]) -> None:
-        """Record `values` in this rank's stats at the current step: numbers in
-        stats/rank<r>.jsonl and W&B, W&B media objects (wandb.Image, ...) in W&B only."""
+        """Record `values` in this rank's stats at the current step (tracking/values.py): numbers
+        and one-element tensors in stats/rank<r>.jsonl, W&B and TensorBoard, text likewise, W&B
+        media objects (wandb.Image, ...) in W&B only (a placeholder in the stats file). A key
+        the template logs itself (step, rank, loss, lr, ...) or another kind of value raises a
+        ValueError, which names the callback."""
         if self._sink is not None:
             self._sink(self.step, dict(values))
 

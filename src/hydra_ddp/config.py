@@ -124,7 +124,10 @@ class SamplerConfig:
 
 
 class LoggerBackend(Enum):
+    """Where stats go besides the per-rank JSON-lines files (tracking.tracker.SINKS)."""
+
     wandb = "wandb"
+    tensorboard = "tensorboard"  # one event-file folder per rank, <output dir>/tensorboard
     none = "none"  # per-rank JSON-lines files only
 
 

@@ -23,6 +23,7 @@ from rich.progress import (
 from rich.tree import Tree
 
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.tracking import names
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,19 @@ class Console:
         several, so a straggler shows on the console too. The cross-rank figures are those of
         the newest gathered interval (`Tracker.last_aggregate`), one interval behind."""
         agg_step, agg = last_aggregate
+        # One learning rate is shown; several (lr/<optimizer>/<group>) are in the stats files.
+        lr = f" | lr {stats[names.LR]:.2e}" if names.LR in stats else ""
         line = (
-            f"step {step}/{total} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
-            f"{unit}/s {stats[f'{unit}_per_s']:.0f} (rank 0) | "
-            f"step {1000 * stats['step_time']:.1f} ms | data wait "
-            f"{1000 * stats['data_wait']:.2f} ms"
+            f"step {step}/{total} | loss {stats[names.LOSS]:.4f}{lr} | "
+            f"{unit}/s {stats[names.throughput(unit)]:.0f} (rank 0) | "
+            f"step {1000 * stats[names.STEP_TIME]:.1f} ms | data wait "
+            f"{1000 * stats[names.DATA_WAIT]:.2f} ms"
         )
-        if self.env.world_size > 1 and "step_time_max" in agg:
+        slowest_ms = agg.get(names.spread(names.STEP_TIME, "max"))
+        if self.env.world_size > 1 and slowest_ms is not None:
             line += (
-                f" | slowest rank {int(agg['slowest_rank'])} "
-                f"({1000 * agg['step_time_max']:.1f} ms to step {agg_step})"
+                f" | slowest rank {int(agg[names.SLOWEST_RANK])} "
+                f"({1000 * slowest_ms:.1f} ms to step {agg_step})"
             )
         log.info(line)
 

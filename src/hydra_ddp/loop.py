@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hydra_ddp import checkpoint, jsonfile, provenance, redact
+from hydra_ddp import checkpoint, jsonfile, provenance, redact, tracking
 from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
@@ -159,6 +159,7 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
     if tcfg.resume == "never" and env.is_main:
         checkpoint.set_aside(run.output_dir)
+        tracking.set_aside(run.output_dir)  # the stats files and summary.json
     if tcfg.init_from and resume_from is None:
         checkpoint.init_weights(parts.model, tcfg.init_from, tcfg.init_strict)
     elif tcfg.init_from:
@@ -299,8 +300,8 @@ def fit(loop: Loop, pos: Position) -> float:
         if loop.stats.due(step) or loop.evaluator.due(step) or loop.checkpointer.due(step):
             loop.health.check()  # collective: nothing non-finite is logged, judged or saved
         if loop.stats.due(step):
-            lr = parts.optimizers.last_lr()
-            loop.stats.log(step, grad_norm, lr, **_data_stats(job, pos))  # collective
+            lrs = parts.optimizers.learning_rates()
+            loop.stats.log(step, grad_norm, lrs, **_data_stats(job, pos))  # collective
         callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"]))
         for epoch in range(epochs_done, _epochs_done(pos, job.steps_per_epoch)):
             callbacks("on_epoch_end", _at(loop.ctx, pos, epoch=epoch))
@@ -313,8 +314,8 @@ def fit(loop: Loop, pos: Position) -> float:
         loop.checkpointer.maybe_save(asdict(pos))  # collective
     if loop.stats.steps:  # an early stop between two log intervals: its last steps' stats
         loop.health.check()  # collective
-        lr = parts.optimizers.last_lr()
-        loop.stats.log(pos.step, grad_norm, lr, **_data_stats(job, pos))  # collective
+        lrs = parts.optimizers.learning_rates()
+        loop.stats.log(pos.step, grad_norm, lrs, **_data_stats(job, pos))  # collective
     loop.stopper.finish()  # collective
     loop.stats.close()
     return time.perf_counter() - t_start

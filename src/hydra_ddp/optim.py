@@ -38,9 +38,16 @@ def param_groups(model: torch.nn.Module, groups: Sequence[Mapping[str, Any]] = (
 
 
 def _grouped(
-    named: list[tuple[str, torch.Tensor]], groups: Sequence[Mapping[str, Any]], key: str
+    named: list[tuple[str, torch.Tensor]],
+    groups: Sequence[Mapping[str, Any]],
+    key: str,
+    labels: list[str] | None = None,
 ) -> list[dict]:
+    """The optimizer's `params`; `labels`, when given, gets each group's name in the logged
+    learning rates: the index of its `param_groups` entry, or `rest` for the parameters in none
+    (the decay split of one entry shares its label)."""
     out: list[dict] = []
+    labels = [] if labels is None else labels
     left = list(named)
     for i, group in enumerate(groups):
         settings = {k: v for k, v in group.items() if k != "params"}
@@ -52,13 +59,18 @@ def _grouped(
                 f"{key}[{i}].params={group['params']!r} matches no trainable parameter; "
                 f"names look like {', '.join(n for n, _ in named[:3])}"
             )
-        out += _decay_split([p for _, p in mine], settings)
+        split = _decay_split([p for _, p in mine], settings)
+        out += split
+        labels += [str(i)] * len(split)
     rest = [p for _, p in left]
     default = [
         {"params": [p for p in rest if p.ndim >= 2]},
         {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return out + (default if rest or not out else [])
+    if rest or not out:
+        out += default
+        labels += ["rest"] * len(default)
+    return out
 
 
 def _decay_split(params: list[torch.Tensor], settings: dict[str, Any]) -> list[dict]:
@@ -85,28 +97,39 @@ class Optimizers:
     Checkpointed as `optimizer` and `scheduler`: a single optimizer's state as it always was,
     several as a dict by name."""
 
-    def __init__(self, optimizers: dict[str, Any], schedulers: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        optimizers: dict[str, Any],
+        schedulers: dict[str, Any],
+        group_labels: dict[str, list[str]] | None = None,
+    ) -> None:
+        """`group_labels`: by optimizer, the name of each of its param groups in the logged
+        learning rates (default: the group's index)."""
         self.optimizers, self.schedulers = optimizers, schedulers
         self.single = list(optimizers) == ["default"]
+        self.group_labels = group_labels or {}
 
     @classmethod
     def build(cls, cfg: Mapping[str, Any], scheduler_cfg: Any, model: torch.nn.Module,
               total_steps: int) -> Optimizers:  # fmt: skip
         from hydra_ddp.components import build
 
+        labels: dict[str, list[str]] = {}
+
         def one(key: str, spec: Mapping[str, Any], named: list) -> tuple[Any, Any]:
             spec = dict(spec)
             groups = spec.pop("param_groups", None) or []
             sched = spec.pop("scheduler", None) or scheduler_cfg
             spec.pop("params", None)
-            opt = build(spec, key, params=_grouped(named, groups, f"{key}.param_groups"))
+            mine = labels.setdefault(key.partition(".")[2] or "default", [])
+            opt = build(spec, key, params=_grouped(named, groups, f"{key}.param_groups", mine))
             return opt, build(sched, f"{key}.scheduler" if sched is not scheduler_cfg else
                               "scheduler", optimizer=opt, total_steps=total_steps)  # fmt: skip
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if "_target_" in cfg:
             opt, sched = one("optim", cfg, named)
-            return cls({"default": opt}, {"default": sched})
+            return cls({"default": opt}, {"default": sched}, labels)
         optimizers, schedulers, left = {}, {}, named
         for name, spec in cfg.items():
             if not isinstance(spec, Mapping) or "params" not in spec:
@@ -126,7 +149,7 @@ class Optimizers:
                 f"trainable parameters in no optimizer: {', '.join(n for n, _ in left[:5])}"
                 f"{' ...' if len(left) > 5 else ''}: widen an optim.<name>.params pattern"
             )
-        return cls(optimizers, schedulers)
+        return cls(optimizers, schedulers, labels)
 
     def step_schedules(self) -> None:
         for scheduler in self.schedulers.values():
@@ -134,6 +157,20 @@ class Optimizers:
 
     def last_lr(self) -> float:
         return next(iter(self.schedulers.values())).get_last_lr()[0]
+
+    def learning_rates(self) -> dict[str, float]:
+        """Every optimizer's every group's current learning rate, as logged: the one `lr` when
+        there is one optimizer with one group (the decay split of a group is one group), else
+        `lr/<optimizer>/<group>` (<group>: the index of its `param_groups` entry, or `rest`)."""
+        rates: dict[str, float] = {}
+        for name, optimizer in self.optimizers.items():
+            labels = self.group_labels.get(name, [])
+            for i, group in enumerate(optimizer.param_groups):
+                label = labels[i] if i < len(labels) else str(i)
+                rates.setdefault(f"lr/{name}/{label}", float(group["lr"]))
+        if len(rates) == 1:
+            return {"lr": next(iter(rates.values()))}
+        return rates
 
     def state_dict(self) -> dict[str, Any]:
         states = {n: o.state_dict() for n, o in self.optimizers.items()}

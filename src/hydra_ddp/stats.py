@@ -15,7 +15,7 @@ import torch
 from hydra_ddp.console import Console
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.metrics import memory_stats
-from hydra_ddp.tracking import Tracker
+from hydra_ddp.tracking import Tracker, names
 
 
 class StepStats:
@@ -61,28 +61,30 @@ class StepStats:
     def due(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.total_steps
 
-    def log(self, step: int, grad_norm: torch.Tensor, lr: float, **extra: Any) -> None:
-        """Collective (the Tracker gathers every rank's stats): this window's per-step means
-        and throughput, with `extra` (memory, epoch, rows held, ...); starts the next window."""
+    def log(self, step: int, grad_norm: torch.Tensor, lrs: dict[str, float], **extra: Any) -> None:
+        """`# collective` (the Tracker gathers every rank's stats): this window's per-step
+        means and throughput, the learning rates (`lr`, or `lr/<optimizer>/<group>` for
+        several: optim.Optimizers.learning_rates), with `extra` (memory, epoch, rows held,
+        ...); starts the next window."""
         steps = max(self.steps, 1)
         means = {name: float(total) / steps for name, total in self.losses.items()}
-        self.last_loss = means.pop("loss", float("nan"))
+        self.last_loss = means.pop(names.LOSS, float("nan"))
         self.total_samples += self.samples
         self.total_time += self.step_time
         stats = {
-            "loss": self.last_loss,
-            **{f"loss_{name}": value for name, value in means.items()},
-            "step_time": self.step_time / steps,
-            "data_wait": self.data_wait / steps,
-            f"{self.unit}_per_s": self.samples / max(self.step_time, 1e-9),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
+            names.LOSS: self.last_loss,
+            **{f"{names.LOSS_TERM_PREFIX}{name}": value for name, value in means.items()},
+            names.STEP_TIME: self.step_time / steps,
+            names.DATA_WAIT: self.data_wait / steps,
+            names.throughput(self.unit): self.samples / max(self.step_time, 1e-9),
+            names.GRAD_NORM: float(grad_norm),
+            **lrs,
             **memory_stats(self.env.device),
             **extra,
         }
         self._reset()
         self.tracker.log(step, stats)
-        self.progress.describe(f"loss {stats['loss']:.4f}")
+        self.progress.describe(f"loss {stats[names.LOSS]:.4f}")
         if self.env.is_main and not self.progress.visible:
             self.console.log_step(
                 step, self.total_steps, stats, self.tracker.last_aggregate, self.unit

@@ -1,0 +1,35 @@
+"""Tracking: every rank's stats, a callback's `ctx.log` values, evaluations and the summary,
+fanned out to sinks.
+
+    tracker.py           Tracker: what the loop calls; the fan-out and the registry of sinks
+    names.py             every stat and aggregate name, defined once
+    gather.py            the cross-rank gather of each log interval and its aggregates
+    values.py            what ctx.log accepts (the same rule for every sink)
+    sink.py              RunInfo, Record and the Sink interface
+    files.py             JSON lines under <output dir>/stats/ (always)
+    tensorboard_sink.py  logger=tensorboard
+    wandb_sink.py        logger=wandb, its layouts and throttling; wandb_mode.py,
+                         wandb_login.py, wandb_ids.py and wandb_errors.py do the rest
+
+A user adds a backend as one module with a `Sink` subclass, one YAML in conf/logger/ and one line
+in tracker.SINKS (plus its name in config.LoggerBackend); the rest is not meant to be edited.
+"""
+
+from hydra_ddp.tracking.files import set_aside
+from hydra_ddp.tracking.names import STEP_METRIC
+from hydra_ddp.tracking.sink import Record, RunInfo, Sink
+from hydra_ddp.tracking.tracker import Tracker, make_tracker
+from hydra_ddp.tracking.wandb_mode import resolve_mode
+from hydra_ddp.tracking.wandb_sink import physical_gpu
+
+__all__ = [
+    "STEP_METRIC",
+    "Record",
+    "RunInfo",
+    "Sink",
+    "Tracker",
+    "make_tracker",
+    "physical_gpu",
+    "resolve_mode",
+    "set_aside",
+]

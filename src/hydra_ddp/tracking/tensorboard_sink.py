@@ -1,0 +1,59 @@
+"""The TensorBoard sink (``logger=tensorboard``): one event-file folder per rank,
+``<output_dir>/tensorboard/rank{r}``, so TensorBoard shows every rank as its own run:
+
+    tensorboard --logdir <output_dir>/tensorboard
+
+Each rank writes its stats and its ``ctx.log`` scalars as ``train/<stat>`` (text as TensorBoard
+text; W&B media are left out) at every log interval; rank 0 also writes the cross-rank
+aggregates as ``agg/<stat>`` and the evaluation metrics as they are keyed (``val/acc``, ...).
+A resumed job purges the steps past its checkpoint from the view (SummaryWriter's purge_step).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from torch.utils.tensorboard import SummaryWriter
+
+from hydra_ddp.config import LoggerConfig
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
+from hydra_ddp.tracking.values import is_media
+
+
+class TensorBoardSink(Sink):
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        env: DistEnv,
+        info: RunInfo,
+        resumed_step: Optional[int],
+        stats: Path,
+    ) -> None:
+        self.rank = env.rank
+        folder = Path(info.output_dir) / "tensorboard" / f"rank{env.rank}"
+        purge = None if resumed_step is None else resumed_step + 1
+        self.writer: Optional[SummaryWriter] = SummaryWriter(str(folder), purge_step=purge)
+
+    def log(self, record: Record, step: int) -> None:
+        writer = self.writer
+        if writer is None or record.rank != self.rank:
+            return
+        if record.kind in (Kind.stats, Kind.values):
+            for key, value in record.values.items():
+                if isinstance(value, str):
+                    writer.add_text(f"train/{key}", value, step)
+                elif not is_media(value):
+                    writer.add_scalar(f"train/{key}", float(value), step, walltime=record.time)
+        elif record.kind == Kind.interval:
+            for key, value in record.aggregates.items():
+                writer.add_scalar(f"agg/{key}", value, step, walltime=record.time)
+        elif record.kind == Kind.eval:
+            for key, value in record.values.items():
+                writer.add_scalar(key, value, step, walltime=record.time)
+
+    def close(self, failed: bool = False, preempted: int = 0) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()

@@ -1,0 +1,276 @@
+"""The W&B sink, in one of the three layouts W&B documents for distributed training:
+
+  ``gather``  rank 0 owns the only run and logs ``rank{r}/<stat>`` for every rank plus
+              ``agg/<stat>``; other ranks' ``ctx.log`` values reach it at the next log
+              interval (tracker.Tracker forwards them) as ``rank{r}/<key>``;
+  ``group``   one run per rank (``job_type=rank{r}``), grouped per job; each run logs its own
+              stats as ``train/<stat>`` (so the UI can average a key across the group) and
+              rank 0's run also logs ``agg/<stat>``;
+  ``shared``  every rank writes into one run (W&B's experimental shared mode, online only):
+              ``rank{r}/<stat>`` from each rank, ``agg/<stat>`` from rank 0.
+
+Training rows go to W&B at most once per ``logger.min_interval_s`` (the newest row wins; the last
+one is sent at close); the stats files keep every interval. All keys are plotted against
+``trainer/step`` (set with ``define_metric``), never against W&B's internal ``_step``, so eval
+rows and train rows share one x axis. Runs live under ``<output_dir>/wandb``, so an offline run
+can be uploaded later with ``wandb sync <output_dir>/wandb/offline-run-*``. Run ids and resume:
+wandb_ids.py; the mode: wandb_mode.py; errors: wandb_errors.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from hydra_ddp import redact
+from hydra_ddp.config import Layout, LoggerConfig
+from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.errors import UserError
+from hydra_ddp.tracking import names, wandb_ids
+from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
+from hydra_ddp.tracking.wandb_errors import clip, init_error, shared_needs_online
+from hydra_ddp.tracking.wandb_mode import init_timeout_s, resolve_mode
+
+if TYPE_CHECKING:
+    from wandb import Run
+
+logger = logging.getLogger(__name__)
+
+
+def physical_gpu(index: int) -> int:
+    """The GPU id W&B's system monitor (which sees every GPU of the machine) knows as CUDA's
+    ordinal `index`: with CUDA_VISIBLE_DEVICES=2,3, cuda:0 is GPU 2."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if index < len(visible) and visible[index].isdigit():
+        return int(visible[index])
+    return index  # unset, or given as UUIDs: the ordinal is the best guess
+
+
+def _for_wandb(value: Any) -> Any:
+    """Text as preformatted HTML (a plain string is no W&B chart); the rest as it is."""
+    if isinstance(value, str):
+        import html
+
+        import wandb
+
+        return wandb.Html(f"<pre>{html.escape(value)}</pre>")
+    return value
+
+
+class WandbSink(Sink):
+    """This rank's W&B run (none on ranks other than 0 in the gather layout)."""
+
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        env: DistEnv,
+        info: RunInfo,
+        resumed_step: Optional[int],
+        stats: Path,
+    ) -> None:
+        """`# collective`: build it on every rank (rank 0 hands every rank its run id, and a
+        rank whose run could not start tells the others)."""
+        self.cfg, self.env, self.layout = cfg, env, cfg.layout
+        self.run: Optional[Run] = None
+        self.last_sent = -math.inf  # time.monotonic() of the last training row sent
+        self.unsent: Optional[Dict[str, Any]] = None  # a throttled row, sent at close
+        # Rows at or below these steps already went to the reopened run: not sent again.
+        self.sent_train = self.sent_eval = 0
+        self.mode, why = resolve_mode(cfg.mode)
+        # Checked on every rank before any collective, so all ranks fail alike and fast.
+        if cfg.layout == Layout.shared and self.mode == "offline":
+            raise shared_needs_online(why)
+        logger.info("W&B mode %s (%s), layout %s", self.mode, why, cfg.layout.value)
+        try:
+            # Decided on every rank (even one whose W&B is disabled): it may be collective.
+            plan = wandb_ids.plan_runs(cfg, env, info, resumed_step)
+            # Shared: the primary (rank 0) first, then the others join its run, as W&B's docs
+            # show; else every rank starts its own at once.
+            turns = [env.is_main, not env.is_main] if self.layout == Layout.shared else [True]
+            for mine in turns:
+                failure: Optional[str] = None
+                if (
+                    mine
+                    and self.mode != "disabled"
+                    and (env.is_main or self.layout != Layout.gather)
+                ):
+                    try:
+                        self.run = self._start(plan, info, resumed_step, stats)
+                    except UserError as e:
+                        failure = str(e)
+                self._agree_on_start(failure)  # collective
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return None if self.run is None else self.run.id
+
+    @property
+    def gathers_values(self) -> bool:
+        """Whether rank 0 writes the other ranks' ctx.log values (they have no run)."""
+        return self.layout == Layout.gather
+
+    def _agree_on_start(self, failure: Optional[str]) -> None:
+        """`# collective`: a rank whose W&B run could not start tells the others, so every rank
+        stops with the same line instead of waiting dist.timeout_s for it."""
+        outcomes = all_gather_objects(failure, self.env) if self.env.distributed else [failure]
+        failed = [(r, why) for r, why in enumerate(outcomes) if why is not None]
+        if not failed:
+            return
+        if failure is not None:
+            raise UserError(failure)
+        rank, why = failed[0]
+        raise UserError(f"rank {rank}: {why}")
+
+    def _start(self, plan: Optional[wandb_ids.Plan], info: RunInfo, resumed: Optional[int],
+               stats: Path) -> Run:  # fmt: skip
+        import wandb
+
+        cfg, env = self.cfg, self.env
+        assert plan is not None
+        entry = plan[wandb_ids.run_key(self.layout, env.rank)]
+        settings, kwargs = _settings(cfg, env, self.mode, entry)
+        if entry["resume"]:
+            self.sent_train, self.sent_eval = wandb_ids.sent_before(stats, env, entry["id"])
+        out = Path(info.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        # W&B records sys.argv as the run's command: the same, with secrets blanked.
+        argv, sys.argv = sys.argv, [sys.argv[0], *redact.overrides(sys.argv[1:])]
+        try:
+            run = wandb.init(
+                project=cfg.project, entity=cfg.entity, name=entry["name"], group=entry["group"],
+                tags=[clip(t, 64) for t in dict.fromkeys(cfg.tags)],
+                config=redact.config(info.config), dir=str(out),
+                settings=wandb.Settings(**settings), **kwargs,
+            )  # fmt: skip
+        except (wandb.errors.Error, TimeoutError) as e:
+            raise init_error(e, cfg, self.mode) from None
+        finally:
+            sys.argv = argv
+        _define_metrics(run, self.layout, env)
+        if entry["resume"]:
+            logger.info(
+                "W&B run %s (%s) continued in %s: rows after step %d (checkpoint step %s)",
+                run.id, self.mode, out / "wandb", max(self.sent_train, self.sent_eval), resumed,
+            )  # fmt: skip
+        else:
+            logger.info("W&B run %s (%s) in %s", run.id, self.mode, out / "wandb")
+        return run
+
+    def log(self, record: Record, step: int) -> None:
+        if self.run is None:
+            return
+        if record.kind == Kind.interval and step > self.sent_train:
+            self._log_interval(record, step)
+        elif record.kind == Kind.values and step > self.sent_train:
+            prefix = "train" if self.layout == Layout.group else f"rank{record.rank}"
+            row = {f"{prefix}/{k}": _for_wandb(v) for k, v in record.values.items()}
+            self.run.log({names.STEP_METRIC: step, **row})
+        elif record.kind == Kind.eval and step > self.sent_eval:
+            self.run.log({names.STEP_METRIC: step, **record.values})
+
+    def _log_interval(self, record: Record, step: int) -> None:
+        row: Dict[str, Any] = {names.STEP_METRIC: step}
+        if self.layout == Layout.gather:
+            for r, values in record.table.items():
+                row.update({f"rank{r}/{k}": v for k, v in values.items()})
+        elif self.layout == Layout.group:
+            row.update({f"train/{k}": v for k, v in record.table[record.rank].items()})
+        else:
+            row.update({f"rank{record.rank}/{k}": v for k, v in record.table[record.rank].items()})
+        row.update({f"agg/{k}": v for k, v in record.aggregates.items()})
+        now = time.monotonic()
+        if now - self.last_sent >= self.cfg.min_interval_s:
+            self.run.log(row)
+            self.last_sent, self.unsent = now, None
+        else:
+            self.unsent = row  # sent at close if no later row replaces it
+
+    def summary(self, values: Dict[str, float]) -> None:
+        if self.run is not None:
+            self.run.summary.update(dict(values))
+
+    def add_config(self, values: Dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.config.update(values, allow_val_change=True)
+
+    def close(self, failed: bool = False, preempted: int = 0) -> None:
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            if self.unsent is not None:
+                run.log(self.unsent)
+            if preempted:
+                run.mark_preempting()
+            run.finish(exit_code=128 + preempted if preempted else int(failed))
+        except Exception:  # closing must not mask the error that made us close
+            logger.exception("could not finish W&B run %s", run.id)
+        if self.mode == "offline" and self.env.is_main:
+            logger.info(
+                "W&B offline run saved; upload it later with `wandb sync %s`",
+                shlex.quote(str(Path(run.dir).parent)),
+            )
+
+
+def _settings(
+    cfg: LoggerConfig, env: DistEnv, mode: str, entry: Dict[str, Any]
+) -> tuple[dict, dict]:
+    """wandb.Settings and the other wandb.init arguments of this rank's run."""
+    settings: Dict[str, Any] = {
+        "mode": mode,
+        # Hydra's basic launcher runs a sweep's jobs one after another in one process: each
+        # job must get a fresh run even if a previous job never closed its tracker.
+        "reinit": "finish_previous",
+        # One rank talking is enough; the others' runs still record everything.
+        "silent": not env.is_main,
+        # No sparkline wall of every key at the end: the job prints its own summary.
+        "quiet": True,
+        "console": cfg.console.value,
+        # Bounded: the end of a job must not hang on a slow upload.
+        "finish_timeout": cfg.finish_timeout_s,
+    }
+    if mode != "offline":
+        settings["init_timeout"] = init_timeout_s(cfg)[0]
+    # A fresh id is never reopened ("never": W&B refuses an id that exists instead of mixing
+    # into it); "allow", not "must", on resume: a run recorded offline and never synced does not
+    # exist on the server yet, and an online re-run then starts it under the same id.
+    kwargs: Dict[str, Any] = {"id": entry["id"], "resume": "allow" if entry["resume"] else "never"}
+    if cfg.layout == Layout.group:
+        kwargs["job_type"] = f"rank{env.rank}"
+        settings["x_label"] = f"rank{env.rank}"
+    elif cfg.layout == Layout.shared:
+        settings.update(
+            mode="shared",
+            x_label=f"rank{env.rank}",
+            x_primary=env.is_main,
+            # Only the primary decides whether the run finished or failed.
+            x_update_finish_state=env.is_main,
+        )
+    if cfg.layout != Layout.gather and env.device.type == "cuda":
+        # System stats of this rank's own GPU only; gather's single run watches them all.
+        index = env.device.index if env.device.index is not None else env.local_rank
+        settings["x_stats_gpu_device_ids"] = [physical_gpu(index)]
+    return settings, kwargs
+
+
+def _define_metrics(run: Run, layout: Layout, env: DistEnv) -> None:
+    run.define_metric(names.STEP_METRIC)
+    if layout == Layout.group:
+        families = ["train/*"]
+    else:
+        # W&B globs only match a trailing '*', hence one pattern per rank.
+        ranks = range(env.world_size) if env.is_main else [env.rank]
+        families = [f"rank{r}/*" for r in ranks]
+    if env.is_main:
+        families += ["agg/*", "val/*", "test/*"]
+    for pattern in families:
+        run.define_metric(pattern, step_metric=names.STEP_METRIC)

@@ -1,0 +1,134 @@
+"""logger=tensorboard on 2 real gloo ranks, read back with TensorBoard's own EventAccumulator;
+with it what every sink shares: stat names (a text run's total tokens/s), the learning rate of
+every parameter group, and the rule of ctx.log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from inproc import FAST, train_here, train_ranks
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from hydra_ddp.errors import UserError
+from hydra_ddp.tracking import values
+
+TEXT = [
+    "data=text", "model=gpt", "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+    "data.block_size=16", "trainer.batch_size=8", "trainer.limit_eval_batches=2",
+]  # fmt: skip
+STEPS, EVERY = 6, 2
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _events(folder: Path) -> EventAccumulator:
+    # size_guidance 0: keep every event (the default samples scalars down past 10 000).
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tensorboard") / "job"
+    train_ranks(
+        out, *TEXT, "logger=tensorboard", "trainer.progress=false",
+        f"trainer.max_steps={STEPS}", f"trainer.log_interval={EVERY}",
+        "+optim.param_groups=[{params: 'pos.*', lr: 0.01}]",
+        "+callbacks.log._target_=user_log_callbacks.LogEveryRank",
+    )  # fmt: skip
+    return out
+
+
+def test_tensorboard_has_every_ranks_loss_at_every_log_interval(text_run: Path) -> None:
+    logged = list(range(EVERY, STEPS + 1, EVERY))
+    for rank in (0, 1):
+        acc = _events(text_run / "tensorboard" / f"rank{rank}")
+        rows = _jsonl(text_run / "stats" / f"rank{rank}.jsonl")
+        stats = {r["step"]: r for r in rows if "loss" in r}
+        loss = acc.Scalars("train/loss")
+        assert [e.step for e in loss] == logged
+        assert [e.value for e in loss] == pytest.approx([stats[s]["loss"] for s in logged])
+        assert [e.step for e in acc.Scalars("train/tokens_per_s")] == logged
+        # ctx.log's scalars (a number, a one-element tensor) at every step; its text as text.
+        mine = acc.Scalars("train/rank_step")
+        assert [(e.step, e.value) for e in mine] == [(s, 100 * rank + s) for s in range(1, 7)]
+        assert {e.value for e in acc.Scalars("train/half")} == {0.5}
+        assert "train/note/text_summary" in acc.Tags()["tensors"]
+        # Every group's learning rate: param_groups[0] ('pos.*') and the rest.
+        head, rest = acc.Scalars("train/lr/default/0"), acc.Scalars("train/lr/default/rest")
+        for e, r in zip(head, rest):  # the schedule scales both: 0.01 vs optim.lr (0.002)
+            assert e.value / r.value == pytest.approx(0.01 / 0.002, rel=1e-5)
+            assert e.value == pytest.approx(stats[e.step]["lr/default/0"], rel=1e-6)
+        tags = acc.Tags()["scalars"]
+        assert any(t.startswith("agg/") for t in tags) == (rank == 0)  # rank 0's aggregates
+        assert ("val/loss" in tags) == (rank == 0)
+
+
+def test_a_text_runs_aggregate_has_its_total_tokens_per_s(text_run: Path) -> None:
+    ranks = [
+        {r["step"]: r for r in _jsonl(text_run / "stats" / f"rank{k}.jsonl") if "loss" in r}
+        for k in (0, 1)
+    ]
+    agg = _jsonl(text_run / "stats" / "aggregate.jsonl")
+    assert [a["step"] for a in agg] == list(range(EVERY, STEPS + 1, EVERY))
+    for row in agg:
+        total = sum(r[row["step"]]["tokens_per_s"] for r in ranks)
+        assert row["tokens_per_s_total"] == pytest.approx(total)
+        assert "samples_per_s_total" not in row
+    acc = _events(text_run / "tensorboard" / "rank0")
+    assert len(acc.Scalars("agg/tokens_per_s_total")) == len(agg)
+
+
+def test_stats_files_have_every_groups_lr_and_ctx_log_rows(text_run: Path) -> None:
+    for rank in (0, 1):
+        rows = _jsonl(text_run / "stats" / f"rank{rank}.jsonl")
+        stats = [r for r in rows if "loss" in r]
+        assert all({"lr/default/0", "lr/default/rest"} <= r.keys() for r in stats)
+        assert not any("lr" in r for r in stats)  # several groups: no single `lr`
+        logged = [r for r in rows if "rank_step" in r]
+        assert [(r["step"], r["rank_step"]) for r in logged] == [
+            (s, 100 * rank + s) for s in range(1, 7)
+        ]
+        assert all(r["half"] == 0.5 and r["note"].startswith(f"rank {rank}") for r in logged)
+
+
+def test_ctx_log_rule() -> None:
+    """One rule for every sink: scalars (a one-element tensor too) and text pass, W&B media pass
+    (the stats file gets a placeholder), reserved keys and other values are refused."""
+    import numpy as np
+    import torch
+    import wandb
+
+    out = values.check(
+        {"a": torch.tensor(2.5), "b": np.float64(1.5), "c": 3, "d": "text", "e": True}, []
+    )
+    assert out == {"a": 2.5, "b": 1.5, "c": 3, "d": "text", "e": True}
+    histogram = wandb.Histogram([1.0, 2.0, 3.0])
+    assert values.check({"h": histogram}, [])["h"] is histogram
+    assert values.plain(histogram) == "<wandb.Histogram>"
+    for key in ("step", "rank", "time", "loss", "lr", "lr/default/0", "step_time", "epoch"):
+        with pytest.raises(ValueError, match=f"ctx.log key '{key}' is a field or stat"):
+            values.check({key: 1.0}, [])
+    with pytest.raises(ValueError, match="'loss_aux' is a field or stat"):
+        values.check({"loss_aux": 1.0}, ["loss", "loss_aux"])  # a term this job logs
+    for bad, what in (([1, 2], "list"), (torch.ones(3), "a tensor of 3 elements"), (None, "None")):
+        with pytest.raises(ValueError, match=f"ctx.log value 'x' is {what}"):
+            values.check({"x": bad}, [])
+
+
+@pytest.mark.parametrize("key, value", [("loss", "1"), ("x", "tensor")])
+def test_ctx_log_refusal_names_the_callback(tmp_path: Path, key: str, value: str) -> None:
+    with pytest.raises(UserError) as caught:
+        train_here(
+            tmp_path / "job", *FAST, "trainer.max_steps=3",
+            "+callbacks.bad._target_=user_log_callbacks.LogValue", f"+callbacks.bad.key={key}",
+            f"+callbacks.bad.value={value}",
+        )  # fmt: skip
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("callbacks.bad (user_log_callbacks.LogValue)")
+    assert f"ctx.log {'key' if key == 'loss' else 'value'} '{key}'" in line, line
