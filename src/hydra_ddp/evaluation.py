@@ -58,6 +58,7 @@ class Evaluator:
         self.monitor, self.checkpointer = monitor, checkpointer
         self.tracker, self.console = tracker, console
         self.last: dict[str, float] = {}  # the newest validation's metrics
+        self._improved = False  # the final validation improved the monitor (see finish)
 
     def due(self, step: int) -> bool:
         """Every `interval` steps (0: never); the end of the run validates anyway."""
@@ -83,17 +84,24 @@ class Evaluator:
             self.monitor.stop(position.step)
         return val
 
-    def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
-        """Collective, at the end of the run: validate (unless early stopping just did), save
-        the last checkpoint, and test. Returns (val, test) metrics."""
+    def final_validation(self, position: Any) -> dict[str, float]:
+        """Collective, at the end of the run: validate (unless early stopping just did) and
+        tell the monitor. The loop calls `on_eval_end` next, then `finish`, so the last
+        checkpoint holds the callbacks' state after the last evaluation."""
         # The last validation goes into the monitor before the last checkpoint, so a run
         # resumed from it (a longer one) continues with the right best score and patience.
-        improved = False
+        self._improved = False
         if not self.monitor.stopped_early:  # else the loop evaluated this very step already
             self.last = self.evaluate("val")
-            improved = self.monitor.update(position.step, self.last, self.env)
+            self._improved = self.monitor.update(position.step, self.last, self.env)
+        return self.last
+
+    def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
+        """Collective, after `final_validation` and its callbacks: save the last checkpoint
+        (kept as best.pt too when the last validation improved), and test. Returns (val, test)
+        metrics."""
         self.checkpointer.save(asdict(position))
-        if improved:
+        if self._improved:
             self.checkpointer.keep_as_best(position.step)
         test = self.evaluate("test")
         self.tracker.log_eval(

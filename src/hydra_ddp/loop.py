@@ -330,9 +330,12 @@ def _finish(loop: Loop, pos: Position, start_step: int, wall: float) -> dict[str
         )
     loop.health.check()  # collective
     validated = not loop.evaluator.should_stop  # else the loop validated this very step
-    val, test = loop.evaluator.finish(pos)  # collective
+    val = loop.evaluator.final_validation(pos)  # collective
     if validated:
         job.callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", val)))
+    # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
+    # a finished run extended with a larger trainer.max_steps continues their counters.
+    val, test = loop.evaluator.finish(pos)  # collective
     summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
     tracker = loop.evaluator.tracker
