@@ -237,7 +237,8 @@ def _run(job: Job) -> dict[str, Any]:
             scope.enter_context(torch.autograd.detect_anomaly())
         autocast = autocast_for(tcfg.precision, env.device)
         tools = StepTools(scaler, autocast, tcfg.grad_clip,
-                          tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model)  # fmt: skip
+                          tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model,
+                          optimizers=parts.optimizers.optimizers)  # fmt: skip
         loop = Loop(
             env, tcfg, job, parts.model, step_model, tools, ema, checkpointer,
             Evaluator(
