@@ -14,12 +14,12 @@ What a user swaps in (data, model, optim, scheduler, loss, metrics) is not typed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from hydra_ddp.errors import UserError
 
@@ -395,6 +395,10 @@ class TrainConfig:
     step: Optional[Any] = None
     # name -> callback component (hydra_ddp/callbacks.py): `+callbacks.NAME._target_=pkg.Class`.
     callbacks: Dict[str, Any] = field(default_factory=dict)
+    # Your own variables, free of any schema: `vars.reads_dir=/data` on the command line (or
+    # `vars: {reads_dir: ...}` in an experiment YAML), read as ${vars.reads_dir} in the config
+    # and cfg.vars["reads_dir"] in code. Keys may be added without `+` (see register_configs).
+    vars: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.trainer.grad_clip, dict):
@@ -423,4 +427,20 @@ class TrainConfig:
 
 def register_configs() -> None:
     """Put the schema into Hydra's ConfigStore; conf/train.yaml extends it."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    node = OmegaConf.structured(TrainConfig)
+    # `vars` is open: `vars.x=1` adds a key as `+vars.x=1` would (every other mapping of the
+    # config is closed, so a typo'd key fails when the config is composed).
+    OmegaConf.set_struct(node.vars, False)
+    ConfigStore.instance().store(name="train_schema", node=node)
+
+
+def unknown_top_level_key(override: str, groups: set[str]) -> str | None:
+    """The key of a command-line `key=value` whose first part is no key of the config nor a
+    config group (`groups`), else None: Hydra's own error would not say where such a variable
+    can go."""
+    if override.startswith(("-", "+", "~")) or "=" not in override:
+        return None
+    key = override.split("=", 1)[0]
+    root = key.split("/")[0].split(".")[0].split("@")[0]
+    known = {f.name for f in fields(TrainConfig)} | groups | {"hydra"}
+    return key if root and root not in known else None

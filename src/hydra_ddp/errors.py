@@ -130,6 +130,26 @@ def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
         raise better from e
 
 
+def no_such_key(key: str) -> UserError:
+    """A command-line `key=value` whose key the config does not have (a user variable)."""
+    return UserError(
+        f"{key} is not a key of the config (its top-level keys are the config groups and "
+        f"the schema's, src/hydra_ddp/config.py): your own variables go under vars: "
+        f"vars.{key}=... (read as ${{vars.{key}}} in the config, cfg.vars in code); to add it "
+        f"where it is, +{key}=..."
+    )
+
+
+def unused_parameters(names: list[str]) -> UserError:
+    """DDP's "Expected to have finished reduction" paragraph, with the parameters named."""
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return UserError(
+        f"some model parameters got no gradient in a step ({shown}) and DDP was not told to "
+        "expect that: use ddp=unused_params (sets ddp.find_unused_parameters=true), freeze "
+        "them (requires_grad=False), or make every parameter take part in the loss"
+    )
+
+
 def evaluation_one_line(
     e: BaseException, rank: int, timeout_s: float, output_dir: Path, doing: str
 ) -> UserError:

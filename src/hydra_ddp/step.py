@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from hydra_ddp.config import NanPolicy, Precision
 from hydra_ddp.dist import DistEnv, all_gather_floats
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, unused_parameters
 from hydra_ddp.objective import Objective, forward
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class StepTools:
                 else model.no_sync()
             ):
                 with self.autocast:
-                    loss, extras = objective(forward(model, batch), batch, self.raw_model)
+                    loss, extras = objective(_forward(model, batch), batch, self.raw_model)
                 self.scaler.scale(loss / n).backward()
             for name, value in {"loss": loss.detach(), **extras}.items():
                 totals[name] = value / n if name not in totals else totals[name] + value / n
@@ -141,6 +142,32 @@ class StepTools:
         if len(norms) == 1:
             return norms[0]
         return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def _forward(model: Any, batch: Any) -> Any:
+    """The model's forward; DDP's refusal of parameters that got no gradient in the previous
+    step (raised here, at the next forward) names those parameters."""
+    try:
+        return forward(model, batch)
+    except RuntimeError as e:
+        if "Expected to have finished reduction" not in str(e):
+            raise
+        names = _unused_parameter_names(model, str(e))
+        if not names:
+            raise
+        raise unused_parameters(names) from e
+
+
+def _unused_parameter_names(model: Any, message: str) -> list[str]:
+    """DDP lists the indices of the parameters that got no gradient on this rank, counted over
+    the module's parameters that require one."""
+    found = re.search(r"did not receive grad for rank \d+:\s*([\d ]+)", message)
+    module = getattr(model, "module", None)
+    if found is None or not isinstance(module, torch.nn.Module):
+        return []
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    indices = [int(i) for i in found.group(1).split()]
+    return [trainable[i] for i in indices if i < len(trainable)]
 
 
 def default_step(
