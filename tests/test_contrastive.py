@@ -93,3 +93,26 @@ def test_contrastive_example_on_two_ranks(tmp_path: Path) -> None:
     for r in results:
         assert isinstance(r, UserError), r
         assert "rank 0: [5, 32], rank 1: [4, 32]" in str(r), r
+
+
+def _mismatched_collective(env: DistEnv) -> None:
+    """A plain torch all_gather whose sizes differ between the ranks, inside the template's
+    process group: gloo aborts the rank that receives more than it expected."""
+    import torch.distributed as dist
+
+    from hydra_ddp.config import DistConfig
+    from hydra_ddp.dist import process_group
+
+    with process_group(env, DistConfig(timeout_s=20)):
+        mine = torch.zeros(2 + 2 * env.rank)
+        dist.all_gather([torch.empty_like(mine) for _ in range(env.world_size)], mine)
+        dist.barrier()
+
+
+@pytest.mark.slow  # fresh workers: the dead rank's pool cannot be reused
+def test_a_rank_that_dies_in_a_collective_leaves_the_call_in_its_log() -> None:
+    with pytest.raises(ranks.RankFailed) as died:
+        ranks.run(_mismatched_collective, world_size=2, group=False, timeout=60, fresh=True)
+    logs = "".join(died.value.logs)
+    assert "Fatal Python error: Aborted" in logs, died.value
+    assert "_mismatched_collective" in logs, logs  # the collective's line, in the rank's log

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
 import socket
@@ -269,6 +270,7 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     last reference inside the wrapper's deallocation joins gloo's threads with the GIL held,
     which deadlocks when one of them still frees a tensor (seen under load)."""
     init_process_group(env, cfg)
+    crash_log = _crash_trace_to_log() if env.launched else None
     try:
         yield
     except BaseException as e:
@@ -281,7 +283,26 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
             chained = chained.__cause__ or chained.__context__
         raise
     finally:
+        if crash_log is not None:
+            faulthandler.disable()
         destroy_process_group()
+
+
+def _crash_trace_to_log() -> Any:
+    """A rank that dies in a collective (gloo aborts the process when ranks disagree on sizes,
+    with its message on stderr only) leaves the Python stack of the call, the line that died,
+    in its own log file: faulthandler into the file the root logger writes (every thread's:
+    the abort comes from a gloo thread, the collective waits in the main one). Returns that
+    file, or None where the rank has no log file."""
+    for handler in logging.getLogger().handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.FileHandler) and stream is not None:
+            try:
+                faulthandler.enable(file=stream, all_threads=True)
+            except (OSError, ValueError, AttributeError):  # no file descriptor
+                return None
+            return stream
+    return None
 
 
 def use_device(env: DistEnv) -> None:
