@@ -14,7 +14,7 @@ What a user swaps in (data, model, optim, scheduler, loss, metrics) is not typed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -432,15 +432,3 @@ def register_configs() -> None:
     # config is closed, so a typo'd key fails when the config is composed).
     OmegaConf.set_struct(node.vars, False)
     ConfigStore.instance().store(name="train_schema", node=node)
-
-
-def unknown_top_level_key(override: str, groups: set[str]) -> str | None:
-    """The key of a command-line `key=value` whose first part is no key of the config nor a
-    config group (`groups`), else None: Hydra's own error would not say where such a variable
-    can go."""
-    if override.startswith(("-", "+", "~")) or "=" not in override:
-        return None
-    key = override.split("=", 1)[0]
-    root = key.split("/")[0].split(".")[0].split("@")[0]
-    known = {f.name for f in fields(TrainConfig)} | groups | {"hydra"}
-    return key if root and root not in known else None

@@ -31,7 +31,6 @@ from hydra_ddp.config import (
     LoggerBackend,
     TrainConfig,
     register_configs,
-    unknown_top_level_key,
 )
 from hydra_ddp.data import check_sampling, check_source
 from hydra_ddp.dist import env_from_environ, export_submitit_env, launcher_rank, under_launcher
@@ -177,12 +176,24 @@ def _check_run_dir(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def _unknown_top_level_key(override: str, groups: set[str]) -> str | None:
+    """The key of a command-line `key=value` whose first part is no key of the config nor a
+    config group (`groups`), else None: Hydra's own error would not say where such a variable
+    can go."""
+    if override.startswith(("-", "+", "~")) or "=" not in override:
+        return None
+    key = override.split("=", 1)[0]
+    root = key.split("/")[0].split(".")[0].split("@")[0]
+    known = {f.name for f in fields(TrainConfig)} | groups | {"hydra"}
+    return key if root and root not in known else None
+
+
 def _check_keys(argv: list[str]) -> None:
     """`reads_dir=...` (no such key): one line saying where user variables go, before Hydra's
     "Could not override" paragraph."""
     groups = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}
     for arg in argv:
-        key = unknown_top_level_key(arg, groups)
+        key = _unknown_top_level_key(arg, groups)
         if key is not None:
             sys.stderr.write(f"error: {no_such_key(key)}\n")
             sys.exit(2)
