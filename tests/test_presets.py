@@ -51,6 +51,7 @@ EXPERIMENTS = {
     "siamese": ({"data": None, "model": None, "loss": None, "metrics": "classification"}, {"acc"}),
     "gradient_penalty": ({"data": "digits", "model": None, "loss": None}, {"acc"}),
     "gan": ({"data": None, "model": None, "optim": "gan", "metrics": "none"}, set()),
+    "contrastive": ({"data": None, "model": None, "loss": None, "metrics": "none"}, set()),
 }
 
 C.register_configs()
@@ -103,7 +104,10 @@ def test_experiment_keeps_the_data_sets_task_and_the_command_line_wins() -> None
 
 # The "your project" examples train on 2 ranks in test_your_project.py too (dict batches, the
 # GAN, per-item data): their runs here are slow ones.
-EXAMPLES = {"images", "dict_lm", "dict_lm_transformers", "siamese", "gradient_penalty", "gan"}
+EXAMPLES = {
+    "images", "dict_lm", "dict_lm_transformers", "siamese", "gradient_penalty", "gan",
+    "contrastive",  # trained on 2 ranks by test_contrastive.py
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(

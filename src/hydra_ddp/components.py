@@ -16,6 +16,7 @@ missing argument fails in one line that names the config key and what the target
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import re
@@ -59,6 +60,7 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
         if unknown:
             raise UserError(
                 f"{key}.{unknown[0]} is not an argument of {target}: it accepts {accepted}"
+                + _merged_hint(key, unknown, names)
             )
         passed = {k: v for k, v in runtime.items() if k in names and k not in given}
         missing = [
@@ -106,6 +108,20 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
             if len(quoted) == 1:
                 message = f"{key}.{quoted[0]}={cfg[quoted[0]]!r}: {message}"
         raise UserError(f"{key} ({target}): {message}") from cause
+
+
+def _merged_hint(key: str, unknown: list[str], names: list[str]) -> str:
+    """When the unknown arguments look like no misspelling of an accepted one, they most likely
+    come from the YAML of the choice whose `_target_` was replaced: Hydra merges the new
+    `_target_` into the old choice's arguments."""
+    if "." in key or any(difflib.get_close_matches(u, names, n=1, cutoff=0.75) for u in unknown):
+        return ""
+    return (
+        f"; if {', '.join(unknown)} came from the {key} YAML whose _target_ you replaced (its "
+        f"arguments were merged in), start clean: `override /{key}: null` in your experiment's "
+        f"defaults, or a conf/{key}/<name>.yaml of its own chosen with {key}=<name>, or drop "
+        f"each on the command line: ~{key}.{unknown[0]}"
+    )
 
 
 def _parameters(obj: Any) -> list[inspect.Parameter] | None:

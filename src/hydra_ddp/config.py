@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from hydra_ddp.errors import UserError
 
@@ -220,8 +220,10 @@ class TrainerConfig:
     batch_size: int = 64
     # Micro-steps per optimizer step; gradients are only all-reduced on the last one.
     grad_accum: int = 1
-    # Clip the global gradient norm to this value; 0 disables clipping.
-    grad_clip: float = 1.0
+    # Clip the global gradient norm to this value; 0 disables clipping. Or a threshold per
+    # optimizer by name (several optimizers, optim=gan): {generator: 1.0, discriminator: 0.5};
+    # an optimizer the map leaves out is not clipped; one optimizer is named `default`.
+    grad_clip: Any = 1.0
     precision: Precision = Precision.fp32
     # Seeds model init, dropout and (unless sampler.seed is set) the shuffle.
     seed: int = 0
@@ -283,7 +285,7 @@ class TrainerConfig:
             self.batch_size > 0, "trainer.batch_size", "> 0 (samples per rank)", self.batch_size
         )
         _require(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
-        _require(self.grad_clip >= 0, "trainer.grad_clip", ">= 0 (0 disables)", self.grad_clip)
+        _check_grad_clip(self.grad_clip)
         _require(self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval)
         _require(
             self.eval_interval >= 0,
@@ -325,6 +327,23 @@ class TrainerConfig:
             "val/loss or val/<a metrics.* name>, e.g. val/acc",
             self.monitor,
         )
+
+
+def _check_grad_clip(value: Any) -> None:
+    """trainer.grad_clip: a number >= 0, or a map of optimizer name -> number >= 0."""
+    allowed = ">= 0 (0 disables), or a map by optimizer name ({generator: 1.0, ...})"
+    items = value.items() if isinstance(value, dict) else [(None, value)]
+    for name, clip in items:
+        key = "trainer.grad_clip" if name is None else f"trainer.grad_clip.{name}"
+        number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
+        _require(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
+
+
+def optimizer_names(optim: Any) -> list[str]:
+    """The names of a job's optimizers: `default` for one, the keys of `optim` for several."""
+    if not hasattr(optim, "keys") or "_target_" in optim:
+        return ["default"]
+    return [str(k) for k in optim.keys()]
 
 
 class Backend(Enum):
@@ -379,8 +398,21 @@ class TrainConfig:
     step: Optional[Any] = None
     # name -> callback component (hydra_ddp/callbacks.py): `+callbacks.NAME._target_=pkg.Class`.
     callbacks: Dict[str, Any] = field(default_factory=dict)
+    # Your own variables, free of any schema: `vars.reads_dir=/data` on the command line (or
+    # `vars: {reads_dir: ...}` in an experiment YAML), read as ${vars.reads_dir} in the config
+    # and cfg.vars["reads_dir"] in code. Keys may be added without `+` (see register_configs).
+    vars: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.trainer.grad_clip, dict):
+            names = optimizer_names(self.optim)
+            unknown = sorted(set(map(str, self.trainer.grad_clip)) - set(names))
+            if unknown:
+                raise UserError(
+                    f"trainer.grad_clip.{unknown[0]}: this job has no optimizer named "
+                    f"{unknown[0]!r}; its optimizers are {', '.join(names)} (one optimizer is "
+                    "named default), or give trainer.grad_clip as one number for all"
+                )
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
             raise UserError(
                 "trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "
@@ -398,4 +430,8 @@ class TrainConfig:
 
 def register_configs() -> None:
     """Put the schema into Hydra's ConfigStore; conf/train.yaml extends it."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    node = OmegaConf.structured(TrainConfig)
+    # `vars` is open: `vars.x=1` adds a key as `+vars.x=1` would (every other mapping of the
+    # config is closed, so a typo'd key fails when the config is composed).
+    OmegaConf.set_struct(node.vars, False)
+    ConfigStore.instance().store(name="train_schema", node=node)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
 import socket
@@ -269,6 +270,7 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     last reference inside the wrapper's deallocation joins gloo's threads with the GIL held,
     which deadlocks when one of them still frees a tensor (seen under load)."""
     init_process_group(env, cfg)
+    crash_log = _crash_trace_to_log() if env.launched else None
     try:
         yield
     except BaseException as e:
@@ -281,7 +283,26 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
             chained = chained.__cause__ or chained.__context__
         raise
     finally:
+        if crash_log is not None:
+            faulthandler.disable()
         destroy_process_group()
+
+
+def _crash_trace_to_log() -> Any:
+    """A rank that dies in a collective (gloo aborts the process when ranks disagree on sizes,
+    with its message on stderr only) leaves the Python stack of the call, the line that died,
+    in its own log file: faulthandler into the file the root logger writes (every thread's:
+    the abort comes from a gloo thread, the collective waits in the main one). Returns that
+    file, or None where the rank has no log file."""
+    for handler in logging.getLogger().handlers:
+        stream = getattr(handler, "stream", None)
+        if isinstance(handler, logging.FileHandler) and stream is not None:
+            try:
+                faulthandler.enable(file=stream, all_threads=True)
+            except (OSError, ValueError, AttributeError):  # no file descriptor
+                return None
+            return stream
+    return None
 
 
 def use_device(env: DistEnv) -> None:
@@ -321,6 +342,68 @@ def all_gather_objects(obj: Any, env: DistEnv) -> list[Any]:
     out: list[Any] = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the gradient of its own slice, summed over
+    the ranks' losses (each rank's loss used every slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank, ctx.world = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(tensor) for _ in range(ctx.world)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)  # collective
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Rank r's loss depends on every slice: the gradient of slice k is the sum over ranks
+        # of their gradients for it. An all-reduce (gloo has no reduce-scatter on CPU), then
+        # this rank's slice.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # collective
+        return grad.chunk(ctx.world)[ctx.rank], None
+
+
+def all_gather_with_grad(
+    tensor: torch.Tensor, group: Any = None, check_shapes: bool = True
+) -> torch.Tensor:
+    """Collective: every rank's `tensor` concatenated along dim 0 in rank order, differentiable:
+    gradients flow back to each rank's own slice (the sum of every rank's gradient for it, so
+    with DDP's average the step is the gradient of the mean of the ranks' losses). Without a
+    process group: the tensor itself. A contrastive loss's negatives from every rank:
+    hydra_ddp/examples/contrastive.py.
+
+    Every rank must pass a tensor of the same shape: training batches are (strided sampling
+    pads every rank to the same count), evaluation shards are not (ranks hold one row more or
+    less, and a different number of batches), so a loss gathers only when `model.training`.
+    `check_shapes` agrees the shapes first (one small collective and a host sync per call) and
+    raises one line naming them on every rank, where gloo would abort a rank with its error on
+    stderr only; False skips that.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    if check_shapes:
+        _same_shapes(tensor, group)  # collective
+    return _AllGatherWithGrad.apply(tensor, group)
+
+
+def _same_shapes(tensor: torch.Tensor, group: Any) -> None:
+    world = dist.get_world_size(group)
+    # The number of dimensions first: shapes of different lengths cannot be gathered as one.
+    shape = torch.tensor([tensor.dim(), *tensor.shape, *[-1] * (8 - tensor.dim())][:9],
+                         device=tensor.device)  # fmt: skip
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)  # collective
+    seen = [tuple(s[1 : 1 + int(s[0])].tolist()) for s in shapes]
+    if len(set(seen)) > 1:
+        raise UserError(
+            "all_gather_with_grad: the ranks hold tensors of different shapes ("
+            + ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(seen))
+            + "); every rank must gather the same shape: gather in training only (if "
+            "model.training), where every rank's batch has the same size"
+        )
 
 
 def sum_by_name(sums: dict[str, list[float]], env: DistEnv) -> dict[str, list[float]]:

@@ -130,6 +130,64 @@ def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
         raise better from e
 
 
+def no_such_key(key: str) -> UserError:
+    """A command-line `key=value` whose key the config does not have (a user variable)."""
+    return UserError(
+        f"{key} is not a key of the config (its top-level keys are the config groups and "
+        f"the schema's, src/hydra_ddp/config.py): your own variables go under vars: "
+        f"vars.{key}=... (read as ${{vars.{key}}} in the config, cfg.vars in code); to add it "
+        f"where it is, +{key}=..."
+    )
+
+
+def unused_parameters(names: list[str]) -> UserError:
+    """DDP's "Expected to have finished reduction" paragraph, with the parameters named."""
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return UserError(
+        f"some model parameters got no gradient in a step ({shown}) and DDP was not told to "
+        "expect that: use ddp=unused_params (sets ddp.find_unused_parameters=true), freeze "
+        "them (requires_grad=False), or make every parameter take part in the loss"
+    )
+
+
+def evaluation_one_line(
+    e: BaseException, rank: int, timeout_s: float, output_dir: Path, doing: str
+) -> UserError:
+    """`one_line` for an exception raised while a rank evaluates or predicts (`doing`, e.g.
+    "predicting split test"): a lost peer suggests no restart (restarts resume training), and
+    any other error still names the rank and its cause, so the rank that failed says why."""
+    if lost_peer(e):
+        return UserError(
+            f"rank {rank} lost contact with another rank while {doing} ({first_line(e)}): that "
+            f"rank most likely failed, see its log in {output_dir} (eval_rank<r>.log) for why"
+        )
+    better = one_line(e, rank, timeout_s, output_dir)
+    if better is not None:
+        return better
+    return UserError(
+        f"rank {rank} failed while {doing}: {type(e).__name__}: {first_line(e)} (its "
+        "traceback is in this rank's log)"
+    )
+
+
+@contextlib.contextmanager
+def translated_evaluation(
+    rank: int, timeout_s: float, output_dir: Path, doing: list[str]
+) -> Iterator[None]:
+    """`translated` for evaluation and prediction: every exception becomes one line naming the
+    rank and what it was doing (`doing[0]`, updated by the caller as it moves on); the
+    traceback of one that is no UserError goes to the rank's log first."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, UserError):
+            raise
+        if not lost_peer(e):
+            logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
+                                             exc_info=e)  # fmt: skip
+        raise evaluation_one_line(e, rank, timeout_s, output_dir, doing[0]) from e
+
+
 def exit_code(e: Exception, log: logging.Logger) -> int:
     """Log a failed job's error as the entry and the workers do, and return its exit status:
     2 and one `error:` line for a UserError (a known condition: its line says it all), 1 and

@@ -3,13 +3,15 @@
     python -m hydra_ddp.eval run=outputs/2026-11-30/17-01-28    # last checkpoint, test split
     python -m hydra_ddp.eval run=<dir> ckpt=best split=val      # or ckpt=<file>
     python -m hydra_ddp.eval run=<dir> predict=true             # + predictions_test.pt
+    python -m hydra_ddp.eval run=<dir> predict=true predict_key=scores predict_pad=-100
     python -m hydra_ddp.eval run=<dir> dist.nproc_per_node=2 trainer.batch_size=256
     torchrun --standalone --nproc_per_node=2 -m hydra_ddp.eval run=<dir>
 
-The job is rebuilt from the run's `.hydra/config.yaml` (the other `key=value` arguments override
-it, as on the training command line), the checkpoint's weights are loaded (its EMA average when
-the run kept one, as the run evaluated), and the split is evaluated exactly as training does it,
-on any number of ranks. The metrics are printed and written to `<run>/eval_<split>.json`.
+The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments override it with
+the training command line's grammar: `key=value`, `+key=value`, `++key=value`, `~key`), the
+checkpoint's weights are loaded (its EMA average when the run kept one, as the run evaluated),
+and the split is evaluated exactly as training does it, on any number of ranks. The metrics
+are printed and written to `<run>/eval_<split>.json`; predictions: see hydra_ddp/predict.py.
 """
 
 from __future__ import annotations
@@ -17,22 +19,28 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp import launch
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ, launcher_rank, under_launcher
-from hydra_ddp.errors import UserError, exit_code
+from hydra_ddp.errors import UserError, exit_code, first_line
 from hydra_ddp.evaluation import Request, evaluate_run
 from hydra_ddp.tracking import RunInfo
+from hydra_ddp.train import config_dir, to_typed
 
 log = logging.getLogger("hydra_ddp.eval")
 
 USAGE = (
     "usage: python -m hydra_ddp.eval run=<run dir> [ckpt=last|best|<file>] [split=test|val] "
-    "[predict=true] [key=value ...]"
+    "[predict=true [predict_key=<name>] [predict_pad=<value>]] [key=value | +key=value ...]"
 )
+
+
+_MINE = ("run", "ckpt", "split", "predict", "predict_key", "predict_pad")
 
 
 def parse(argv: list[str]) -> tuple[Request, list[str]]:
@@ -41,9 +49,9 @@ def parse(argv: list[str]) -> tuple[Request, list[str]]:
     overrides = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        if not eq:
+        if not eq and not arg.startswith("~"):
             raise UserError(f"{arg!r} is not key=value. {USAGE}")
-        if key in ("run", "ckpt", "split", "predict"):
+        if key in _MINE:
             mine[key] = value
         else:
             overrides.append(arg)
@@ -54,17 +62,30 @@ def parse(argv: list[str]) -> tuple[Request, list[str]]:
     predict = mine.get("predict", "false").lower()
     if predict not in ("true", "false"):
         raise UserError(f"predict={mine['predict']}: use predict=true or predict=false")
+    if predict == "false" and ("predict_key" in mine or "predict_pad" in mine):
+        raise UserError("predict_key and predict_pad shape predictions: add predict=true")
+    pad = mine.get("predict_pad")
+    try:
+        pad_value = None if pad in (None, "", "null", "none") else float(pad)
+    except ValueError:
+        raise UserError(
+            f"predict_pad={pad}: give the number to pad with (e.g. predict_pad=-100), or leave "
+            "it out to keep one tensor per row"
+        ) from None
     request = Request(
         run=Path(mine["run"]),
         ckpt=mine.get("ckpt", "last"),
         split=mine.get("split", "test"),
         predict=predict == "true",
+        predict_key=mine.get("predict_key") or None,
+        predict_pad=pad_value,
     )
     return request, overrides
 
 
 def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:
-    """The run's composed config, typed, with `overrides` (dotted keys) applied."""
+    """The run's composed config, typed, with `overrides` applied as on the training command
+    line (`key=value`, `+key=value` to add, `++key=value`, `~key` to delete)."""
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise UserError(
@@ -73,14 +94,50 @@ def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:
         )
     try:
         saved = OmegaConf.load(path)
-        merged = OmegaConf.merge(
-            OmegaConf.structured(TrainConfig), saved, OmegaConf.from_dotlist(overrides)
-        )
-        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+        for override in OverridesParser.create().parse_overrides(overrides):
+            _apply(merged, override)
+        return to_typed(merged)
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"{path} with {' '.join(overrides) or 'no overrides'}: {e}") from None
+        raise UserError(
+            f"{path} with {' '.join(overrides) or 'no overrides'}: {first_line(e)}"
+        ) from None
+
+
+_ABSENT = object()
+
+
+def _apply(cfg: DictConfig, override: Any) -> None:
+    """One parsed override, with Hydra's meaning (hydra's config loader applies them so too)."""
+    key, text = override.key_or_group, override.input_line
+    if override.is_sweep_override():
+        raise UserError(f"{text}: evaluation runs one job, not a sweep; give one value")
+    if (Path(config_dir()) / key).is_dir() and not override.is_delete():
+        raise UserError(
+            f"{text}: evaluation rebuilds the run's saved config, where the config group "
+            f"{key} is already chosen; set its keys instead ({key}.<name>=...)"
+        )
+    present = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
+    present = present is not _ABSENT
+    with open_dict(cfg):
+        if override.is_delete():
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if not present or not isinstance(node, DictConfig):
+                raise UserError(f"{text}: the run's config has no {key} to delete")
+            del node[leaf]
+        elif override.is_add() and present:
+            raise UserError(f"{text}: {key} is already in the run's config; drop the +")
+        elif not (override.is_add() or override.is_force_add() or present):
+            if not key.startswith("vars."):  # vars: your own, added freely (as in training)
+                raise UserError(
+                    f"{text}: the run's config has no {key}; to add it use +{text} (your own "
+                    f"variables: vars.<name>=...)"
+                )
+        if not override.is_delete():
+            OmegaConf.update(cfg, key, override.value(), merge=True)
 
 
 def main(argv: list[str] | None = None) -> None:

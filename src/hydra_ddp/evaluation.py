@@ -23,11 +23,11 @@ from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.console import Console
 from hydra_ddp.data import EvalData
-from hydra_ddp.dist import DistEnv, all_gather_objects, process_group, use_device
-from hydra_ddp.errors import UserError, translated
+from hydra_ddp.dist import DistEnv, process_group, use_device
+from hydra_ddp.errors import UserError, translated_evaluation
 from hydra_ddp.metrics import Metric, evaluate
 from hydra_ddp.monitor import Monitor
-from hydra_ddp.objective import forward, to_device
+from hydra_ddp.predict import predict
 from hydra_ddp.step import autocast_for
 from hydra_ddp.tracking import RunInfo, Tracker
 
@@ -58,6 +58,7 @@ class Evaluator:
         self.monitor, self.checkpointer = monitor, checkpointer
         self.tracker, self.console = tracker, console
         self.last: dict[str, float] = {}  # the newest validation's metrics
+        self._improved = False  # the final validation improved the monitor (see finish)
 
     def due(self, step: int) -> bool:
         """Every `interval` steps (0: never); the end of the run validates anyway."""
@@ -83,17 +84,24 @@ class Evaluator:
             self.monitor.stop(position.step)
         return val
 
-    def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
-        """Collective, at the end of the run: validate (unless early stopping just did), save
-        the last checkpoint, and test. Returns (val, test) metrics."""
+    def final_validation(self, position: Any) -> dict[str, float]:
+        """Collective, at the end of the run: validate (unless early stopping just did) and
+        tell the monitor. The loop calls `on_eval_end` next, then `finish`, so the last
+        checkpoint holds the callbacks' state after the last evaluation."""
         # The last validation goes into the monitor before the last checkpoint, so a run
         # resumed from it (a longer one) continues with the right best score and patience.
-        improved = False
+        self._improved = False
         if not self.monitor.stopped_early:  # else the loop evaluated this very step already
             self.last = self.evaluate("val")
-            improved = self.monitor.update(position.step, self.last, self.env)
+            self._improved = self.monitor.update(position.step, self.last, self.env)
+        return self.last
+
+    def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
+        """Collective, after `final_validation` and its callbacks: save the last checkpoint
+        (kept as best.pt too when the last validation improved), and test. Returns (val, test)
+        metrics."""
         self.checkpointer.save(asdict(position))
-        if improved:
+        if self._improved:
             self.checkpointer.keep_as_best(position.step)
         test = self.evaluate("test")
         self.tracker.log_eval(
@@ -121,6 +129,8 @@ class Request:
     ckpt: str = "last"
     split: str = "test"
     predict: bool = False
+    predict_key: str | None = None  # the entry of a dict output to predict (default: all)
+    predict_pad: float | None = None  # pad entries of varying shape with this (default: a list)
 
 
 def checkpoint_file(request: Request) -> Path:
@@ -157,12 +167,18 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     loss_fn = build(cfg.loss, "loss", _as_function=True)
     metrics = {name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()}
     autocast = autocast_for(cfg.trainer.precision, env.device)
-    with process_group(env, cfg.dist), translated(env.rank, cfg.dist.timeout_s, run.output_dir):
+    doing = [f"evaluating split {request.split}"]
+    with (
+        process_group(env, cfg.dist),
+        translated_evaluation(env.rank, cfg.dist.timeout_s, run.output_dir, doing),
+    ):
         results = evaluate(model, split, env, loss_fn, metrics, autocast)  # collective
         if request.predict:
-            _predict(
-                model, split, env, autocast, run.output_dir / f"predictions_{request.split}.pt"
-            )
+            doing[0] = f"predicting split {request.split}"
+            predict(
+                model, split, env, autocast, run.output_dir / f"predictions_{request.split}.pt",
+                request.predict_key, request.predict_pad,
+            )  # fmt: skip
     if env.is_main:
         record = {"checkpoint": str(path), "step": int(state.get("step", 0)), **results}
         jsonfile.write(
@@ -178,27 +194,3 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
             run.output_dir / f"eval_{request.split}.json",
         )
     return results
-
-
-@torch.no_grad()
-def _predict(model: torch.nn.Module, split: EvalData, env: DistEnv, autocast: Any, out: Path):
-    """Collective: every row's output, gathered on rank 0 in the split's row order."""
-    rows, outputs = [], []
-    row_batches = list(split.rows())  # first: the sampler is iterated once at a time
-    for row_ids, batch in zip(row_batches, split):
-        with autocast:
-            output = forward(model, to_device(batch, env.device))
-        output = getattr(output, "logits", output)  # a Hugging Face model's output object
-        if isinstance(output, Mapping):
-            output = output["logits"]
-        outputs.append(output.float().cpu())
-        rows.append(torch.as_tensor(row_ids))
-    mine = (torch.cat(rows), torch.cat(outputs)) if rows else None
-    parts = [p for p in all_gather_objects(mine, env) if p is not None]
-    if env.is_main:
-        order = torch.cat([r for r, _ in parts]).argsort()
-        predictions = torch.cat([o for _, o in parts])[order]
-        torch.save(predictions, out)
-        log.info(
-            "predictions: %s (%d rows, shape %s)", out, len(predictions), tuple(predictions.shape)
-        )

@@ -238,7 +238,8 @@ def _run(job: Job) -> dict[str, Any]:
             scope.enter_context(torch.autograd.detect_anomaly())
         autocast = autocast_for(tcfg.precision, env.device)
         tools = StepTools(scaler, autocast, tcfg.grad_clip,
-                          tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model)  # fmt: skip
+                          tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model,
+                          optimizers=parts.optimizers.optimizers)  # fmt: skip
         loop = Loop(
             env, tcfg, job, parts.model, step_model, tools, ema, checkpointer,
             Evaluator(
@@ -331,9 +332,12 @@ def _finish(loop: Loop, pos: Position, start_step: int, wall: float) -> dict[str
         )
     loop.health.check()  # collective
     validated = not loop.evaluator.should_stop  # else the loop validated this very step
-    val, test = loop.evaluator.finish(pos)  # collective
+    val = loop.evaluator.final_validation(pos)  # collective
     if validated:
         job.callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", val)))
+    # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
+    # a finished run extended with a larger trainer.max_steps continues their counters.
+    val, test = loop.evaluator.finish(pos)  # collective
     summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
     tracker = loop.evaluator.tracker

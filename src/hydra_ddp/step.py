@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterable, Sequence
+import re
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from hydra_ddp.config import NanPolicy, Precision
 from hydra_ddp.dist import DistEnv, all_gather_floats
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, unused_parameters
 from hydra_ddp.objective import Objective, forward
 
 log = logging.getLogger(__name__)
@@ -46,19 +47,46 @@ class StepTools:
         grad_norm = tools.step(optimizer)                          # unscale, clip, step
 
     and the loop calls `tools.update()` (the fp16 scaler's) once after the step.
+
+    `max_norm` (trainer.grad_clip) is one threshold for every optimizer, or a map of optimizer
+    name -> threshold (an optimizer it leaves out is not clipped); `optimizers` gives the
+    names of the job's optimizers, so `step(optimizer)` finds its own threshold.
     """
 
     def __init__(
         self,
         scaler: torch.amp.GradScaler,
         autocast: contextlib.AbstractContextManager,
-        max_norm: float,
+        max_norm: float | Mapping[str, float],
         skip_non_finite: bool = True,
         raw_model: torch.nn.Module | None = None,
+        optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
     ) -> None:
         self.scaler, self.autocast, self.max_norm = scaler, autocast, max_norm
         self.skip_non_finite, self.raw_model = skip_non_finite, raw_model
+        # By identity: the step is handed the optimizer objects, not their names.
+        self._names = {id(o): n for n, o in (optimizers or {}).items()}
+        if isinstance(max_norm, Mapping) and optimizers is not None:
+            unknown = sorted(set(max_norm) - set(optimizers))
+            if unknown:
+                raise UserError(
+                    f"trainer.grad_clip.{unknown[0]}: no optimizer is named {unknown[0]!r}; "
+                    f"the optimizers are {', '.join(optimizers)}"
+                )
         self.grad_norms: list[torch.Tensor] = []  # of this step's `step` calls
+
+    def clip_for(self, optimizer: torch.optim.Optimizer) -> float:
+        """The clip threshold of `optimizer` (0: not clipped)."""
+        if not isinstance(self.max_norm, Mapping):
+            return float(self.max_norm or 0.0)
+        name = self._names.get(id(optimizer))
+        if name is None:
+            raise UserError(
+                "trainer.grad_clip is a map by optimizer name, but this optimizer is none of "
+                f"the job's ({', '.join(self._names.values()) or 'none given'}): step the "
+                "optimizers the step function is handed"
+            )
+        return float(self.max_norm.get(name, 0.0) or 0.0)
 
     def backward(
         self, model: torch.nn.Module, micro_batches: Sequence[Any], objective: Callable
@@ -80,7 +108,7 @@ class StepTools:
                 else model.no_sync()
             ):
                 with self.autocast:
-                    loss, extras = objective(forward(model, batch), batch, self.raw_model)
+                    loss, extras = objective(_forward(model, batch), batch, self.raw_model)
                 self.scaler.scale(loss / n).backward()
             for name, value in {"loss": loss.detach(), **extras}.items():
                 totals[name] = value / n if name not in totals else totals[name] + value / n
@@ -89,13 +117,15 @@ class StepTools:
     def step(
         self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Unscale (fp16), clip the gradient norm of `parameters` (default: the optimizer's),
-        step unless the norm is non-finite (with `skip_non_finite`), and zero the gradients.
-        Returns the norm before clipping, on the device."""
+        """Unscale (fp16), clip the gradient norm of `parameters` (default: the optimizer's)
+        to this optimizer's threshold (`clip_for`), step unless the norm is non-finite (with
+        `skip_non_finite`), and zero the gradients. Returns the norm before clipping, on the
+        device."""
         if parameters is None:
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.max_norm or math.inf)
+        max_norm = self.clip_for(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or math.inf)
         # The norm is the same on every rank (gradients are averaged by now), so all ranks skip
         # the same steps. Reading it is the one host sync: only with skip_non_finite.
         if self.scaler.is_enabled() or not self.skip_non_finite or torch.isfinite(grad_norm):
@@ -112,6 +142,32 @@ class StepTools:
         if len(norms) == 1:
             return norms[0]
         return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def _forward(model: Any, batch: Any) -> Any:
+    """The model's forward; DDP's refusal of parameters that got no gradient in the previous
+    step (raised here, at the next forward) names those parameters."""
+    try:
+        return forward(model, batch)
+    except RuntimeError as e:
+        if "Expected to have finished reduction" not in str(e):
+            raise
+        names = _unused_parameter_names(model, str(e))
+        if not names:
+            raise
+        raise unused_parameters(names) from e
+
+
+def _unused_parameter_names(model: Any, message: str) -> list[str]:
+    """DDP lists the indices of the parameters that got no gradient on this rank, counted over
+    the module's parameters that require one."""
+    found = re.search(r"did not receive grad for rank \d+:\s*([\d ]+)", message)
+    module = getattr(model, "module", None)
+    if found is None or not isinstance(module, torch.nn.Module):
+        return []
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    indices = [int(i) for i in found.group(1).split()]
+    return [trainable[i] for i in indices if i < len(trainable)]
 
 
 def default_step(

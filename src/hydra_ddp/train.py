@@ -27,10 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import claim, launch, redact, sweeps
 from hydra_ddp.components import build
-from hydra_ddp.config import LoggerBackend, TrainConfig, register_configs
+from hydra_ddp.config import (
+    LoggerBackend,
+    TrainConfig,
+    register_configs,
+)
 from hydra_ddp.data import check_sampling, check_source
 from hydra_ddp.dist import env_from_environ, export_submitit_env, launcher_rank, under_launcher
-from hydra_ddp.errors import UserError, config_error, exit_code
+from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.loop import build_components, train
 from hydra_ddp.monitor import monitor_key
 from hydra_ddp.paths import register_resolvers
@@ -172,8 +176,32 @@ def _check_run_dir(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def _unknown_top_level_key(override: str, groups: set[str]) -> str | None:
+    """The key of a command-line `key=value` whose first part is no key of the config nor a
+    config group (`groups`), else None: Hydra's own error would not say where such a variable
+    can go."""
+    if override.startswith(("-", "+", "~")) or "=" not in override:
+        return None
+    key = override.split("=", 1)[0]
+    root = key.split("/")[0].split(".")[0].split("@")[0]
+    known = {f.name for f in fields(TrainConfig)} | groups | {"hydra"}
+    return key if root and root not in known else None
+
+
+def _check_keys(argv: list[str]) -> None:
+    """`reads_dir=...` (no such key): one line saying where user variables go, before Hydra's
+    "Could not override" paragraph."""
+    groups = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}
+    for arg in argv:
+        key = _unknown_top_level_key(arg, groups)
+        if key is not None:
+            sys.stderr.write(f"error: {no_such_key(key)}\n")
+            sys.exit(2)
+
+
 def main() -> None:
     _check_run_dir(sys.argv[1:])
+    _check_keys(sys.argv[1:])
     try:
         hydra_entry()
         code = 1 if sweeps.sweep_failed() else 0

@@ -1,0 +1,90 @@
+"""Contrastive learning with negatives from every rank (SimCLR's NT-Xent, Chen et al. 2020).
+
+`DigitViews` yields `(view_a, view_b, digit)`: two random augmentations (shift, noise, dropped
+pixels) of one digit image, so the model is called as `model(view_a, view_b)`. `Encoder`
+embeds both views into unit vectors. `nt_xent` scores each view against every other view of
+the global batch: its own other view is the positive, the 2·world·batch − 2 others are the
+negatives. The embeddings of the other ranks arrive through `hydra_ddp.dist.all_gather_with_grad`,
+whose backward sends each rank the gradient of its own rows. At initialisation the similarities
+are near-uniform, so the first loss is about ln(2·world·batch − 1).
+
+Evaluation: ranks hold uneven shards there (one row more or less, a different number of
+batches), so no collective may run inside the loss. `nt_xent` asks for `model` and gathers only
+when `model.training` (the loop evaluates the model in eval mode): the validation loss uses the
+negatives of the rank's own batch, about ln(2·batch − 1) at initialisation.
+`experiment=contrastive`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.utils.data import Dataset
+
+from hydra_ddp.dist import all_gather_with_grad
+
+_SPLITS = {"train": slice(0, 1200), "val": slice(1200, 1500), "test": slice(1500, None)}
+_SEEDS = {"train": 1, "val": 2, "test": 3}  # fixed: str hashes differ between processes
+
+
+class DigitViews(Dataset):
+    """Two augmented views of each digit image of a split (deterministic per item)."""
+
+    def __init__(self, split: str, noise: float = 0.1, drop: float = 0.1) -> None:
+        digits = load_digits()
+        x = torch.tensor(digits.data, dtype=torch.float32).view(-1, 8, 8) / 16.0
+        self.x, self.y = x[_SPLITS[split]], torch.tensor(digits.target)[_SPLITS[split]]
+        self.seed, self.noise, self.drop = _SEEDS[split], noise, drop
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def _view(self, image: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        shift = torch.randint(-1, 2, (2,), generator=g).tolist()
+        image = torch.roll(image, shifts=shift, dims=(0, 1))
+        image = image + self.noise * torch.randn(image.shape, generator=g)
+        kept = torch.rand(image.shape, generator=g) >= self.drop
+        return (image * kept).flatten()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
+        return self._view(self.x[i], g), self._view(self.x[i], g), self.y[i]
+
+
+class Encoder(nn.Module):
+    """An MLP and a projection head; both views through the same weights, as unit vectors."""
+
+    def __init__(self, in_features: int = 64, width: int = 128, dim: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(in_features, width), nn.ReLU(),
+                                  nn.Linear(width, width), nn.ReLU())  # fmt: skip
+        self.head = nn.Linear(width, dim)
+
+    def forward(self, view_a: torch.Tensor, view_b: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = F.normalize(self.head(self.body(torch.cat([view_a, view_b]))), dim=1)
+        a, b = z.chunk(2)
+        return {"a": a, "b": b}
+
+
+def nt_xent(output: dict, model: nn.Module, temperature: float = 0.5) -> torch.Tensor:
+    """The NT-Xent loss of this rank's views, against every view of every rank in training
+    (only this rank's in evaluation: see the module docstring)."""
+    a, b = output["a"], output["b"]
+    rank, rows = 0, len(a)
+    if model.training and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        all_a, all_b = all_gather_with_grad(a), all_gather_with_grad(b)  # collective
+    else:
+        all_a, all_b = a, b
+    total = len(all_a)  # world · batch
+    candidates = torch.cat([all_a, all_b])  # (2·total, dim)
+    anchors = torch.cat([a, b])  # (2·rows, dim)
+    logits = anchors @ candidates.T / temperature
+    mine = torch.arange(rows, device=a.device) + rank * rows  # this rank's rows, globally
+    itself = torch.cat([mine, mine + total])
+    positive = torch.cat([mine + total, mine])  # a's positive is its b, and b's its a
+    logits[torch.arange(2 * rows, device=a.device), itself] = float("-inf")
+    return F.cross_entropy(logits.float(), positive)

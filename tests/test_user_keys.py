@@ -1,0 +1,81 @@
+"""The smaller doors of issue 25: user variables under `vars` (added with or without `+`, and
+the error for an unknown top-level key says so), `hydra_ddp.eval` takes the training command
+line's override grammar, the "not an argument" error says how to start clean when a replaced
+model's arguments were merged in, and the unused-parameter error names the parameters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from inproc import FAST, compose, train_here, train_ranks, typed
+from omegaconf import OmegaConf
+
+from hydra_ddp.components import build
+from hydra_ddp.errors import UserError
+from hydra_ddp.eval import job_config
+
+
+def test_user_variables_go_under_vars() -> None:
+    cfg = typed("vars.reads_dir=/data", "+vars.n=3", "vars.nested={a:1}")
+    assert cfg.vars == {"reads_dir": "/data", "n": 3, "nested": {"a": 1}}
+    assert typed().vars == {}
+    # Read through an interpolation, as a YAML of the user's would.
+    dict_cfg = compose("vars.reads_dir=/data", "+data.note=${vars.reads_dir}/x")
+    assert dict_cfg.data.note == "/data/x"
+    # Other mappings stay closed: a typo'd key still fails at composition.
+    with pytest.raises(Exception, match="Could not override 'trainer.batchsize'"):
+        compose("trainer.batchsize=3")
+
+
+def test_an_unknown_top_level_key_says_where_variables_go(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hydra_ddp.train", "reads_dir=/data"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: reads_dir is not a key"), lines
+    assert "vars.reads_dir=..." in lines[0] and "+reads_dir=..." in lines[0]
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
+def test_eval_takes_the_training_override_grammar(tmp_path: Path) -> None:
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose(*FAST), tmp_path / ".hydra" / "config.yaml")
+    cfg = job_config(tmp_path, ["+data.extra=1", "trainer.batch_size=8", "~metrics.acc",
+                                "vars.x=2", "++optim.foreach=false"])  # fmt: skip
+    assert cfg.data["extra"] == 1 and cfg.trainer.batch_size == 8 and cfg.metrics == {}
+    assert cfg.vars == {"x": 2} and cfg.optim["foreach"] is False
+    for bad, said in [
+        (["data.extra=1"], r"has no data\.extra; to add it use \+data\.extra=1"),
+        (["+trainer.batch_size=8"], r"already in the run's config; drop the \+"),
+        (["~trainer.nope"], r"no trainer\.nope to delete"),
+        (["trainer.seed=1,2"], "not a sweep"),
+        (["model=cnn"], r"the config group model is already chosen; set its keys"),
+        (["+trainer.nope=1"], r"\+trainer\.nope=1: Key 'nope' not in 'TrainerConfig'"),
+    ]:
+        with pytest.raises(UserError, match=said):
+            job_config(tmp_path, bad)
+
+
+def test_merged_arguments_of_a_replaced_model_say_how_to_start_clean() -> None:
+    cfg = typed("model._target_=torch.nn.Linear", "+model.in_features=3", "+model.out_features=2")
+    with pytest.raises(UserError, match=r"model\.depth is not an argument of torch\.nn\.Linear.*"
+                       r"override /model: null.*~model\.depth"):  # fmt: skip
+        build(cfg.model, "model")
+    with pytest.raises(UserError) as typo:  # a misspelling gets no such advice
+        build(typed("+model.hiddenn=3").model, "model", in_features=1, out_features=2)
+    assert "override /model" not in str(typo.value)
+
+
+def test_the_unused_parameter_error_names_the_parameters(tmp_path: Path) -> None:
+    results = train_ranks(tmp_path, *FAST, "model._target_=unused_model.MLPWithUnusedHead",
+                          "trainer.max_steps=3", return_exceptions=True)  # fmt: skip
+    for r in results:
+        assert isinstance(r, UserError), r
+        assert "got no gradient in a step (spare.weight, spare.bias)" in str(r)
+        assert "ddp=unused_params" in str(r)
+    # One rank (no DDP wrapper): nothing to refuse, it trains.
+    assert train_here(tmp_path / "one", *FAST, "model._target_=unused_model.MLPWithUnusedHead",
+                      "trainer.max_steps=2")["steps"] == 2  # fmt: skip
