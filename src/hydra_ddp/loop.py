@@ -226,7 +226,9 @@ def _run(job: Job) -> dict[str, Any]:
         finished = _finished_summary(run.output_dir, pos.step, job.total_steps, env)  # collective
         if finished is not None:
             return finished
-    origin = provenance.record(run.output_dir, env, run.overrides)  # collective
+    origin = provenance.record(
+        run.output_dir, env, run.overrides, tcfg.untracked_content
+    )  # collective
     tracker = make_tracker(cfg.logger, env, run, resumed_step=pos.step if resumed else None)
     tracker.add_config({"provenance": origin} if origin else {})
     with tracker, contextlib.ExitStack() as scope:
