@@ -400,10 +400,10 @@ class Checkpointer:
         if self.env.is_main:
             keep_as_best(self.output_dir, step)
 
-    def restore(self, path: Path, position_keys: list[str]) -> dict[str, int]:
+    def restore(self, path: Path, position_keys: list[str]) -> dict[str, Any]:
         """Load `path` into every stateful object and this rank's RNG; return the position, with
-        the world size and batch size it was counted in (`saved_world_size`,
-        `saved_batch_size`; 0: not recorded)."""
+        the world size, batch size and sampler settings it was counted in (`saved_world_size`,
+        `saved_batch_size`, `saved_sampler`; 0 or None: not recorded)."""
         env = self.env
         state = load(path)
         load_model_state(self.stateful["model"], state, path)
@@ -419,7 +419,7 @@ class Checkpointer:
                     log.warning("%s holds no %s state: starting it fresh", path, key)
                     continue
                 obj.load_state_dict(state[key])
-            position = {k: int(state.get(k, 0)) for k in position_keys}
+            position: dict[str, Any] = {k: int(state.get(k, 0)) for k in position_keys}
             position["step"] = int(state["step"])
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
             raise UserError(
@@ -432,6 +432,7 @@ class Checkpointer:
         # a checkpoint from before batch_size was recorded had this job's.
         position["saved_world_size"] = saved_world
         position["saved_batch_size"] = int(state.get("batch_size", 0))
+        position["saved_sampler"] = state.get("sampler")  # its settings (epoch_rows.settings)
         ranks = state.get("rng") or []
         mine = ranks[env.rank] if env.rank < len(ranks) and saved_world == env.world_size else {}
         if env.rank < len(ranks):
