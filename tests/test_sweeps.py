@@ -21,7 +21,7 @@ import wandb_records
 from conftest import FAST, REPO, TESTS, job_dirs, ok, python_train, summary, user_env
 from omegaconf import OmegaConf
 
-from hydra_ddp import paths, sweeps
+from hydra_ddp import paths, redact, sweeps
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]
@@ -94,6 +94,11 @@ def test_subdir_leaves_secret_values_out(tmp_path: Path) -> None:
     long = paths.sweep_subdir(5, ["+db.password=" + "h" * 200, "optim.lr=1"], str(tmp_path))
     again = paths.sweep_subdir(5, ["+db.password=" + "x" * 200, "optim.lr=1"], str(tmp_path))
     assert long == again == "5_db.password=_redacted_,optim.lr=1"  # not even its length shows
+    # Log lines (redact.LogFilter on every handler), as Hydra's launcher writes a job's overrides.
+    line = "\t#0 : +db.password=pw1 optim.lr=0.1 data.pad_token=x ++model.api_token=t,u"
+    assert redact.pairs(line) == (
+        "\t#0 : +db.password=<redacted> optim.lr=0.1 data.pad_token=x ++model.api_token=<redacted>"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,6 +196,9 @@ def test_a_swept_password_is_in_no_name_report_journal_log_or_wandb_file(tmp_pat
     out = proc.stdout + proc.stderr
     table = [ln for ln in out.splitlines() if names[0] in ln and " ok " in ln]
     assert table and "model.password=<redacted>" in table[0]
+    # Nor on the console: Hydra's launcher line for each job goes through redact.LogFilter.
+    assert "#1 : model._target_=secret_model.Guarded +model.password=<redacted>" in out
+    assert not any(s in out for s in SECRETS), out[-3000:]
 
 
 @pytest.mark.slow  # a real sweep; the names themselves are checked in process above
