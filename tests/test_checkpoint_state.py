@@ -13,7 +13,7 @@ import pytest
 import state_callbacks
 import torch
 from conftest import ok, run
-from inproc import FAST, compose, train_here
+from inproc import FAST, compose, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import safe_state
@@ -74,3 +74,15 @@ def test_conversions_keep_what_is_already_plain() -> None:
     with pytest.raises(safe_state.Unloadable) as caught:
         safe_state.loadable({"a": [1, {"b": object()}]})
     assert caught.value.where == "['a'][1]['b']" and caught.value.kind == "builtins.object"
+
+
+def test_the_refusal_stops_every_rank_at_the_same_save(tmp_path: Path) -> None:
+    """Rank 0 alone holds the state it saves; the refusal reaches every rank through the
+    gather of the save, so none waits for a rank that has left."""
+    job = [*FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2",
+           "+callbacks.odd._target_=state_callbacks.OpaqueState"]  # fmt: skip
+    errors = train_ranks(tmp_path, *job, return_exceptions=True, timeout=120)
+    assert [type(e) for e in errors] == [UserError, UserError], errors
+    assert str(errors[0]) == str(errors[1])
+    assert str(errors[1]).startswith("callbacks.odd: state_dict()['thing'] holds")
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))

@@ -133,7 +133,9 @@ def say_reordered(
     """One log line for a resume from `path` (`done` batches of `epoch` read under `old`) that
     reads the rest of the epoch under `new` from its batch `start`: how many of its rows are
     read twice and skipped, or that each is read once. Nothing when the epoch was over."""
-    num_rows, file_rows = source.num_rows("train"), source.file_rows("train")
+    num_rows = source.num_rows("train")
+    # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
+    file_rows = source.file_rows("train") if hasattr(source, "file_rows") else [num_rows]
     if not 0 < done < epoch_length(old, num_rows, file_rows, limit):
         return  # nothing read yet, or the whole epoch: the next one starts in the new order
     was = ", ".join(
