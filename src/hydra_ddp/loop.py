@@ -369,8 +369,7 @@ def _resume(job: Job, checkpointer: Checkpointer) -> tuple[Position, bool]:
     """Collective: the position to start from, restored from the checkpoint rank 0 picked (a
     lagging or node-local file system could show each rank another newest one)."""
     env, tcfg = job.env, job.cfg.trainer
-    # Every checkpoint of this run records its sampler settings, so that a later resume that
-    # changes them can tell what that does to the epoch in progress.
+    # Saved in every checkpoint: a resume that changes them can tell what that does to the epoch.
     checkpointer.meta["sampler"] = epoch_rows.settings(job.cfg.sampler, job.cfg.sampler_seed)
     path = all_gather_objects(job.resume_from if env.is_main else None, env)[0]
     if path is None:
@@ -398,10 +397,8 @@ def _continue_epoch(pos: Position, job: Job, path: Path, saved: epoch_rows.Setup
     another size or over another number of ranks. Rows of an epoch are consumed as a prefix of
     its order (strided: batch k of every rank covers positions [k·B·W, (k+1)·B·W)), so the
     new position is exact when the rows done divide into new batches; otherwise the rest of
-    the last partial batch is trained again, and the log says how many rows. When the sampler
-    settings changed (or sampler=sharded runs on another number of ranks), the rest of the
-    epoch follows another order: the log says how many of its rows are read twice or skipped
-    (epoch_rows.py)."""
+    the last partial batch is trained again, and the log says how many rows. Other sampler
+    settings: the log says how many rows of the epoch are read twice or skipped (epoch_rows)."""
     env, tcfg = job.env, job.cfg.trainer
     world, batch_size, done = saved.world_size, saved.batch_size, pos.batch_in_epoch
     now = epoch_rows.settings(job.cfg.sampler, job.cfg.sampler_seed)
