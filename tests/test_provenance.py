@@ -42,6 +42,12 @@ def test_untracked_files_are_listed_and_make_the_tree_dirty(tmp_path: Path) -> N
     (repo / "outputs").mkdir()
     (repo / "outputs" / "log.txt").write_text("ignored")
     (repo / "weights.bin").write_bytes(b"\0" * 100)
+    inside = repo / "my_runs" / "a"  # a run dir in the checkout: its own files are not listed
+    inside.mkdir(parents=True)
+    (inside / "train.log").write_text("log")
+    listed = provenance.git_state(inside, 1, checkout=repo)["untracked"]
+    assert [e["path"] for e in listed] == ["models/head.py", "my_model.py"]
+    (inside / "train.log").unlink()
     state = provenance.git_state(out, 2, checkout=repo)
     assert state is not None and state["dirty"] is True
     assert state["untracked"] == [

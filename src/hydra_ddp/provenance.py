@@ -93,7 +93,11 @@ def git_state(
     def git(*args: str, ok: tuple[int, ...] = (0,)) -> str | None:
         try:
             done = subprocess.run(
-                ["git", "-C", str(where), *args], capture_output=True, text=True, timeout=20
+                ["git", "-C", str(where), *args],
+                capture_output=True,
+                text=True,
+                errors="replace",  # a file that is not UTF-8 must not stop the run
+                timeout=20,
             )
         except (OSError, subprocess.TimeoutExpired):
             return None
@@ -103,7 +107,7 @@ def git_state(
     if commit is None:
         return None
     root = (git("rev-parse", "--show-toplevel") or "").strip() or None
-    untracked = _untracked(git, root)
+    untracked = _untracked(git, root, output_dir)
     changed = bool((git("status", "--porcelain", "--untracked-files=no") or "").strip())
     state: dict[str, Any] = {
         "commit": commit.strip(),
@@ -135,15 +139,20 @@ def git_state(
     return state
 
 
-def _untracked(git: Any, root: str | None) -> list[dict[str, Any]]:
-    """The checkout's untracked files that .gitignore does not exclude, paths from its root."""
+def _untracked(git: Any, root: str | None, output_dir: Path) -> list[dict[str, Any]]:
+    """The checkout's untracked files that .gitignore does not exclude, paths from its root;
+    not those of this run's own output dir (a run dir inside the checkout, not ignored)."""
     if root is None:
         return []
     found = git("-C", root, "ls-files", "--others", "--exclude-standard", "-z") or ""
+    own = Path(output_dir).resolve()
     entries = []
     for name in sorted(filter(None, found.split("\0"))):
+        path = Path(root) / name
         try:
-            size = (Path(root) / name).stat().st_size
+            if path.resolve().is_relative_to(own):
+                continue
+            size = path.stat().st_size
         except OSError:  # gone since git listed it
             continue
         entries.append({"path": name, "bytes": size})
