@@ -11,7 +11,7 @@ import pytest
 import torch
 from inproc import FAST, job, train_ranks, typed
 
-from hydra_ddp import checkpoint
+from hydra_ddp import checkpoint, safe_state
 from hydra_ddp.errors import UserError
 
 POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_rank=1"]
@@ -29,7 +29,7 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
     Checkpointer(
         run.output_dir, env, 0, 1, 1, {"model": job_.parts.model}, {"comm_hook": hook}
     ).restore(Path(path), ["step"])
-    return {"before": before, **checkpoint._to_cpu(hook.state_dict())}
+    return {"before": before, **safe_state.to_cpu(hook.state_dict())}
 
 
 def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from inproc import FAST, train_here
+from inproc import FAST, train_here, train_ranks
+
+from hydra_ddp import epoch_rows
 
 ROWS = 256  # user_data.Blobs rows in the training split
 
@@ -64,6 +67,48 @@ def test_a_resume_that_cannot_be_exact_says_how_many_rows_repeat(tmp_path: Path,
     line = next(r.message for r in caplog.records if "continues at its row 144" in r.message)
     assert "(batch 2 here); 16 rows of it are trained again" in line
     assert sum(_rows_read(reads).values()) == 144 + 64  # one more step: rows 128-191
+
+
+def test_a_resume_that_changes_the_sampler_says_what_it_reads_twice_and_skips(
+    tmp_path: Path,
+) -> None:
+    """2 ranks, 256 rows, batches of 32: 4 batches a rank and epoch. Half an epoch strided, then
+    the rest with sampler=sharded: the warning's counts are the rows the dataset served twice
+    and never in that epoch."""
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    run = tmp_path / "run"
+    train_ranks(run, *_job(reads, 32, "trainer.max_steps=2"))
+    first = _rows_read(reads)
+    assert sum(first.values()) == 128 and set(first.values()) == {1}
+    second = train_ranks(run, *_job(reads, 32, "trainer.max_steps=4", "sampler=sharded"))
+    served = _rows_read(reads)
+    assert sum(served.values()) == 256  # the epoch's 8 batches of 32, half under each rule
+    twice = sum(1 for count in served.values() if count > 1)
+    never = ROWS - len(served)
+    said = re.search(r"read in another order: (\d+) rows of the epoch are read twice and "
+                     r"(\d+) skipped", second.logs[0])  # fmt: skip
+    assert said, second.logs[0][-3000:]
+    assert (int(said.group(1)), int(said.group(2))) == (twice, never)
+    assert twice > 0, "a strided half and a sharded half of one epoch cannot match by chance"
+    assert "on 2 rank(s) with sampler=strided, this job" in second.logs[0]  # as checkpointed
+    state = torch.load(run / "checkpoints" / "step_00000004.pt", weights_only=True)
+    assert state["sampler"]["policy"] == "sharded" and state["sampler"]["seed"] == 0
+
+
+def test_sampler_changes_that_keep_the_order_are_exact() -> None:
+    """Counted in process: settings that do not change which rows remain (no shuffle: drop_last
+    on rows that divide evenly; another seed) read each row once; a shuffle that does not."""
+    plain = {"policy": "strided", "shuffle": False, "seed": 0, "drop_last": False,
+             "shard_by": "rows", "rotate": False}  # fmt: skip
+    old = epoch_rows.Setup(plain, 2, 8)
+    for change in ({"drop_last": True}, {"seed": 5}, {"rotate": True}):
+        new = epoch_rows.Setup({**plain, **change}, 2, 8)
+        assert epoch_rows.twice_and_skipped(old, new, 64, [64], 0, 2, 2) == (0, 0), change
+    assert not epoch_rows.changed(plain, {**plain, "seed": 5}, 2, 2)  # unshuffled: no seed
+    shuffled = epoch_rows.Setup({**plain, "shuffle": True}, 2, 8)
+    twice, skipped = epoch_rows.twice_and_skipped(old, shuffled, 64, [64], 0, 2, 2)
+    assert twice == skipped > 0  # as many read again as left out, each epoch reads 64
 
 
 def test_epochs_count_passes_whatever_grad_accum_is(tmp_path: Path, caplog) -> None:

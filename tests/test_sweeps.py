@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import FAST, REPO, job_dirs, ok, python_train, summary
+import wandb_records
+from conftest import FAST, REPO, TESTS, job_dirs, ok, python_train, summary, user_env
 from omegaconf import OmegaConf
 
-from hydra_ddp import paths, sweeps
+from hydra_ddp import paths, redact, sweeps
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]
@@ -84,6 +86,21 @@ def test_subdir_is_one_safe_capped_name(tmp_path: Path) -> None:
     assert long_a != long_b  # the hash of the full name tells them apart
 
 
+def test_subdir_leaves_secret_values_out(tmp_path: Path) -> None:
+    (tmp_path / "sweep_keys.json").write_text(json.dumps(["+db.password", "model.api_token"]))
+    (tmp_path / "sweep_keys.json").write_text(json.dumps(["db.password", "optim.lr"]))
+    job = ["+db.password=pw1", "optim.lr=0.1", "+model.api_token=abc"]
+    assert paths.sweep_subdir(4, job, str(tmp_path)) == "4_db.password=_redacted_,optim.lr=0.1"
+    long = paths.sweep_subdir(5, ["+db.password=" + "h" * 200, "optim.lr=1"], str(tmp_path))
+    again = paths.sweep_subdir(5, ["+db.password=" + "x" * 200, "optim.lr=1"], str(tmp_path))
+    assert long == again == "5_db.password=_redacted_,optim.lr=1"  # not even its length shows
+    # Log lines (redact.LogFilter on every handler), as Hydra's launcher writes a job's overrides.
+    line = "\t#0 : +db.password=pw1 optim.lr=0.1 data.pad_token=x ++model.api_token=t,u"
+    assert redact.pairs(line) == (
+        "\t#0 : +db.password=<redacted> optim.lr=0.1 data.pad_token=x ++model.api_token=<redacted>"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # The report, from what job dirs and the journal hold
 # --------------------------------------------------------------------------------------------
@@ -135,6 +152,53 @@ def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> 
 # --------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------
+
+# Made at run time, so that no file holds them (a job records the checkout's uncommitted
+# changes, this file among them).
+SECRETS = (*(f"hunter{n}" for n in (2, 3)), "tok-unswept-" + "77")
+
+
+@pytest.mark.timeout(300)
+def test_a_swept_password_is_in_no_name_report_journal_log_or_wandb_file(tmp_path: Path) -> None:
+    """A real sweep of `+model.password=hunter<2>,hunter<3>` with an unswept `+model.api_token`, W&B
+    offline: the models get the real values (tests/secret_model.py checks), the jobs run and
+    are told apart by their numbers, and no name or content of the sweep dir holds a value,
+    except the jobs' and the sweep's own config records (.hydra/, multirun.yaml), which
+    evaluation and resume rebuild the job from."""
+    env = user_env(tmp_path, WANDB_MODE="offline",
+                   PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO / "src")]))  # fmt: skip
+    proc = ok(python_train(
+        tmp_path, "-m", "model._target_=secret_model.Guarded",
+        f"+model.password={SECRETS[0]},{SECRETS[1]}", f"+model.api_token={SECRETS[2]}",
+        "logger=wandb", "trainer.progress=false",
+        "trainer.max_steps=2", env=env, timeout=240,
+    ))  # fmt: skip
+    sweep = sweep_dir(tmp_path)
+    jobs = report(sweep)
+    names = ["0_model.password=_redacted_", "1_model.password=_redacted_"]
+    assert [j["job"] for j in jobs] == names and [j["status"] for j in jobs] == ["ok", "ok"]
+    assert [j["overrides"] for j in jobs] == [{"model.password": "<redacted>"}] * 2
+    runs = [next((sweep / n).glob("wandb/offline-run-*/run-*.wandb")) for n in names]
+    infos = [wandb_records.run_info(r) for r in runs]
+    assert infos[0]["id"] != infos[1]["id"] and infos[0]["name"] != infos[1]["name"]
+    journal = (sweep / "sweep_jobs.jsonl").read_text()
+    assert journal.count('"+model.api_token=<redacted>"') == 2, journal
+    records = (".hydra", "multirun.yaml")
+    everything = list(sweep.rglob("*"))
+    assert len(everything) > 30 and any(p.suffix == ".wandb" for p in everything)
+    for path in everything:
+        assert not any(s in str(path) for s in SECRETS), path
+        if path.is_file() and not any(part.startswith(records) for part in path.parts):
+            data = path.read_bytes()
+            assert not any(s.encode() in data for s in SECRETS), path
+    # The job's own record keeps the value: evaluation and resume rebuild the job from it.
+    assert SECRETS[1] in (sweep / names[1] / ".hydra" / "config.yaml").read_text()
+    out = proc.stdout + proc.stderr
+    table = [ln for ln in out.splitlines() if names[0] in ln and " ok " in ln]
+    assert table and "model.password=<redacted>" in table[0]
+    # Nor on the console: Hydra's launcher line for each job goes through redact.LogFilter.
+    assert "#1 : model._target_=secret_model.Guarded +model.password=<redacted>" in out
+    assert not any(s in out for s in SECRETS), out[-3000:]
 
 
 @pytest.mark.slow  # a real sweep; the names themselves are checked in process above

@@ -2,8 +2,8 @@
 
 A checkpoint holds everything a resumed run needs to continue exactly where it stopped: the
 unwrapped model, optimizer, LR scheduler, grad scaler, the step and the sampler's position in
-the epoch, and every rank's RNG state. It is read with `torch.load(weights_only=True)`, so a
-file that would run code when unpickled is refused rather than executed.
+the epoch, and every rank's RNG state; made plain at save (safe_state.py), so that
+`torch.load(weights_only=True)`, which refuses files that would run code, reads it back.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hydra_ddp import safe_state
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
 
@@ -367,29 +368,42 @@ class Checkpointer:
         mine: dict[str, Any] = {"torch": torch.get_rng_state()}
         if env.device.type == "cuda":
             mine["cuda"] = torch.cuda.get_rng_state(env.device)
-        # As CPU tensors: a CUDA tensor pickled by rank 1 would be unpickled onto rank 1's GPU
-        # by rank 0's process.
-        mine.update({k: _to_cpu(obj.state_dict()) for k, obj in self.per_rank.items()})
-        ranks = all_gather_objects(mine, env)
-        if env.is_main:
-            state = {key: obj.state_dict() for key, obj in self.stateful.items()}
-            if "optimizer" in self.stateful:
-                state["scheduler"] = self.stateful["optimizer"].scheduler_state()
-            state.update(self.meta, **position, world_size=env.world_size, rng=ranks)
+        mine.update({k: safe_state.to_cpu(obj.state_dict()) for k, obj in self.per_rank.items()})
+        state, refused = None, None
+        try:  # what resume could not read is refused now, on every rank alike
+            mine = safe_state.checked(mine)
+            state = self._main_state() if env.is_main else None
+        except UserError as e:
+            refused = str(e)
+        ranks = all_gather_objects((mine, refused), env)
+        refused = next((why for _, why in ranks if why), None)
+        if refused is not None:
+            raise UserError(refused)
+        if state is not None:
+            state.update(
+                self.meta, **position, world_size=env.world_size, rng=[r for r, _ in ranks]
+            )
             path = save(state, self.output_dir, position["step"], self.keep, name)
             log.info("checkpoint: %s", path)
         # Nobody races ahead and dies before the file is complete.
         barrier(env)
+
+    def _main_state(self) -> dict[str, Any]:
+        """Rank 0: every stateful member's state, made loadable (safe_state.checked)."""
+        state = {key: obj.state_dict() for key, obj in self.stateful.items()}
+        if "optimizer" in self.stateful:
+            state["scheduler"] = self.stateful["optimizer"].scheduler_state()
+        return safe_state.checked(state)
 
     def keep_as_best(self, step: int) -> None:
         """Rank 0: the checkpoint just saved at `step` is also checkpoints/best.pt."""
         if self.env.is_main:
             keep_as_best(self.output_dir, step)
 
-    def restore(self, path: Path, position_keys: list[str]) -> dict[str, int]:
+    def restore(self, path: Path, position_keys: list[str]) -> dict[str, Any]:
         """Load `path` into every stateful object and this rank's RNG; return the position, with
-        the world size and batch size it was counted in (`saved_world_size`,
-        `saved_batch_size`; 0: not recorded)."""
+        the world size, batch size and sampler settings it was counted in (`saved_world_size`,
+        `saved_batch_size`, `saved_sampler`; 0 or None: not recorded)."""
         env = self.env
         state = load(path)
         load_model_state(self.stateful["model"], state, path)
@@ -405,7 +419,7 @@ class Checkpointer:
                     log.warning("%s holds no %s state: starting it fresh", path, key)
                     continue
                 obj.load_state_dict(state[key])
-            position = {k: int(state.get(k, 0)) for k in position_keys}
+            position: dict[str, Any] = {k: int(state.get(k, 0)) for k in position_keys}
             position["step"] = int(state["step"])
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
             raise UserError(
@@ -418,6 +432,7 @@ class Checkpointer:
         # a checkpoint from before batch_size was recorded had this job's.
         position["saved_world_size"] = saved_world
         position["saved_batch_size"] = int(state.get("batch_size", 0))
+        position["saved_sampler"] = state.get("sampler")  # its settings (epoch_rows.settings)
         ranks = state.get("rng") or []
         mine = ranks[env.rank] if env.rank < len(ranks) and saved_world == env.world_size else {}
         if env.rank < len(ranks):
@@ -432,13 +447,3 @@ class Checkpointer:
                     "%s holds no %s state for rank %d: starting it fresh", path, key, env.rank
                 )
         return position
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

@@ -265,6 +265,9 @@ class TrainerConfig:
     compile: bool = False
     # torch.use_deterministic_algorithms, cuBLAS's deterministic workspace, no cuDNN autotuning.
     deterministic: bool = False
+    # run.json lists the checkout's untracked, not ignored files (path, size) and counts them
+    # as dirty; true: their contents (up to 1 MiB each) also go into its git_diff_<n>.patch.
+    untracked_content: bool = False
     # Debugging (conf/debug/); 0 or false is off.
     limit_train_batches: int = 0  # batches per epoch and rank, at most
     limit_eval_batches: int = 0  # validation and test batches per rank, at most

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hydra_ddp import checkpoint, jsonfile, provenance, redact, tracking
+from hydra_ddp import checkpoint, epoch_rows, jsonfile, provenance, redact, tracking
 from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
@@ -227,7 +227,9 @@ def _run(job: Job) -> dict[str, Any]:
         finished = _finished_summary(run.output_dir, pos.step, job.total_steps, env)  # collective
         if finished is not None:
             return finished
-    origin = provenance.record(run.output_dir, env, run.overrides)  # collective
+    origin = provenance.record(
+        run.output_dir, env, run.overrides, tcfg.untracked_content
+    )  # collective
     tracker = make_tracker(cfg.logger, env, run, resumed_step=pos.step if resumed else None)
     tracker.add_config({"provenance": origin} if origin else {})
     with tracker, contextlib.ExitStack() as scope:
@@ -372,6 +374,8 @@ def _resume(job: Job, checkpointer: Checkpointer) -> tuple[Position, bool]:
     """Collective: the position to start from, restored from the checkpoint rank 0 picked (a
     lagging or node-local file system could show each rank another newest one)."""
     env, tcfg = job.env, job.cfg.trainer
+    # Saved in every checkpoint: a resume that changes them can tell what that does to the epoch.
+    checkpointer.meta["sampler"] = epoch_rows.settings(job.cfg.sampler, job.cfg.sampler_seed)
     path = all_gather_objects(job.resume_from if env.is_main else None, env)[0]
     if path is None:
         # Different dropout masks per rank; the weights are already equal (same seed, and
@@ -380,8 +384,9 @@ def _resume(job: Job, checkpointer: Checkpointer) -> tuple[Position, bool]:
         return Position(), False
     saved = checkpointer.restore(path, [f.name for f in fields(Position)])
     world, batch_size = saved.pop("saved_world_size"), saved.pop("saved_batch_size")
+    sampler = saved.pop("saved_sampler")
     pos = Position(**saved)
-    _continue_epoch(pos, job, path, world, batch_size or tcfg.batch_size)
+    _continue_epoch(pos, job, path, epoch_rows.Setup(sampler, world, batch_size or tcfg.batch_size))
     log.info(
         "resumed from %s at step %d (epoch %d, batch %d)",
         path,
@@ -392,30 +397,39 @@ def _resume(job: Job, checkpointer: Checkpointer) -> tuple[Position, bool]:
     return pos, True
 
 
-def _continue_epoch(pos: Position, job: Job, path: Path, world: int, batch_size: int) -> None:
+def _continue_epoch(pos: Position, job: Job, path: Path, saved: epoch_rows.Setup) -> None:
     """Continue the epoch from its first unseen row when the checkpoint counted batches of
     another size or over another number of ranks. Rows of an epoch are consumed as a prefix of
     its order (strided: batch k of every rank covers positions [k·B·W, (k+1)·B·W)), so the
     new position is exact when the rows done divide into new batches; otherwise the rest of
-    the last partial batch is trained again, and the log says how many rows."""
+    the last partial batch is trained again, and the log says how many rows. Other sampler
+    settings: the log says how many rows of the epoch are read twice or skipped (epoch_rows)."""
     env, tcfg = job.env, job.cfg.trainer
+    world, batch_size, done = saved.world_size, saved.batch_size, pos.batch_in_epoch
+    now = epoch_rows.settings(job.cfg.sampler, job.cfg.sampler_seed)
+    # A checkpoint from before the settings were recorded: taken to have this job's.
+    saved.settings = saved.settings or now
+    reordered = epoch_rows.changed(saved.settings, now, world, env.world_size)
     if (world, batch_size) != (env.world_size, tcfg.batch_size):
         rows_done = pos.batch_in_epoch * batch_size * world
         per_batch = tcfg.batch_size * env.world_size
         pos.batch_in_epoch = rows_done // per_batch
         again = rows_done - pos.batch_in_epoch * per_batch
-        log.warning(
-            "%s counted batches of %d rows on %d rank(s), this job %d on %d: epoch %d continues "
-            "at its row %d (batch %d here)%s",
-            path, batch_size, world, tcfg.batch_size, env.world_size, pos.epoch, rows_done,
-            pos.batch_in_epoch,
-            f"; {again} rows of it are trained again (not a whole batch)" if again else ", exactly",
-        )  # fmt: skip
-        if world != env.world_size and job.cfg.sampler.policy == SamplerPolicy.sharded:
+        if not reordered:
             log.warning(
-                "sampler=sharded with another number of ranks: the rest of this epoch is "
-                "sharded differently (exact resume needs the same number of ranks)"
-            )
+                "%s counted batches of %d rows on %d rank(s), this job %d on %d: epoch %d "
+                "continues at its row %d (batch %d here)%s",
+                path, batch_size, world, tcfg.batch_size, env.world_size, pos.epoch, rows_done,
+                pos.batch_in_epoch,
+                f"; {again} rows of it are trained again (not a whole batch)" if again
+                else ", exactly",
+            )  # fmt: skip
+    if reordered and env.is_main and not tcfg.overfit_batches:
+        here = epoch_rows.Setup(now, env.world_size, tcfg.batch_size)
+        epoch_rows.say_reordered(
+            path, saved, here, job.train_data.source, pos.epoch, done, pos.batch_in_epoch,
+            tcfg.limit_train_batches,
+        )  # fmt: skip
     if pos.batch_in_epoch >= job.steps_per_epoch:  # ended this epoch
         pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hydra_ddp import claim, jsonfile
+from hydra_ddp import claim, jsonfile, redact
 from hydra_ddp.dist import launcher_rank, under_launcher
 from hydra_ddp.errors import UserError
 
@@ -147,7 +147,8 @@ def sweep_subdir(
     The keys swept are those SweepReport wrote to <sweep dir>/sweep_keys.json at the start of
     the sweep, else what Hydra's basic sweeper saved in <sweep dir>/multirun.yaml, else the
     job's `hydra.sweeper.params`; when none of those tell, every override of the job counts.
-    Characters unsafe in a file name become `_`, so a value never nests dirs, and a name over
+    A secret key's value (redact.py) is left out (`0_db.password=_redacted_`). Characters
+    unsafe in a file name become `_`, so a value never nests dirs, and a name over
     SUBDIR_MAX_CHARS is cut and ends in a hash of the whole, so no name is too long for the
     file system and two long ones stay apart. Resolved in the job's own process (also under
     submitit), from its own overrides."""
@@ -155,6 +156,9 @@ def sweep_subdir(
     keys = _known_swept_keys(Path(sweep_dir), sweeper_params)
     if keys is not None:
         pairs = [(k, v) for k, v in pairs if k in keys]
+    # A secret's value (redact.py's rule) would be in every log line, path and W&B run that
+    # names the dir: the job number tells such jobs apart instead.
+    pairs = [(k, redact.REDACTED if v and redact.is_secret(k) else v) for k, v in pairs]
     full = "_".join([str(num), *([",".join(f"{k}={v}" for k, v in pairs)] if pairs else [])])
     name = _UNSAFE.sub("_", full)
     if len(name) > SUBDIR_MAX_CHARS:

@@ -2,8 +2,10 @@
 
 Each entry: start time, the command line and overrides (secret values blanked, see redact.py),
 the git commit, branch and dirty flag of the code's checkout with a patch of its uncommitted
-changes to tracked files (`git_diff_<n>.patch` beside it), Python and the versions of torch
-(with its CUDA and NCCL builds), hydra-core, omegaconf, wandb and numpy, and every rank's host.
+changes to tracked files (`git_diff_<n>.patch` beside it) and its untracked files that are not
+ignored (path and size; their contents too in the patch with trainer.untracked_content=true),
+Python and the versions of torch (with its CUDA and NCCL builds), hydra-core, omegaconf, wandb
+and numpy, and every rank's host.
 No environment variables: they hold credentials. Written by global rank 0; the same facts go
 into the W&B run's config as `provenance` when W&B is on.
 """
@@ -28,12 +30,19 @@ from hydra_ddp.dist import DistEnv, all_gather_objects
 log = logging.getLogger(__name__)
 
 FILE = "run.json"
+# run.json lists at most this many untracked files (and says how many more there are).
+UNTRACKED_LISTED = 200
+# trainer.untracked_content: untracked files larger than this are listed, not copied.
+UNTRACKED_MAX_BYTES = 1 << 20
 _PACKAGES = ("hydra-core", "omegaconf", "wandb", "numpy", "hydra-ddp")
 
 
-def record(output_dir: Path, env: DistEnv, overrides: list[str]) -> dict[str, Any]:
+def record(
+    output_dir: Path, env: DistEnv, overrides: list[str], untracked_content: bool = False
+) -> dict[str, Any]:
     """Collective (every rank's host): append this run's entry to <output_dir>/run.json on rank
-    0 and return it (on rank 0; the others get an empty dict)."""
+    0 and return it (on rank 0; the others get an empty dict). `untracked_content`:
+    trainer.untracked_content (see git_state)."""
     hosts = all_gather_objects(socket.gethostname(), env)
     if not env.is_main:
         return {}
@@ -51,7 +60,7 @@ def record(output_dir: Path, env: DistEnv, overrides: list[str]) -> dict[str, An
         "hosts": sorted(set(hosts)),
         "python": platform.python_version(),
         "versions": versions(),
-        "git": git_state(Path(output_dir), len(runs) + 1),
+        "git": git_state(Path(output_dir), len(runs) + 1, untracked_content),
     }
     runs.append(entry)
     jsonfile.write(path, {"runs": runs})
@@ -71,32 +80,80 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def git_state(output_dir: Path, n: int) -> dict[str, Any] | None:
-    """The checkout holding this code: commit, branch, dirty, and the patch of its uncommitted
-    changes to tracked files written next to run.json. None outside a git checkout."""
-    where = Path(__file__).resolve().parent
+def git_state(
+    output_dir: Path, n: int, untracked_content: bool = False, checkout: Path | None = None
+) -> dict[str, Any] | None:
+    """The checkout holding this code (or `checkout`): commit, branch, dirty, its untracked
+    files that are not ignored (path and size: a new model file in the repo is part of what
+    made the result), and the patch of its uncommitted changes written next to run.json (with
+    `untracked_content`, also the untracked files up to UNTRACKED_MAX_BYTES each, as new files
+    `git apply` recreates). None outside a git checkout."""
+    where = Path(checkout) if checkout is not None else Path(__file__).resolve().parent
 
-    def git(*args: str) -> str | None:
+    def git(*args: str, ok: tuple[int, ...] = (0,)) -> str | None:
         try:
             done = subprocess.run(
-                ["git", "-C", str(where), *args], capture_output=True, text=True, timeout=20
+                ["git", "-C", str(where), *args],
+                capture_output=True,
+                text=True,
+                errors="replace",  # a file that is not UTF-8 must not stop the run
+                timeout=20,
             )
         except (OSError, subprocess.TimeoutExpired):
             return None
-        return done.stdout if done.returncode == 0 else None
+        return done.stdout if done.returncode in ok else None
 
     commit = git("rev-parse", "HEAD")
     if commit is None:
         return None
-    dirty = bool((git("status", "--porcelain", "--untracked-files=no") or "").strip())
+    root = (git("rev-parse", "--show-toplevel") or "").strip() or None
+    untracked = _untracked(git, root, output_dir)
+    changed = bool((git("status", "--porcelain", "--untracked-files=no") or "").strip())
     state: dict[str, Any] = {
         "commit": commit.strip(),
         "branch": (git("rev-parse", "--abbrev-ref", "HEAD") or "").strip() or None,
-        "dirty": dirty,
-        "root": (git("rev-parse", "--show-toplevel") or "").strip() or None,
+        "dirty": changed or bool(untracked),
+        "root": root,
+        "untracked": untracked[:UNTRACKED_LISTED],
     }
-    if dirty:
-        patch = output_dir / f"git_diff_{n}.patch"
-        patch.write_text(git("diff", "HEAD") or "")
-        state["diff"] = patch.name
+    if len(untracked) > UNTRACKED_LISTED:
+        state["untracked_not_listed"] = len(untracked) - UNTRACKED_LISTED
+    patch = (git("diff", "HEAD") or "") if changed else ""
+    if untracked_content and root is not None:
+        for entry in untracked:
+            if entry["bytes"] <= UNTRACKED_MAX_BYTES:
+                # --no-index exits 1 when the files differ, as they always do here.
+                new = ("diff", "--no-index", "--binary", "--", "/dev/null", entry["path"])
+                patch += git("-C", root, *new, ok=(0, 1)) or ""
+    if patch:
+        (output_dir / f"git_diff_{n}.patch").write_text(patch)
+        state["diff"] = f"git_diff_{n}.patch"
+    if untracked:
+        log.info(
+            "run.json: %d untracked file(s) in the checkout (%s%s)%s",
+            len(untracked),
+            ", ".join(e["path"] for e in untracked[:5]),
+            ", ..." if len(untracked) > 5 else "",
+            "" if untracked_content else "; trainer.untracked_content=true saves their contents",
+        )
     return state
+
+
+def _untracked(git: Any, root: str | None, output_dir: Path) -> list[dict[str, Any]]:
+    """The checkout's untracked files that .gitignore does not exclude, paths from its root;
+    not those of this run's own output dir (a run dir inside the checkout, not ignored)."""
+    if root is None:
+        return []
+    found = git("-C", root, "ls-files", "--others", "--exclude-standard", "-z") or ""
+    own = Path(output_dir).resolve()
+    entries = []
+    for name in sorted(filter(None, found.split("\0"))):
+        path = Path(root) / name
+        try:
+            if path.resolve().is_relative_to(own):
+                continue
+            size = path.stat().st_size
+        except OSError:  # gone since git listed it
+            continue
+        entries.append({"path": name, "bytes": size})
+    return entries

@@ -7,12 +7,16 @@ A key is secret when its last part contains `token`, `secret`, `password`/`passw
 `model.api_token`, `aws_access_key_id`, `db_password`), except the tokenizer's vocabulary
 (`pad_token`, `bos_token`, `eos_token`, `unk_token`, `sep_token`, `cls_token`, `mask_token`,
 `*_token_id`) and token counts (`max_tokens`, `num_tokens`, `tokens_per_s`). Its value becomes
-`<redacted>`; so does the live `WANDB_API_KEY` wherever it appears. `.hydra/config.yaml` on
-your disk stays complete: evaluation and resume rebuild the job from it.
+`<redacted>`; so does the live `WANDB_API_KEY` wherever it appears. Sweeps blank them in job
+dir names, `sweep_report.json` and `sweep_jobs.jsonl`; `LogFilter` (on every handler of
+conf/train.yaml's logging) blanks `key=value` pairs in log lines, Hydra's own launcher lines
+included. `.hydra/config.yaml` (and a sweep's `multirun.yaml`) on your disk stays complete:
+evaluation and resume rebuild the job from it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any, Iterable, Mapping
@@ -26,6 +30,11 @@ _NOT_SECRET = re.compile(
     r"|^tokens?_per_|^tokenizer",
     re.IGNORECASE,
 )
+
+
+# `key=value` in free text: a dotted config key (with Hydra's +/~ prefixes), then the value up
+# to the next blank.
+_PAIR = re.compile(r"(?<![\w.])([+~]{0,2}[A-Za-z_][\w.@/-]*)=(\S+)")
 
 
 def is_secret(key: str) -> bool:
@@ -60,3 +69,24 @@ def text(value: str, live_key: str | None = None) -> str:
     """`value` with the live W&B API key blanked."""
     live_key = os.environ.get("WANDB_API_KEY") if live_key is None else live_key
     return value.replace(live_key, REDACTED) if live_key else value
+
+
+def pairs(message: str) -> str:
+    """`message` with the value of each secret `key=value` pair in it blanked."""
+    return _PAIR.sub(lambda m: f"{m[1]}={REDACTED}" if is_secret(m[1]) else m[0], message)
+
+
+class LogFilter(logging.Filter):
+    """Blanks secret `key=value` pairs and the live W&B key in every record a handler writes
+    (named in conf/train.yaml's hydra_logging and job_logging): Hydra's launcher logs each
+    sweep job's overrides, `#0 : +db.password=...`, before any code of ours runs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: logging reports it itself
+            return True
+        blanked = pairs(text(message))
+        if blanked != message:
+            record.msg, record.args = blanked, None
+        return True

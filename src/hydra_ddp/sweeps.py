@@ -3,7 +3,8 @@
 `SweepReport` is a Hydra callback that tables every job at the end of a multirun (status,
 objective, metrics, and for a failed job why and where its logs are). Job dir names are
 paths.sweep_subdir's; each job's objective is the metric `trainer.monitor` names
-(monitor.monitor_key).
+(monitor.monitor_key). The values of secret keys (redact.py) are blanked in the report, its
+table and the journal, as in the job dir names.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import jsonfile
+from hydra_ddp import jsonfile, redact
 from hydra_ddp.dist import launcher_rank
 from hydra_ddp.paths import SWEPT_KEYS_FILE, split_override, swept_keys
 
@@ -82,7 +83,8 @@ class SweepReport(Callback):
         _journal(
             config,
             event="start",
-            overrides=OmegaConf.to_container(config.hydra.overrides.task),
+            # The values of secret keys (redact.py) stay in the job's own .hydra/ record.
+            overrides=redact.overrides(OmegaConf.to_container(config.hydra.overrides.task)),
         )
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
@@ -244,11 +246,13 @@ def _job_number(job_dir: Path) -> int | None:
 def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) -> dict[str, Any]:
     """One row of the report, from the journal's record and what the job left in its dir."""
     num, job_dir = record["num"], record["dir"]
+    saved = _read_yaml(Path(job_dir) / ".hydra" / "overrides.yaml") if job_dir else None
     overrides = record.get("overrides")
-    if job_dir is not None and overrides is None:
-        saved = _read_yaml(Path(job_dir) / ".hydra" / "overrides.yaml")
-        overrides = list(saved) if saved is not None else []
-    swept = dict(split_override(line) for line in overrides or [])
+    if overrides is None:
+        overrides = list(saved) if isinstance(saved, list) else []
+    # What the report must not repeat: the values of the job's secret keys (redact.py).
+    secrets = [v for k, v in map(split_override, saved or overrides) if v and redact.is_secret(k)]
+    swept = dict(split_override(line) for line in redact.overrides(overrides))
     swept = {k: v for k, v in swept.items() if k in keys}
     summary: dict[str, Any] = {}
     logs: list[str] = []
@@ -262,7 +266,7 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
         failure = jsonfile.read(path / "failure.json")
         summary = jsonfile.read(path / "summary.json") or {}
         if failure is not None:
-            status, detail = "FAILED", str(failure.get("error", failure))
+            status, detail = "FAILED", _scrub(str(failure.get("error", failure)), secrets)
         elif summary:
             status, detail = "ok", None
         else:
@@ -318,6 +322,13 @@ def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
             )
         lines.append(line)
     return lines
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    """`text` with each of `secrets` (and the live W&B API key) blanked."""
+    for value in sorted(secrets, key=len, reverse=True):
+        text = text.replace(value, redact.REDACTED)
+    return redact.text(text)
 
 
 def _cell(value: Any) -> str:

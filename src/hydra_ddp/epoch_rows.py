@@ -1,0 +1,162 @@
+"""Which rows of an epoch a sampler setting reads: what a resume that changes the sampler
+(strided <-> sharded, its shuffle, seed, drop_last, shard_by, rotate) reads twice or skips.
+
+A checkpoint records the sampler settings it was trained with (`settings`). On resume the rows
+already read in the epoch in progress, under the old settings on the old ranks, are compared
+with the rows the new settings still read in it on the new ranks: the log then says exactly how
+many rows of the epoch are read twice and how many are skipped, or that there are none. The
+rows are global row numbers of the training split (a sharded rank's local row i is the i-th
+row of its parts, in order, as DataSource.load reads them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
+from hydra_ddp.sampling import (
+    ShardedSampler,
+    StridedSampler,
+    partition_files,
+    partition_rows,
+    samples_per_epoch,
+)
+
+log = logging.getLogger(__name__)
+
+# Above this many training rows the counts are not computed (a few bytes of memory per row).
+MAX_ROWS_COUNTED = 200_000_000
+
+
+def settings(cfg: SamplerConfig, seed: int) -> dict[str, Any]:
+    """What a checkpoint records of the sampler: the settings that decide an epoch's order."""
+    return {
+        "policy": cfg.policy.value,
+        "shuffle": cfg.shuffle,
+        "seed": seed,
+        "drop_last": cfg.drop_last,
+        "shard_by": cfg.shard_by.value,
+        "rotate": cfg.rotate,
+    }
+
+
+def _relevant(saved: dict[str, Any]) -> dict[str, Any]:
+    """The settings the order depends on (the seed only when shuffling; the sharding only
+    under sampler=sharded)."""
+    keys = ["policy", "shuffle", "drop_last"] + (["seed"] if saved.get("shuffle") else [])
+    if saved.get("policy") == SamplerPolicy.sharded.value:
+        keys += ["shard_by", "rotate"]
+    return {k: saved.get(k) for k in keys}
+
+
+def changed(old: dict[str, Any], new: dict[str, Any], old_world: int, new_world: int) -> bool:
+    """Whether the rest of the epoch is read by another rule than its start: other settings,
+    or sampler=sharded on another number of ranks (strided keeps its order then)."""
+    sharded = SamplerPolicy.sharded.value in (old.get("policy"), new.get("policy"))
+    return _relevant(old) != _relevant(new) or (sharded and old_world != new_world)
+
+
+@dataclass
+class Setup:
+    """One way of reading the training split: the settings, ranks and batch size."""
+
+    settings: dict[str, Any]
+    world_size: int
+    batch_size: int
+
+
+def rows_read(
+    setup: Setup, num_rows: int, file_rows: list[int], epoch: int, first: int, stop: int
+) -> np.ndarray:
+    """The global rows that batches [first, stop) of `epoch` read on every rank together (a row
+    read twice, as strided's padding does, appears twice)."""
+    out = []
+    for rank in range(setup.world_size):
+        sampler, local_to_global = _sampler(setup, num_rows, file_rows, epoch, rank)
+        stop_here = min(stop, len(sampler))
+        if stop_here <= first:
+            continue
+        order = sampler.indices(epoch)[first * setup.batch_size : stop_here * setup.batch_size]
+        out.append(order if local_to_global is None else local_to_global[order])
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def _sampler(
+    setup: Setup, num_rows: int, file_rows: list[int], epoch: int, rank: int
+) -> tuple[Any, np.ndarray | None]:
+    s, world, batch = setup.settings, setup.world_size, setup.batch_size
+    common = dict(shuffle=bool(s["shuffle"]), seed=int(s["seed"]), drop_last=bool(s["drop_last"]))
+    if s["policy"] == SamplerPolicy.strided.value:
+        return StridedSampler(num_rows, rank, world, batch, **common), None
+    if s["shard_by"] == ShardBy.files.value:
+        parts = partition_files(file_rows, world, epoch, bool(s["rotate"]))
+    else:
+        parts = partition_rows(num_rows, world, epoch, bool(s["rotate"]))
+    mine = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parts[rank]] or [[]])
+    mine = mine.astype(np.int64)
+    return ShardedSampler(len(mine), samples_per_epoch(parts), rank, batch, **common), mine
+
+
+def epoch_length(setup: Setup, num_rows: int, file_rows: list[int], limit: int) -> int:
+    """Batches per epoch and rank (the same on every rank), at most `limit` (0: no limit)."""
+    batches = len(_sampler(setup, num_rows, file_rows, 0, 0)[0])
+    return min(batches, limit) if limit else batches
+
+
+def twice_and_skipped(
+    old: Setup, new: Setup, num_rows: int, file_rows: list[int], epoch: int, done: int,
+    start: int, limit: int = 0,
+) -> tuple[int, int]:  # fmt: skip
+    """Rows of `epoch` read twice and rows skipped when `done` batches of it were read under
+    `old` and `new` reads it from its batch `start` to its end (`limit`: batches per epoch at
+    most). Read twice: rows read before that the rest reads again. Skipped: rows a whole epoch
+    of `new` reads that neither part reads."""
+    before = np.zeros(num_rows, dtype=bool)
+    before[rows_read(old, num_rows, file_rows, epoch, 0, done)] = True
+    length = epoch_length(new, num_rows, file_rows, limit)
+    after = np.zeros(num_rows, dtype=bool)
+    after[rows_read(new, num_rows, file_rows, epoch, start, length)] = True
+    whole = np.zeros(num_rows, dtype=bool)
+    whole[rows_read(new, num_rows, file_rows, epoch, 0, length)] = True
+    return int(np.sum(before & after)), int(np.sum(whole & ~before & ~after))
+
+
+def say_reordered(
+    path: Path, old: Setup, new: Setup, source: Any, epoch: int, done: int, start: int,
+    limit: int,
+) -> None:  # fmt: skip
+    """One log line for a resume from `path` (`done` batches of `epoch` read under `old`) that
+    reads the rest of the epoch under `new` from its batch `start`: how many of its rows are
+    read twice and skipped, or that each is read once. Nothing when the epoch was over."""
+    num_rows = source.num_rows("train")
+    # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
+    file_rows = source.file_rows("train") if hasattr(source, "file_rows") else [num_rows]
+    if not 0 < done < epoch_length(old, num_rows, file_rows, limit):
+        return  # nothing read yet, or the whole epoch: the next one starts in the new order
+    was = ", ".join(
+        f"sampler{'' if k == 'policy' else '.' + k}={v}"
+        for k, v in old.settings.items()
+        if new.settings.get(k) != v
+    )
+    head = (
+        f"{path} was trained on {old.world_size} rank(s) with {was or 'these sampler settings'}"
+        f", this job has {new.world_size} rank(s) and sampler={new.settings['policy']}: the "
+        f"rest of epoch {epoch} (from its batch {start}) is read in another order"
+    )
+    if num_rows > MAX_ROWS_COUNTED:
+        log.warning("%s; rows may be read twice or skipped (not counted: %d rows)", head, num_rows)
+        return
+    twice, skipped = twice_and_skipped(old, new, num_rows, file_rows, epoch, done, start, limit)
+    if twice or skipped:
+        log.warning(
+            "%s: %d rows of the epoch are read twice and %d skipped; resume with the "
+            "checkpoint's sampler settings to continue exactly",
+            head, twice, skipped,
+        )  # fmt: skip
+    else:
+        log.info("%s, and every row of it is still read once: exact", head)
