@@ -2,8 +2,8 @@
 (Hydra's compose API on the same config dir, resolvers and schema), type and preflight it, and
 run the training loop on one rank here or on several with tests/ranks.py.
 
-`train` (hydra_ddp.loop) and `train_step` (hydra_ddp.step) are re-exported here: the one place
-the tests name their modules.
+`train` (hydra_ddp.loop) is re-exported here for the tests that run a job; tests of a module's
+own parts (test_step.py, test_config.py, ...) import that module directly.
 
 `isolated()` puts back what a run changes in the process: environment variables, the working
 directory, RNG states, torch's determinism and anomaly flags and thread count, logging handlers
@@ -32,7 +32,6 @@ from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.dist import DistEnv, env_from_environ, under_launcher
 from hydra_ddp.loop import train
 from hydra_ddp.paths import register_resolvers
-from hydra_ddp.step import train_step
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import config_dir, preflight, to_typed
 
@@ -43,13 +42,13 @@ __all__ = [
     "entry",
     "entry_on_a_rank",
     "isolated",
+    "job",
     "preflight",
     "run_info",
     "to_typed",
     "train",
     "train_here",
     "train_rank",
-    "train_step",
     "typed",
 ]
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import summary
-from inproc import train_here, train_ranks, train_step
+from inproc import isolated, job, train, train_here, train_ranks
 
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.metrics import evaluate
+from hydra_ddp.models import MLP
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,30 +77,37 @@ def test_debug_profile_writes_a_trace_per_rank_and_the_top_ops(tmp_path: Path) -
         assert "Self CPU" in log and "aten::" in log  # the top ops table
 
 
-def test_debug_anomaly_turns_on_autograd_anomaly_mode(tmp_path: Path, caplog) -> None:
+class NaNInBackward(MLP):
+    """The MLP plus a term whose forward is finite (sqrt(0) * 0) and whose backward is NaN
+    (0 / sqrt(0)) in SqrtBackward only: without anomaly mode the step only sees a NaN norm."""
+
+    def __init__(
+        self, in_features: int, out_features: int, hidden: int, depth: int, dropout: float
+    ) -> None:
+        super().__init__(in_features, out_features, hidden, depth, dropout)
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (x.flatten(1)[:, :1] * self.w).abs().sqrt() * 0
+
+
+def test_debug_anomaly_names_the_backward_op_that_made_a_nan(tmp_path: Path, caplog) -> None:
+    """debug=anomaly, composed as on the command line: the job stops at the backward op that
+    produced the NaN (without it, trainer.nan_policy's check would report a non-finite norm),
+    and the loop turns anomaly mode off again when the job ends, even on that error."""
     caplog.set_level(logging.INFO)
-    s = train_here(tmp_path / "job", "debug=anomaly", "trainer.max_steps=3", "logger=none")
+    overrides = ["debug=anomaly", "trainer.max_steps=3", "logger=none"]
+    cfg, run = job(tmp_path / "job", *overrides, "model._target_=test_debug.NaNInBackward")
+    assert cfg.trainer.detect_anomaly
+    assert not torch.is_anomaly_enabled()
+    with isolated():
+        torch.set_num_threads(1)
+        # The error names the backward op; anomaly mode's warning, the forward line behind it.
+        with (
+            pytest.raises(RuntimeError, match="Function 'SqrtBackward0' returned nan"),
+            pytest.warns(UserWarning, match=r"(?s)Error detected in SqrtBackward0.*\.sqrt\(\)"),
+        ):
+            train(cfg, DistEnv(), run)
+        # Checked before isolated() puts the flag back: the loop's own scope must end it.
+        assert not torch.is_anomaly_enabled()
     assert "autograd anomaly detection is on" in caplog.text
-    assert s["steps"] == 3
-    assert not torch.is_anomaly_enabled()  # only for the run
-
-
-def test_anomaly_mode_names_the_op_that_made_a_nan() -> None:
-    """What debug=anomaly buys: the step fails at the backward op that produced the NaN."""
-
-    class Bad(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.tensor([0.0]))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            # Finite forward (sqrt(0) * 0), NaN backward (0 / sqrt(0)) in SqrtBackward only.
-            return ((x * self.w).sqrt() * 0).expand(len(x), 2)
-
-    model = Bad()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    batch = [(torch.ones(2, 1), torch.zeros(2, dtype=torch.long))]
-    loss = torch.nn.CrossEntropyLoss()
-    with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="SqrtBackward"):
-        train_step(model, batch, loss, opt, scaler, contextlib.nullcontext(), 1.0)

@@ -1,6 +1,7 @@
-"""The training step and the schedules, in process: `train_step` does exactly what the
-textbook loop does, gradient accumulation equals the big batch, a non-finite step is not
-applied, and the example schedules have their documented shape."""
+"""The training step and the schedules, in process: the loop's step (`default_step` with
+`StepTools`, called as loop.fit calls it) does exactly what the textbook loop does, gradient
+accumulation equals the big batch, a non-finite step is not applied, and the example schedules
+have their documented shape."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ import torch
 
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.models import MLP
+from hydra_ddp.objective import Objective
 from hydra_ddp.optim import param_groups, warmup_constant, warmup_cosine
-from hydra_ddp.step import train_step
+from hydra_ddp.step import StepTools, default_step
 
 FP32 = contextlib.nullcontext()
+
+
+def loop_step(model, micro_batches, loss_fn, optimizer, scaler, max_norm: float):
+    """One step as loop.fit runs it: the step over the micro-batches, then `tools.update()`.
+    Returns the mean loss and the gradient norm before clipping."""
+    tools = StepTools(scaler, FP32, max_norm, skip_non_finite=True, raw_model=model)
+    losses = default_step(tools, model, micro_batches, Objective(loss_fn), {"default": optimizer})
+    return losses["loss"], tools.update()
 
 
 def _setup(seed: int = 0):
@@ -30,13 +40,13 @@ def _data(n: int = 32):
     return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def test_train_step_is_the_textbook_step() -> None:
+def test_the_loops_step_is_the_textbook_step() -> None:
     x, y = _data()
     ours, opt, scaler = _setup()
     ref, ref_opt, _ = _setup()
     loss_fn = CrossEntropy(label_smoothing=0.0)
     for _ in range(5):
-        loss, norm = train_step(ours, [(x, y)], loss_fn, opt, scaler, FP32, max_norm=0.5)
+        loss, norm = loop_step(ours, [(x, y)], loss_fn, opt, scaler, max_norm=0.5)
         ref_loss = torch.nn.functional.cross_entropy(ref(x), y)
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
@@ -54,9 +64,9 @@ def test_accumulated_micro_batches_equal_one_big_batch() -> None:
     one, opt1, scaler = _setup()
     four, opt4, _ = _setup()
     loss_fn = CrossEntropy(label_smoothing=0.0)
-    big, _ = train_step(one, [(x, y)], loss_fn, opt1, scaler, FP32, max_norm=1.0)
+    big, _ = loop_step(one, [(x, y)], loss_fn, opt1, scaler, max_norm=1.0)
     micro = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
-    acc, _ = train_step(four, micro, loss_fn, opt4, scaler, FP32, max_norm=1.0)
+    acc, _ = loop_step(four, micro, loss_fn, opt4, scaler, max_norm=1.0)
     torch.testing.assert_close(acc, big)
     for a, b in zip(one.parameters(), four.parameters()):
         torch.testing.assert_close(a, b)
@@ -68,8 +78,8 @@ def test_non_finite_gradients_skip_the_update() -> None:
     before = [p.detach().clone() for p in model.parameters()]
     x = x.clone()
     x[0, 0] = float("nan")
-    loss, norm = train_step(
-        model, [(x, y)], CrossEntropy(label_smoothing=0.0), opt, scaler, FP32, max_norm=1.0
+    loss, norm = loop_step(
+        model, [(x, y)], CrossEntropy(label_smoothing=0.0), opt, scaler, max_norm=1.0
     )
     assert not torch.isfinite(norm) and not torch.isfinite(loss)
     for a, b in zip(model.parameters(), before):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import ok, only_job_dir, summary, torchrun, user_env, wandb_env
 from inproc import FAST, train_here, train_ranks
 
 from hydra_ddp.errors import UserError
+from hydra_ddp.models import CNN
 
 
 def final_params(job_dir: Path) -> dict[str, torch.Tensor]:
@@ -107,16 +109,67 @@ def test_single_process_without_launcher(tmp_path: Path, caplog) -> None:
     assert summary(tmp_path / "job") == json.loads(json.dumps(s))
 
 
+# What the job's model and callbacks below saw, read back by the test that ran the job (in
+# this process: tests/ is on sys.path, so `test_train.X` is this module).
+SEEN: dict[str, list] = {}
+
+
+class DtypeSeenCNN(CNN):
+    """The example CNN, noting the dtype of its conv features and outputs in training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.features(x.view(-1, *self.shape))
+        out = self.head(features)
+        if self.training:
+            SEEN.setdefault("dtypes", []).append((features.dtype, out.dtype))
+        return out
+
+
+class FlagsSeen:
+    """A callback noting, at every step, the torch settings the job's steps ran under."""
+
+    def on_step_end(self, ctx) -> None:
+        SEEN.setdefault("flags", []).append(
+            (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.backends.cudnn.benchmark,
+                os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            )
+        )
+
+
 def test_ddp_none_single_process_and_bf16_autocast(tmp_path: Path) -> None:
+    """trainer.precision=bf16: every training forward ran in bfloat16 (the parameters and the
+    data stay float32: autocast casts per op)."""
+    SEEN.clear()
     s = train_here(
         tmp_path / "job",
         *FAST,
         "ddp=none",
         "trainer.precision=bf16",
         "model=cnn",
+        "model._target_=test_train.DtypeSeenCNN",
         "trainer.max_steps=20",
     )
     assert s["steps"] == 20 and math.isfinite(s["train_loss"])
+    assert len(SEEN["dtypes"]) == 20
+    assert set(SEEN["dtypes"]) == {(torch.bfloat16, torch.bfloat16)}, set(SEEN["dtypes"])
+    weights = final_params(tmp_path / "job")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+
+
+def test_trainer_deterministic_holds_for_every_step(tmp_path: Path, monkeypatch) -> None:
+    """trainer.deterministic=true: every step runs with torch's deterministic algorithms,
+    cuBLAS's deterministic workspace and no cuDNN autotuning. (On CPU two runs agree without
+    it, so the settings the steps ran under are what can be checked here.)"""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert not torch.are_deterministic_algorithms_enabled()
+    SEEN.clear()
+    overrides = [*FAST, "+callbacks.flags._target_=test_train.FlagsSeen", "trainer.max_steps=3"]
+    s = train_here(tmp_path / "job", *overrides, "trainer.deterministic=true")
+    assert s["steps"] == 3
+    assert SEEN["flags"] == [(True, False, ":4096:8")] * 3
 
 
 # --------------------------------------------------------------------------------------------

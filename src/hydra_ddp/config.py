@@ -261,7 +261,7 @@ class TrainerConfig:
     # Evaluate, and checkpoint, an exponential moving average of the weights with this decay
     # per step (e.g. 0.999); 0: off.
     ema_decay: float = 0.0
-    # torch.compile the DDP-wrapped model (see train.py for why in that order).
+    # torch.compile the DDP-wrapped model (loop._run says why in that order).
     compile: bool = False
     # torch.use_deterministic_algorithms, cuBLAS's deterministic workspace, no cuDNN autotuning.
     deterministic: bool = False

@@ -2,8 +2,11 @@
 other exceptions (a dead peer, a timed-out collective, a full disk, DDP's paragraphs) become a
 single `error:` line.
 
-The entry (train.py), the loop (loop.py) and the launcher (launch.py) all go through
-`one_line`, so a message is written once and reads the same whichever path raised it.
+A rank's training (loop.py) and its evaluation of a saved checkpoint (evaluation.py) run
+under `translated`, which raises what `one_line` can say in one line, so a message is written
+once and reads the same whichever path raised it. The entries (train.py, with `config_error`
+for the config; eval.py) and the launcher (launch.py) end a failed job through `exit_code`;
+the launcher names a failed worker with `worker_failed`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ hydra_ddp.train`). `fit` is the loop. It calls each periodic concern explicitly,
 each one decides its own cadence (`due(step)`) and owns its state:
 
     stopper      preemption.StopOnSignal   a stop signal: checkpoint, then exit
-    train_step   step.py                   forward, loss, backward, clip, optimizer step
+    default_step step.py                   forward, loss, backward, clip, optimizer step
     health       step.NonFiniteCheck       trainer.nan_policy, without a sync per step
     ema          ema.EMA                   trainer.ema_decay
     profiler     profiling.py              trainer.profile_steps

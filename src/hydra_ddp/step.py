@@ -1,10 +1,13 @@
 """The training step, and what it needs from the precision setting.
 
-`train_step` is one optimizer step: forward, loss, backward (with `no_sync()` on all but the
-last micro-batch), unscale, clip, optimizer step. Nothing in it reads a value back from the
-device unless `skip_non_finite` asks for it: on a GPU every such read stalls the launch queue
-until the device catches up. The loop checks the step's health the same way, later
-(`NonFiniteCheck`).
+`default_step` is the step the loop runs (unless `step._target_` or the model's
+`training_step` replaces it), with the loop's `StepTools`: forward, loss, backward (with
+`no_sync()` on all but the last micro-batch), unscale, clip, optimizer step. Nothing in it
+reads a value back from the device unless `skip_non_finite` asks for it: on a GPU every such
+read stalls the launch queue until the device catches up. The loop checks the step's health
+the same way, later (`NonFiniteCheck`). `train_step` is that step as one call with plain
+arguments, for the benchmarks and tests that run a step without the loop; the loop does not
+call it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def scaler_for(precision: Precision, device: torch.device) -> torch.amp.GradScal
 class StepTools:
     """The template's step machinery, as helpers for a step of your own (`step._target_`):
     mixed precision, `no_sync()` gradient accumulation, unscale-then-clip, skipping a step with
-    non-finite gradients. `train_step` below is the default step written with them:
+    non-finite gradients. `default_step` below is the loop's step written with them:
 
         losses = tools.backward(model, micro_batches, objective)   # forward + backward
         grad_norm = tools.step(optimizer)                          # unscale, clip, step
@@ -195,9 +198,10 @@ def train_step(
     max_norm: float,
     skip_non_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over `micro_batches` (gradient accumulation when more than one):
-    forward, loss, backward (with `no_sync()` on all but the last micro-batch), unscale, clip,
-    optimizer step.
+    """`default_step` and the scaler's update as one call, outside the loop (benchmarks,
+    tests): one optimizer step over `micro_batches` (gradient accumulation when more than
+    one): forward, loss, backward (with `no_sync()` on all but the last micro-batch), unscale,
+    clip, optimizer step.
 
     Returns the mean loss and the gradient norm before clipping, both left on the device.
 
