@@ -196,11 +196,12 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     finally:
         watchdog.cancel()
     log.info(
-        "process group up: backend=%s rank=%d/%d device=%s",
+        "process group up: backend=%s rank=%d/%d device=%s rendezvous=%s",
         backend,
         env.rank,
         env.world_size,
         env.device,
+        where,  # jobs side by side (a Ray sweep) each have their own
     )
 
 

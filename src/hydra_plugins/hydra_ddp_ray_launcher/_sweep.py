@@ -25,7 +25,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp import sweeps
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, too_big_for_cluster
 from hydra_plugins.hydra_ddp_ray_launcher import _task
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class Job:
     num: int
     overrides: list[str]
     config: DictConfig  # the job's own config (Hydra's sweep config)
+    nproc: int  # its ranks (dist.nproc_per_node)
     cpus: float
     gpus: float
     threads: int  # OMP_NUM_THREADS of each of its ranks
@@ -63,6 +64,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     if launcher.session is None:
         launcher.session = Session.start(launcher.params)
     session = launcher.session
+    session.stop_file = os.path.join(sweep_dir, ".stop_requested")
+    Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
     try:
         session.check_fits(jobs)
     except UserError as e:
@@ -93,16 +96,40 @@ def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> Job:
         config.hydra.job.id = f"ray_{num}"
         config.hydra.job.num = num
         config.hydra.sweep.dir = sweep_dir
+    return Job(num, overrides, config, *job_resources(config))
+
+
+def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
+    """A job's ranks, the CPUs and GPUs it asks Ray for, and each rank's OpenMP threads, from
+    its config. GPUs -1: `gpus_per_job=null`, decided by `fit_to_nodes` once Ray tells whether
+    there are any."""
     nproc = int(OmegaConf.select(config, "dist.nproc_per_node", default=1) or 1)
     cpus = OmegaConf.select(config, "hydra.launcher.cpus_per_job", default=None)
     cpus = float(nproc if cpus is None else cpus)
     gpus = OmegaConf.select(config, "hydra.launcher.gpus_per_job", default=None)
     device = str(OmegaConf.select(config, "dist.device", default="auto"))
-    if gpus is None:  # decided once Ray tells how many GPUs there are (Session.check_fits)
+    if gpus is None:
         gpus = -1.0 if device.split(".")[-1] != "cpu" else 0.0
     # Each rank's OpenMP pool: its share of the job's CPUs, at least one thread.
     threads = max(1, math.floor(cpus / nproc))
-    return Job(num, overrides, config, cpus, float(gpus), threads)
+    return nproc, cpus, float(gpus), threads
+
+
+def fit_to_nodes(jobs: list[Job], nodes: list[dict[str, float]], where: str) -> None:
+    """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs) and check that
+    every job fits on one node (`nodes`: each live node's resources, as ray.nodes() gives
+    them); else a UserError before any job starts, where Ray would queue the job forever."""
+    most = {
+        kind: max((float(r.get(kind, 0.0)) for r in nodes), default=0.0) for kind in ("CPU", "GPU")
+    }
+    for j in jobs:
+        if j.gpus < 0:
+            j.gpus = float(j.nproc) if most["GPU"] > 0 else 0.0
+    for kind in ("GPU", "CPU"):
+        need_of = (lambda j: j.gpus) if kind == "GPU" else (lambda j: j.cpus)
+        job = max(jobs, key=need_of)
+        if need_of(job) > most[kind]:
+            raise too_big_for_cluster(kind, need_of(job), most[kind], job.num, job.nproc, where)
 
 
 def _resources(job: Job) -> str:
@@ -130,6 +157,8 @@ class Session:
         self.params = params
         self.where = where
         self.owned = owned
+        # Created on a stop request; every job's task looks for it (_task.run_job).
+        self.stop_file = ""
 
     @classmethod
     def start(cls, params: dict[str, Any]) -> Session:
@@ -139,11 +168,18 @@ class Session:
         # (a compute node) would wait on the first.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         address = params.get("address")
+        extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
+        # Each job logs to its own dir (and the report at the end names failed jobs' logs):
+        # interleaved lines of jobs running side by side on the console help no one.
+        extra.setdefault("log_to_driver", False)
         if address:
-            ray.init(address=str(address), logging_level=logging.WARNING, log_to_driver=True)
+            if "RAY_AUTH_MODE" not in os.environ and _have_token():
+                # What `ray start` sets up by default (Ray >= 2.5x), which ray.init(address=)
+                # does not assume by itself.
+                os.environ["RAY_AUTH_MODE"] = "token"
+            ray.init(address=str(address), logging_level=logging.WARNING, **extra)
             where = f"the Ray cluster at {address}"
         else:
-            extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
             # Ray's minimum: a sweep passes only small task arguments through the object store.
             extra.setdefault("object_store_memory", 80 * 1024 * 1024)
             ray.init(
@@ -166,20 +202,11 @@ class Session:
             ray.shutdown()  # a joined cluster keeps running; only this driver goes
 
     def check_fits(self, jobs: list[Job]) -> None:
-        """Every job fits on one node, before any starts (else Ray would queue it forever)."""
+        """fit_to_nodes with the cluster's nodes as Ray sees them now."""
         import ray
 
         nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        most_gpus = max((r.get("GPU", 0.0) for r in nodes), default=0.0)
-        for j in jobs:
-            if j.gpus < 0:  # null: the ranks' GPUs where there are GPUs
-                nproc = int(OmegaConf.select(j.config, "dist.nproc_per_node", default=1) or 1)
-                j.gpus = float(nproc) if most_gpus > 0 else 0.0
-        for kind, need_of in (("GPU", lambda j: j.gpus), ("CPU", lambda j: j.cpus)):
-            most = max((r.get(kind, 0.0) for r in nodes), default=0.0)
-            job = max(jobs, key=need_of)
-            if need_of(job) > most:
-                raise UserError(_too_big(kind, need_of(job), most, job, self.where))
+        fit_to_nodes(jobs, nodes, self.where)
 
     def submit(self, job: Job, spec: bytes) -> Any:
         import ray
@@ -192,7 +219,7 @@ class Session:
             name=f"job{job.num}",
         )
         grace = float(self.params.get("stop_grace_s", 60.0))
-        return remote.remote(spec, env, os.getcwd(), grace)
+        return remote.remote(spec, env, os.getcwd(), grace, os.path.abspath(self.stop_file))
 
     def wait(self, jobs: list[Job], stop: _StopRequests) -> dict[int, JobReturn]:
         """Each job's result as it ends; on a stop request, ask the running ones to stop (they
@@ -209,14 +236,16 @@ class Session:
             for ref in done:
                 job = by_ref[ref]
                 returns[job.num] = _result(ref, job)
+                log.info("job #%d ended (%d running or queued)", job.num, len(pending))
             if stop.signum is not None and cancelled_at is None:
                 log.warning(
                     "stopping the sweep on %s: %d job(s) save a checkpoint and stop",
                     signal.Signals(stop.signum).name,
                     len(pending),
                 )
+                Path(self.stop_file).touch()  # what each job's task looks for
                 for ref in pending:
-                    ray.cancel(ref, force=False)  # a KeyboardInterrupt in the task
+                    ray.cancel(ref, force=False)  # drops the queued ones
                 cancelled_at = time.monotonic()
             elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
                 for ref in pending:
@@ -232,13 +261,16 @@ def _result(ref: Any, job: Job) -> JobReturn:
     from ray.exceptions import RayError, TaskCancelledError
 
     try:
-        returned = cloudpickle.loads(ray.get(ref))
+        returned = ray.get(ref)
+        returned = cloudpickle.loads(returned) if isinstance(returned, bytes) else returned
     except TaskCancelledError:
         return _no_result(job, "stopped before it finished")
     except RayError as e:
         why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         log.error("job #%d: Ray could not run it: %s", job.num, why)
         return _no_result(job, why)
+    if returned == _task.NOT_STARTED:
+        return _no_result(job, returned)
     if isinstance(returned, str):  # the job's process ended without a result
         log.error("job #%d: %s", job.num, returned)
         return _no_result(job, returned)
@@ -294,11 +326,12 @@ class _StopRequests:
             signal.signal(sig, handler)
 
 
-def _too_big(kind: str, need: float, most: float, job: Job, where: str) -> str:
-    nproc = OmegaConf.select(job.config, "dist.nproc_per_node", default=1)
-    key = "gpus_per_job" if kind == "GPU" else "cpus_per_job"
+def _have_token() -> bool:
+    """A Ray cluster token is at hand: the variables Ray reads, or the file `ray start` writes
+    (copy it to every machine of a cluster)."""
+    token_file = Path.home() / ".ray" / "auth_token"
     return (
-        f"job #{job.num} asks for {need:g} {kind}(s) (dist.nproc_per_node={nproc}, "
-        f"hydra.launcher.{key}) but no node of {where} has more than {most:g}: lower "
-        f"dist.nproc_per_node or hydra.launcher.{key}, or add a node that has {need:g}"
+        "RAY_AUTH_TOKEN" in os.environ
+        or "RAY_AUTH_TOKEN_PATH" in os.environ
+        or token_file.is_file()
     )

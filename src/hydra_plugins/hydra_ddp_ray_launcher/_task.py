@@ -17,19 +17,30 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 # Set in a job's process: the number of the job in its Ray sweep (train.py records a stop as
 # a preemption, so the report lists it).
 JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.train.RAY_JOB_ENV
-_POLL_S = 0.2
+# How often a task looks at its job and at the sweep's stop request.
+_POLL_S = 0.5
+# What a task returns when the sweep stopped before its job started.
+NOT_STARTED = "not started: the sweep was stopped"
 
 
-def run_job(spec: bytes, env: dict[str, str], cwd: str, grace_s: float) -> bytes | str:
+def run_job(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: str) -> Any:
     """The Ray task: run one job in its own process; return its pickled JobReturn, or why there
-    is none."""
-    job_env = dict(os.environ, **env)
+    is none.
+
+    The sweep asks its jobs to stop by creating `stop_file` (in the sweep dir, which every node
+    sees): ray.cancel did not interrupt a running task (Ray 2.60), and a task that waits on a Ray
+    call gives its CPUs back to Ray meanwhile, so a job that asked a Ray actor would let more
+    jobs start than the machine holds."""
     import ray
 
+    if os.path.exists(stop_file):
+        return NOT_STARTED
+    job_env = dict(os.environ, **env)
     gpus = ray.get_gpu_ids()
     if gpus:  # what Ray assigned: the job sees these GPUs only
         job_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
@@ -42,7 +53,9 @@ def run_job(spec: bytes, env: dict[str, str], cwd: str, grace_s: float) -> bytes
         try:
             while proc.poll() is None:
                 time.sleep(_POLL_S)
-        except KeyboardInterrupt:  # ray.cancel: the sweep is stopping
+                if os.path.exists(stop_file):
+                    _stop(proc, grace_s)
+        except KeyboardInterrupt:  # ray.cancel, where it reaches a running task
             _stop(proc, grace_s)
             raise
         finally:
@@ -86,6 +99,9 @@ def main(spec_path: str, result_path: str) -> int:
     import hydra_ddp.train  # noqa: F401
     from hydra_ddp import claim
 
+    # Ray starts its workers with SIGINT blocked, and a blocked mask is inherited: a job's
+    # ranks must see Ctrl-C like any job's (preemption.py).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _stop_with_parent()
     spec = cloudpickle.loads(Path(spec_path).read_bytes())
     setup_globals()
