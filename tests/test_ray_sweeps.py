@@ -258,7 +258,8 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path: Path, head) -> None:
     assert "Invalid learning rate" in report[2]["detail"], report[2]
     for j in report[:2] + report[3:]:
         assert summary(Path(j["dir"]))["steps"] == 30
-    assert "Invalid learning rate" in proc.stderr, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "Invalid learning rate" in out, out[-3000:]
 
 
 @pytest.mark.slow

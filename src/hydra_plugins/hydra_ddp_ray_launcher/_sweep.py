@@ -183,6 +183,9 @@ class Session:
             # Ray's minimum: a sweep passes only small task arguments through the object store.
             extra.setdefault("object_store_memory", 80 * 1024 * 1024)
             ray.init(
+                # "local": a new Ray, even where `ray start` runs one on this machine (which
+                # ray.init() would join).
+                address="local",
                 num_cpus=params.get("num_cpus"),
                 num_gpus=params.get("num_gpus"),
                 include_dashboard=False,
