@@ -164,7 +164,7 @@ def _sweep(tmp: Path, address: str, *overrides: str, timeout: float = 400):
 
 
 def _sweep_dir(tmp: Path) -> Path:
-    dirs = [p.parent for p in (tmp / "multirun").rglob("multirun.yaml")]
+    dirs = [p.parent for p in (tmp / "multirun").rglob("sweep_report.json")]
     assert len(dirs) == 1, dirs
     return dirs[0]
 
@@ -260,6 +260,33 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path: Path, head) -> None:
         assert summary(Path(j["dir"]))["steps"] == 30
     out = proc.stdout + proc.stderr
     assert "Invalid learning rate" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
+    pytest.importorskip("optuna")
+    address, _ = head
+    proc = _sweep(
+        tmp_path,
+        address,
+        "hparams_search=digits_optuna",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=2",
+        *SHORT,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    sweep = _sweep_dir(tmp_path)
+    times = _journal(sweep)
+    # Two trials at a time: 0 with 1, then 2 with 3 (Optuna asks for the next two after both).
+    assert _overlap(times[0], times[1]) and _overlap(times[2], times[3]), times
+    assert max(times[0]["end"], times[1]["end"]) <= min(times[2]["start"], times[3]["start"])
+    # What each job returned is what Optuna optimised: its best is the report's best.
+    report = json.loads((sweep / "sweep_report.json").read_text())
+    assert [j["status"] for j in report] == ["ok"] * 4, report
+    best = next(j for j in report if j["best"])
+    results = (sweep / "optimization_results.yaml").read_text()
+    assert f"best_value: {best['objective']}" in results, (results, best)
 
 
 @pytest.mark.slow

@@ -246,3 +246,33 @@ def test_optuna_direction_must_match_monitor_mode(
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert "hydra.sweeper.direction=maximize does not match trainer.monitor_mode=min" in errors[0]
     assert not (tmp_path / "multirun").exists()  # no job ran
+
+
+def test_a_submitit_task_gets_its_cpu_share_of_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hydra/launcher=submitit_local starts every task of every job at once: each rank's
+    OpenMP pool is its share of the cores unless the user set OMP_NUM_THREADS."""
+    import os
+
+    import torch
+
+    from hydra_ddp.dist import share_cpus_in_submitit_task
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    try:
+        assert share_cpus_in_submitit_task(3) is None  # not a submitit task: untouched
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+        assert share_cpus_in_submitit_task(3) == 3  # the launcher's cpus_per_task
+        assert torch.get_num_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+        assert share_cpus_in_submitit_task(5) is None  # set now: a user's setting wins
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")
+        assert share_cpus_in_submitit_task(None) == 2  # SLURM's cpus-per-task
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+        # Neither: the machine's cores over the job's tasks (one task outside a real job).
+        assert share_cpus_in_submitit_task(None) == max(1, os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(before)

@@ -29,7 +29,13 @@ from hydra_ddp import claim, launch, redact, sweeps
 from hydra_ddp.components import build
 from hydra_ddp.config import LoggerBackend, TrainConfig, register_configs
 from hydra_ddp.data import check_sampling, check_source
-from hydra_ddp.dist import env_from_environ, export_submitit_env, launcher_rank, under_launcher
+from hydra_ddp.dist import (
+    env_from_environ,
+    export_submitit_env,
+    launcher_rank,
+    share_cpus_in_submitit_task,
+    under_launcher,
+)
 from hydra_ddp.errors import UserError, config_error, exit_code
 from hydra_ddp.loop import build_components, train
 from hydra_ddp.monitor import monitor_key
@@ -138,6 +144,7 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
             summary = launch.spawn(cfg, run)
         else:
             export_submitit_env()
+            share_cpus_in_submitit_task(HydraConfig.get().launcher.get("cpus_per_task"))
             summary = train(cfg, env_from_environ(cfg.dist), run)
         return float(summary["objective"])
     except Preempted as e:
