@@ -11,6 +11,7 @@ of either is left.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -28,10 +29,11 @@ from conftest import FAST, REPO, job_dirs, python_train, summary, user_env
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
 
-ray = pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
+# The slow tests run Ray (the ray extra: pip install -e '.[ray]'); the in-process one does not.
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="no ray extra")
 
 # Ray's token auth writes ~/.ray/auth_token by default; the tests leave $HOME alone.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 SHORT = [*FAST, "trainer.max_steps=30", "trainer.log_interval=10"]
 
 
@@ -183,6 +185,7 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 @pytest.mark.slow
+@needs_ray
 @pytest.mark.timeout(600)
 def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) -> None:
     address, _ = head
@@ -212,6 +215,7 @@ def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) 
 
 
 @pytest.mark.slow
+@needs_ray
 @pytest.mark.timeout(600)
 def test_two_two_rank_jobs_at_once_each_its_own_process_group(tmp_path: Path, head) -> None:
     address, _ = head
@@ -246,6 +250,7 @@ def test_two_two_rank_jobs_at_once_each_its_own_process_group(tmp_path: Path, he
 
 
 @pytest.mark.slow
+@needs_ray
 @pytest.mark.timeout(600)
 def test_a_failing_job_does_not_stop_the_others(tmp_path: Path, head) -> None:
     address, _ = head
@@ -263,6 +268,7 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path: Path, head) -> None:
 
 
 @pytest.mark.slow
+@needs_ray
 @pytest.mark.timeout(600)
 def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
     pytest.importorskip("optuna")
@@ -290,6 +296,7 @@ def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
 
 
 @pytest.mark.slow
+@needs_ray
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_job_with_a_checkpoint_and_leaves_no_process(tmp_path: Path) -> None:
     """The sweep starts its own Ray here (no address), and must stop it too."""
