@@ -132,6 +132,29 @@ def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> 
     assert sweeps.sweep_failed()
 
 
+def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path) -> None:
+    """A stopped Ray sweep: a job that saved a checkpoint and stopped, one that never started
+    (only the launcher's journal line names it), and one that finished first."""
+    sweep = tmp_path / "sweep"
+    task = ["optim.lr=0.1,0.2,0.3"]
+    _job(sweep, "0_optim.lr=0.1", ["optim.lr=0.1"], {"objective": 0.5})
+    stopped = _job(sweep, "1_optim.lr=0.2", ["optim.lr=0.2"])
+    sweeps.record_failure(
+        stopped, "stopped on SIGTERM at step 7 of 40 with a checkpoint", "PREEMPTED"
+    )
+    config = _sweep_config(sweep, task)
+    config.hydra.job = {"num": 2}
+    sweeps.record_not_started(config, sweep / "2_optim.lr=0.3", ["optim.lr=0.3"])
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    jobs = {j["num"]: j for j in report(sweep)}
+    assert [jobs[n]["status"] for n in range(3)] == ["ok", "PREEMPTED", "PREEMPTED"], jobs
+    assert "at step 7 of 40" in jobs[1]["detail"]
+    assert jobs[2]["detail"].startswith("not started") and jobs[2]["overrides"] == {
+        "optim.lr": "0.3"
+    }
+    assert sweeps.sweep_failed()  # a stopped sweep did not finish: exit status not 0
+
+
 # --------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------
