@@ -168,9 +168,9 @@ class Session:
         # (a compute node) would wait on the first.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Ray starts its workers at niceness 15, and a job inherits it: on a machine shared
-        # with other work the jobs then get a sliver of the cores (2.8x slower sweeps here).
-        # A job is the work, as Ray's own job submission treats it (niceness 0). For a cluster,
-        # set it where `ray start` runs: RAY_worker_niceness=0 ray start ...
+        # with other work (and no per-session scheduling groups) the jobs then get a sliver
+        # of the cores. A job is the work, as Ray's own job submission treats it (niceness 0).
+        # For a cluster, set it where `ray start` runs: RAY_worker_niceness=0 ray start ...
         os.environ.setdefault("RAY_worker_niceness", "0")
         address = params.get("address")
         extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
