@@ -269,6 +269,22 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path: Path, head) -> None:
 
 @pytest.mark.slow
 @needs_ray
+@pytest.mark.timeout(300)
+def test_a_job_bigger_than_every_node_stops_the_sweep_before_any_starts(
+    tmp_path: Path, head
+) -> None:
+    address, _ = head
+    proc = _sweep(tmp_path, address, *SHORT, "dist.device=cpu", "dist.nproc_per_node=1,4")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "job #1 of the sweep asks for 4 CPU(s)" in errors[0], out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert not job_dirs(tmp_path / "multirun"), "a job started"
+
+
+@pytest.mark.slow
+@needs_ray
 @pytest.mark.timeout(600)
 def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
     pytest.importorskip("optuna")
