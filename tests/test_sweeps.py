@@ -149,6 +149,29 @@ def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> 
     assert sweeps.sweep_failed()
 
 
+def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path) -> None:
+    """A stopped Ray sweep: a job that saved a checkpoint and stopped, one that never started
+    (only the launcher's journal line names it), and one that finished first."""
+    sweep = tmp_path / "sweep"
+    task = ["optim.lr=0.1,0.2,0.3"]
+    _job(sweep, "0_optim.lr=0.1", ["optim.lr=0.1"], {"objective": 0.5})
+    stopped = _job(sweep, "1_optim.lr=0.2", ["optim.lr=0.2"])
+    sweeps.record_failure(
+        stopped, "stopped on SIGTERM at step 7 of 40 with a checkpoint", "PREEMPTED"
+    )
+    config = _sweep_config(sweep, task)
+    config.hydra.job = {"num": 2}
+    sweeps.record_not_started(config, sweep / "2_optim.lr=0.3", ["optim.lr=0.3"])
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    jobs = {j["num"]: j for j in report(sweep)}
+    assert [jobs[n]["status"] for n in range(3)] == ["ok", "PREEMPTED", "PREEMPTED"], jobs
+    assert "at step 7 of 40" in jobs[1]["detail"]
+    assert jobs[2]["detail"].startswith("not started") and jobs[2]["overrides"] == {
+        "optim.lr": "0.3"
+    }
+    assert sweeps.sweep_failed()  # a stopped sweep did not finish: exit status not 0
+
+
 # --------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------
@@ -310,3 +333,33 @@ def test_optuna_direction_must_match_monitor_mode(
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert "hydra.sweeper.direction=maximize does not match trainer.monitor_mode=min" in errors[0]
     assert not (tmp_path / "multirun").exists()  # no job ran
+
+
+def test_a_submitit_task_gets_its_cpu_share_of_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hydra/launcher=submitit_local starts every task of every job at once: each rank's
+    OpenMP pool is its share of the cores unless the user set OMP_NUM_THREADS."""
+    import os
+
+    import torch
+
+    from hydra_ddp.dist import share_cpus_in_submitit_task
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    try:
+        assert share_cpus_in_submitit_task(3) is None  # not a submitit task: untouched
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+        assert share_cpus_in_submitit_task(3) == 3  # the launcher's cpus_per_task
+        assert torch.get_num_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+        assert share_cpus_in_submitit_task(5) is None  # set now: a user's setting wins
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")
+        assert share_cpus_in_submitit_task(None) == 2  # SLURM's cpus-per-task
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+        # Neither: the machine's cores over the job's tasks (one task outside a real job).
+        assert share_cpus_in_submitit_task(None) == max(1, os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(before)

@@ -40,6 +40,49 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 run resume      "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.max_steps=900 trainer.ckpt_interval=100 trainer.resume="$W/ddp_nccl/checkpoints/$(ls "$W/ddp_nccl/checkpoints" | tail -1)" hydra.run.dir="$W/resume"
 run too_many    "${R[@]}" --nproc_per_node=2 "${T[@]}" hydra.run.dir="$W/too_many"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && $PY -c "import ray" 2>/dev/null; then
+  # hydra/launcher=ray (the ray extra): two 1-GPU jobs of one sweep run side by side, each on
+  # its own GPU. Read from the jobs' processes while they run: the CUDA_VISIBLE_DEVICES Ray
+  # gave each, and the GPU nvidia-smi sees each one compute on.
+  echo "=== ray_two_jobs: a Ray sweep of two 1-GPU jobs"
+  $PY - "$W" "$PY" <<'PY'
+import json, subprocess, sys, time, pathlib
+import psutil
+w, py = pathlib.Path(sys.argv[1]), sys.argv[2]
+sweep = w / "ray_two_jobs"
+cmd = [py, "-m", "hydra_ddp.train", "-m", "hydra/launcher=ray", "hydra.launcher.num_gpus=2",
+       "logger=none", "trainer.progress=false", "dist.nproc_per_node=1", "trainer.max_steps=3000",
+       "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}"]
+log = open(w / "ray_two_jobs.log", "w")
+proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+visible, on_gpu = {}, {}
+while proc.poll() is None:
+    jobs = {}
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if "HYDRA_DDP_RAY_JOB" in env:  # a job's own process (it trains: one rank)
+            jobs[p.pid] = env["HYDRA_DDP_RAY_JOB"]
+            visible[env["HYDRA_DDP_RAY_JOB"]] = env.get("CUDA_VISIBLE_DEVICES")
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout
+    for line in apps.splitlines():
+        pid, _, uuid = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in jobs:
+            on_gpu.setdefault(jobs[int(pid)], set()).add(uuid.strip())
+    time.sleep(0.5)
+report = json.loads((sweep / "sweep_report.json").read_text())
+print("rc", proc.returncode, "statuses", [j["status"] for j in report])
+print("CUDA_VISIBLE_DEVICES by job", visible, "GPUs computed on by job", on_gpu)
+ok = (proc.returncode == 0 and sorted(visible) == ["0", "1"]
+      and all(v and len(v.split(",")) == 1 for v in visible.values())
+      and visible["0"] != visible["1"]
+      and not (on_gpu.get("0", set()) & on_gpu.get("1", set())))
+print("ray_two_jobs disjoint GPUs:", "OK" if ok else "FAILED")
+PY
+fi
 $PY - "$W" <<'PY'
 import json, sys, pathlib
 w = pathlib.Path(sys.argv[1])

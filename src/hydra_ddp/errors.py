@@ -223,3 +223,16 @@ def worker_failed(
     return UserError(
         f"worker rank {rank} failed: {why} (log: {output_dir / f'{log_stem}_rank{rank}.log'})"
     )
+
+
+def too_big_for_cluster(
+    kind: str, need: float, most: float, job_num: int, nproc: int, where: str
+) -> UserError:
+    """hydra/launcher=ray: a job of the sweep asks for more CPUs or GPUs than any node of the
+    Ray cluster has (Ray would queue it forever)."""
+    key = "gpus_per_job" if kind == "GPU" else "cpus_per_job"
+    return UserError(
+        f"job #{job_num} of the sweep asks for {need:g} {kind}(s) (dist.nproc_per_node={nproc}, "
+        f"hydra.launcher.{key}) but no node of {where} has more than {most:g}: lower "
+        f"dist.nproc_per_node or hydra.launcher.{key}, or add a node with {need:g} {kind}(s)"
+    )

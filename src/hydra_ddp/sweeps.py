@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,22 @@ _JOURNAL = "sweep_jobs.jsonl"
 _JOB_RETURN = "job_return.json"
 
 
-def record_failure(output_dir: Path, message: str) -> None:
-    """Mark a job of a sweep as failed, for SweepReport to find. Global rank 0 writes it: under
-    a submitit sweep every task of the job gets here, and a peer of a failed rank fails too."""
+def record_failure(output_dir: Path, message: str, status: str = "FAILED") -> None:
+    """Mark a job of a sweep as failed (or, with status="PREEMPTED", stopped on request), for
+    SweepReport to find. Global rank 0 writes it: under a submitit sweep every task of the job
+    gets here, and a peer of a failed rank fails too."""
     if launcher_rank() != 0:
         return
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    jsonfile.write(Path(output_dir) / "failure.json", {"error": message}, indent=None)
+    record = {"error": message, **({"status": status} if status != "FAILED" else {})}
+    jsonfile.write(Path(output_dir) / "failure.json", record, indent=None)
+
+
+def record_not_started(config: DictConfig, job_dir: Path, overrides: list[str]) -> None:
+    """Journal a job that a stopped sweep never started (a launcher with a queue: Ray's), so
+    the report lists it as PREEMPTED rather than as a job that left no trace."""
+    record = {"dir": os.path.abspath(job_dir), "event": "not_started", "overrides": overrides}
+    _journal(config, **record)
 
 
 def sweep_failed() -> bool:
@@ -177,7 +187,9 @@ def _journal(config: DictConfig, **record: Any) -> None:
     lines of jobs ending at the same time in other processes do not mix)."""
     record = {
         "num": OmegaConf.select(config, "hydra.job.num", default=None),
-        "dir": os.path.abspath(config.hydra.runtime.output_dir),
+        "dir": os.path.abspath(OmegaConf.select(config, "hydra.runtime.output_dir") or "."),
+        # When: whether jobs ran side by side (hydra/launcher=ray) is read from these.
+        "time": round(time.time(), 3),
         **record,
     }
     path = Path(config.hydra.sweep.dir) / _JOURNAL
@@ -258,6 +270,8 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
     logs: list[str] = []
     if job_dir is None:
         status, detail = "FAILED", f"job {num} left no dir (see the launcher's log)"
+    elif record.get("event") == "not_started" and not Path(job_dir).is_dir():
+        status, detail = "PREEMPTED", "not started: the sweep was stopped before it"
     elif not Path(job_dir).is_dir():
         status, detail = "FAILED", f"its dir is missing: {job_dir}"
     else:
@@ -266,7 +280,8 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
         failure = jsonfile.read(path / "failure.json")
         summary = jsonfile.read(path / "summary.json") or {}
         if failure is not None:
-            status, detail = "FAILED", _scrub(str(failure.get("error", failure)), secrets)
+            status = str(failure.get("status", "FAILED"))
+            detail = _scrub(str(failure.get("error", failure)), secrets)
         elif summary:
             status, detail = "ok", None
         else:

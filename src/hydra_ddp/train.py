@@ -33,7 +33,13 @@ from hydra_ddp.config import (
     register_configs,
 )
 from hydra_ddp.data import check_sampling, check_source
-from hydra_ddp.dist import env_from_environ, export_submitit_env, launcher_rank, under_launcher
+from hydra_ddp.dist import (
+    env_from_environ,
+    export_submitit_env,
+    launcher_rank,
+    share_cpus_in_submitit_task,
+    under_launcher,
+)
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.loop import build_components, train
 from hydra_ddp.monitor import monitor_key
@@ -42,6 +48,9 @@ from hydra_ddp.preemption import Preempted
 from hydra_ddp.tracking import RunInfo, resolve_mode
 
 log = logging.getLogger(__name__)
+
+# Set by hydra/launcher=ray in each job's process (hydra_plugins.hydra_ddp_ray_launcher._task).
+RAY_JOB_ENV = "HYDRA_DDP_RAY_JOB"
 
 register_configs()
 register_resolvers()
@@ -109,6 +118,19 @@ def config_dir() -> str:
     return str(here / "conf")
 
 
+def find_own_plugins() -> None:
+    """Let Hydra's plugin scan see src/hydra_plugins (hydra/launcher=ray) of a checkout: an
+    editable install (`pip install -e .`) imports it through setuptools' finder, which the
+    scan (pkgutil) cannot list, so the launcher would be unknown. A wheel puts it in
+    site-packages, where the scan finds it anyway."""
+    src = Path(__file__).resolve().parent.parent
+    if (src / "hydra_plugins").is_dir() and str(src) not in sys.path:
+        sys.path.append(str(src))
+
+
+find_own_plugins()
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def hydra_entry(dict_cfg: DictConfig) -> float:
     """Compose, validate, then train here or start a worker group; returns the objective
@@ -128,6 +150,7 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
             summary = launch.spawn(cfg, run)
         else:
             export_submitit_env()
+            share_cpus_in_submitit_task(HydraConfig.get().launcher.get("cpus_per_task"))
             summary = train(cfg, env_from_environ(cfg.dist), run)
         return float(summary["objective"])
     except Preempted as e:
@@ -137,6 +160,10 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
             # A submitit job that was not requeued (submitit's handler ran already): a result
             # for the sweep, so the others are still collected and reported.
             sweeps.record_failure(output_dir, str(e))
+            return float("nan")
+        if multirun and RAY_JOB_ENV in os.environ:
+            # A job of a Ray sweep that is being stopped: the report lists it as preempted.
+            sweeps.record_failure(output_dir, str(e), status="PREEMPTED")
             return float("nan")
         # In one process, a sweep ends here too: the jobs after this one would be stopped the
         # same way.

@@ -1,0 +1,349 @@
+"""The sweep's side of `hydra/launcher=ray`: start (or join) Ray, check that every job fits a
+node, hand each job to Ray as a task, collect what the jobs return, and stop them all on
+Ctrl-C / SIGTERM.
+
+Ray does the scheduling: a task asks for the job's CPUs and GPUs and waits in Ray's queue until
+a node has them free. What runs inside a task is _task.py's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import cloudpickle
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hydra_ddp import sweeps
+from hydra_ddp.errors import UserError, too_big_for_cluster
+from hydra_plugins.hydra_ddp_ray_launcher import _task
+
+log = logging.getLogger(__name__)
+
+# How often the sweep looks at its jobs (and at a stop request).
+_POLL_S = 0.5
+
+
+@dataclass
+class Job:
+    """One job of the sweep as the launcher sees it."""
+
+    num: int
+    overrides: list[str]
+    config: DictConfig  # the job's own config (Hydra's sweep config)
+    nproc: int  # its ranks (dist.nproc_per_node)
+    cpus: float
+    gpus: float
+    threads: int  # OMP_NUM_THREADS of each of its ranks
+    ref: Any = None  # Ray's handle on the running task
+
+
+def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) -> list[JobReturn]:
+    """Run one batch of jobs (all of a basic sweep, `n_jobs` trials of Optuna's) side by side
+    on Ray and return their results in order."""
+    setup_globals()
+    config = launcher.config
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    # Resolved here once: `${now:}` must name the same dir in every job's process.
+    sweep_dir = str(config.hydra.sweep.dir)
+    Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+    jobs = [
+        _job(launcher, list(overrides), first + i, sweep_dir)
+        for i, overrides in enumerate(job_overrides)
+    ]
+    if launcher.session is None:
+        launcher.session = Session.start(launcher.params)
+    session = launcher.session
+    session.stop_file = os.path.join(sweep_dir, ".stop_requested")
+    Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
+    try:
+        session.check_fits(jobs)
+    except UserError as e:
+        log.error("error: %s", e)
+        session.stop()
+        sys.exit(2)
+    log.info(
+        "Ray: %d job(s) on %s; each job asks for %s; sweep dir: %s",
+        len(jobs),
+        session.where,
+        ", ".join(sorted({_resources(j) for j in jobs})),
+        sweep_dir,
+    )
+    spec_of = {j.num: _spec(launcher, j) for j in jobs}
+    with _StopRequests() as stop:
+        for j in jobs:
+            log.info("\t#%d : %s", j.num, " ".join(filter_overrides(j.overrides)))
+            j.ref = session.submit(j, spec_of[j.num])
+        returns = session.wait(jobs, stop)
+        if stop.signum is not None:
+            _stopped(launcher, jobs, returns, session, stop.signum)
+    return [returns[j.num] for j in jobs]
+
+
+def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> Job:
+    config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    with open_dict(config):
+        config.hydra.job.id = f"ray_{num}"
+        config.hydra.job.num = num
+        config.hydra.sweep.dir = sweep_dir
+    return Job(num, overrides, config, *job_resources(config))
+
+
+def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
+    """A job's ranks, the CPUs and GPUs it asks Ray for, and each rank's OpenMP threads, from
+    its config. GPUs -1: `gpus_per_job=null`, decided by `fit_to_nodes` once Ray tells whether
+    there are any."""
+    nproc = int(OmegaConf.select(config, "dist.nproc_per_node", default=1) or 1)
+    cpus = OmegaConf.select(config, "hydra.launcher.cpus_per_job", default=None)
+    cpus = float(nproc if cpus is None else cpus)
+    gpus = OmegaConf.select(config, "hydra.launcher.gpus_per_job", default=None)
+    device = str(OmegaConf.select(config, "dist.device", default="auto"))
+    if gpus is None:
+        gpus = -1.0 if device.split(".")[-1] != "cpu" else 0.0
+    # Each rank's OpenMP pool: its share of the job's CPUs, at least one thread.
+    threads = max(1, math.floor(cpus / nproc))
+    return nproc, cpus, float(gpus), threads
+
+
+def fit_to_nodes(jobs: list[Job], nodes: list[dict[str, float]], where: str) -> None:
+    """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs) and check that
+    every job fits on one node (`nodes`: each live node's resources, as ray.nodes() gives
+    them); else a UserError before any job starts, where Ray would queue the job forever."""
+    most = {
+        kind: max((float(r.get(kind, 0.0)) for r in nodes), default=0.0) for kind in ("CPU", "GPU")
+    }
+    for j in jobs:
+        if j.gpus < 0:
+            j.gpus = float(j.nproc) if most["GPU"] > 0 else 0.0
+    for kind in ("GPU", "CPU"):
+        need_of = (lambda j: j.gpus) if kind == "GPU" else (lambda j: j.cpus)
+        job = max(jobs, key=need_of)
+        if need_of(job) > most[kind]:
+            raise too_big_for_cluster(kind, need_of(job), most[kind], job.num, job.nproc, where)
+
+
+def _resources(job: Job) -> str:
+    gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
+    return f"{job.cpus:g} CPU(s){gpus} ({job.threads} thread(s) per rank)"
+
+
+def _spec(launcher: Any, job: Job) -> bytes:
+    """What the job's process needs to run it as Hydra's own launchers do (run_job)."""
+    return cloudpickle.dumps(
+        {
+            "hydra_context": launcher.hydra_context,
+            "config": job.config,
+            "task_function": launcher.task_function,
+            "singleton_state": Singleton.get_state(),
+        }
+    )
+
+
+class Session:
+    """The Ray this sweep runs on: started here (and stopped at the end), or a running cluster
+    it joined (left running)."""
+
+    def __init__(self, params: dict[str, Any], where: str, owned: bool) -> None:
+        self.params = params
+        self.where = where
+        self.owned = owned
+        # Created on a stop request; every job's task looks for it (_task.run_job).
+        self.stop_file = ""
+
+    @classmethod
+    def start(cls, params: dict[str, Any]) -> Session:
+        import ray
+
+        # No telemetry and no dashboard: a sweep needs neither, and a machine without internet
+        # (a compute node) would wait on the first.
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray starts its workers at niceness 15, and a job inherits it: on a machine shared
+        # with other work (and no per-session scheduling groups) the jobs then get a sliver
+        # of the cores. A job is the work, as Ray's own job submission treats it (niceness 0).
+        # For a cluster, set it where `ray start` runs: RAY_worker_niceness=0 ray start ...
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        address = params.get("address")
+        extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
+        # Each job logs to its own dir (and the report at the end names failed jobs' logs):
+        # interleaved lines of jobs running side by side on the console help no one.
+        extra.setdefault("log_to_driver", False)
+        if address:
+            if "RAY_AUTH_MODE" not in os.environ and _have_token():
+                # What `ray start` sets up by default (Ray >= 2.5x), which ray.init(address=)
+                # does not assume by itself.
+                os.environ["RAY_AUTH_MODE"] = "token"
+            ray.init(address=str(address), logging_level=logging.WARNING, **extra)
+            where = f"the Ray cluster at {address}"
+        else:
+            # Ray's minimum: a sweep passes only small task arguments through the object store.
+            extra.setdefault("object_store_memory", 80 * 1024 * 1024)
+            ray.init(
+                # "local": a new Ray, even where `ray start` runs one on this machine (which
+                # ray.init() would join).
+                address="local",
+                num_cpus=params.get("num_cpus"),
+                num_gpus=params.get("num_gpus"),
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                **extra,
+            )
+            where = "a Ray started for this sweep"
+        session = cls(params, where, owned=not address)
+        # Also on an exit through an error: no Ray process outlives the sweep.
+        atexit.register(session.stop)
+        return session
+
+    def stop(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()  # a joined cluster keeps running; only this driver goes
+
+    def check_fits(self, jobs: list[Job]) -> None:
+        """fit_to_nodes with the cluster's nodes as Ray sees them now."""
+        import ray
+
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        fit_to_nodes(jobs, nodes, self.where)
+
+    def submit(self, job: Job, spec: bytes) -> Any:
+        import ray
+
+        env = {"OMP_NUM_THREADS": str(job.threads), _task.JOB_ENV: str(job.num)}
+        remote = ray.remote(_task.run_job).options(
+            num_cpus=job.cpus,
+            num_gpus=job.gpus,
+            max_retries=0,  # a failed job is reported, not run again behind the user's back
+            name=f"job{job.num}",
+        )
+        grace = float(self.params.get("stop_grace_s", 60.0))
+        return remote.remote(spec, env, os.getcwd(), grace, os.path.abspath(self.stop_file))
+
+    def wait(self, jobs: list[Job], stop: _StopRequests) -> dict[int, JobReturn]:
+        """Each job's result as it ends; on a stop request, ask the running ones to stop (they
+        save a checkpoint), drop the queued ones, and wait for them."""
+        import ray
+
+        by_ref = {j.ref: j for j in jobs}
+        returns: dict[int, JobReturn] = {}
+        pending = list(by_ref)
+        cancelled_at: float | None = None
+        grace = float(self.params.get("stop_grace_s", 60.0))
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            for ref in done:
+                job = by_ref[ref]
+                returns[job.num] = _result(ref, job)
+                log.info("job #%d ended (%d running or queued)", job.num, len(pending))
+            if stop.signum is not None and cancelled_at is None:
+                log.warning(
+                    "stopping the sweep on %s: %d job(s) save a checkpoint and stop",
+                    signal.Signals(stop.signum).name,
+                    len(pending),
+                )
+                Path(self.stop_file).touch()  # what each job's task looks for
+                for ref in pending:
+                    ray.cancel(ref, force=False)  # drops the queued ones
+                cancelled_at = time.monotonic()
+            elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                for ref in pending:
+                    returns[by_ref[ref].num] = _no_result(by_ref[ref])
+                break
+        return returns
+
+
+def _result(ref: Any, job: Job) -> JobReturn:
+    import ray
+    from ray.exceptions import RayError, TaskCancelledError
+
+    try:
+        returned = ray.get(ref)
+        returned = cloudpickle.loads(returned) if isinstance(returned, bytes) else returned
+    except TaskCancelledError:
+        return _no_result(job)
+    except RayError as e:
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        log.error("job #%d: Ray could not run it: %s", job.num, why)
+        return _no_result(job)
+    if returned == _task.NOT_STARTED:
+        return _no_result(job)
+    if isinstance(returned, str):  # the job's process ended without a result
+        log.error("job #%d: %s", job.num, returned)
+        return _no_result(job)
+    return returned
+
+
+def _no_result(job: Job) -> JobReturn:
+    """A job that gave no result: NaN to the sweeper, as a job that failed (the sweep goes on;
+    the report finds its dir without summary.json, or none)."""
+    ret = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED)
+    ret.return_value = float("nan")
+    return ret
+
+
+def _stopped(
+    launcher: Any, jobs: list[Job], returns: dict[int, JobReturn], session: Session, signum: int
+) -> None:
+    """After a stop request: every job is over. Record those that never started, write the
+    report, stop Ray and end the sweep (a sweeper must not go on to its next batch)."""
+    for job in jobs:
+        job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
+        if not job_dir.exists():
+            sweeps.record_not_started(job.config, job_dir, job.overrides)
+        elif not (job_dir / "summary.json").exists() and not (job_dir / "failure.json").exists():
+            # Stopped while it started up, before its training could save anything.
+            sweeps.record_failure(job_dir, "stopped while starting: nothing to resume", "PREEMPTED")
+        returns.setdefault(job.num, _no_result(job))
+    Path(session.stop_file).unlink(missing_ok=True)
+    launcher.hydra_context.callbacks.on_multirun_end(config=launcher.config)
+    session.stop()
+    log.warning(
+        "sweep stopped on %s: re-run each stopped job with its hydra.run.dir (see its log) to "
+        "resume from its checkpoint",
+        signal.Signals(signum).name,
+    )
+    sys.exit(128 + signum)
+
+
+class _StopRequests:
+    """SIGINT / SIGTERM to the sweep become a request the wait loop acts on (the jobs run in
+    their own sessions: the terminal's Ctrl-C does not reach them by itself)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> _StopRequests:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _have_token() -> bool:
+    """A Ray cluster token is at hand: the variables Ray reads, or the file `ray start` writes
+    (copy it to every machine of a cluster)."""
+    token_file = Path.home() / ".ray" / "auth_token"
+    return (
+        "RAY_AUTH_TOKEN" in os.environ
+        or "RAY_AUTH_TOKEN_PATH" in os.environ
+        or token_file.is_file()
+    )

@@ -1,0 +1,36 @@
+"""The Hydra launcher object; the work is in _sweep.py (imported on launch only: Ray loads
+in seconds, and Hydra's plugin scan imports this module on every start)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from hydra.core.utils import JobReturn
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class RayLauncher(Launcher):
+    """Runs each job of a sweep as a Ray task (see the package's docstring)."""
+
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.task_function: Optional[TaskFunction] = None
+        self.session: Any = None  # _sweep.Session: Ray, started at the first launch
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
+        from hydra_plugins.hydra_ddp_ray_launcher import _sweep
+
+        return _sweep.launch(self, job_overrides, initial_job_idx)
