@@ -368,6 +368,69 @@ def test_workers_stop_when_the_torchrun_agent_is_killed(tmp_path: Path) -> None:
     assert checkpoint.latest(job) is not None
 
 
+SLOW_STEP_S = 3.0
+SLOW = [
+    *FAST,
+    "model._target_=slow_model.SlowMLP",
+    f"+model.sleep_s={SLOW_STEP_S}",
+    "trainer.max_steps=50",
+    "trainer.log_interval=1",
+    "trainer.ckpt_interval=0",
+]
+
+
+@pytest.mark.slow  # two 2-rank jobs of 3 s steps, a minute in all
+@pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
+def test_sigterm_in_a_slow_step_checkpoints_that_step(tmp_path: Path, launcher: str) -> None:
+    """Previously: the ranks agreed to stop through an all-reduce read one step later, so with
+    20 s steps the stop came ~2 steps after SIGTERM, past the 30 s torchrun's agent waits: the
+    workers were killed with no checkpoint, and self-launch still advised resuming from one.
+    Here steps take 3 s (a forward that sleeps); SIGTERM right after a step must end with a
+    checkpoint of the next one within one step plus the save (not two steps), exit 143 from every
+    worker."""
+    from conftest import REPO
+
+    if launcher == "torchrun":
+        cmd = _torchrun_cmd(*SLOW)
+    else:
+        cmd = [sys.executable, "-m", "hydra_ddp.train", "dist.nproc_per_node=2", *SLOW]
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    with open(tmp_path / "launcher.log", "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    job = _wait_for(_logged(tmp_path, 1), proc, 240, "step 1 logged")[0]
+    lines = (job / "stats" / "rank0.jsonl").read_text().splitlines()
+    in_progress = max(json.loads(ln)["step"] for ln in lines if ln.endswith("}")) + 1
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)  # to the agent (or the self-launching job) only
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail("the job did not stop within 60 s of SIGTERM")
+    out = (tmp_path / "launcher.log").read_text()
+    newest = checkpoint.latest(job)
+    assert newest is not None, out[-3000:]
+    step = checkpoint.load(newest)["step"]
+    assert step == in_progress, (step, out[-3000:])  # the step in progress at the signal
+    # One step (3 s, as measured) plus the save; the old design took one more step.
+    rows = [json.loads(line) for line in (job / "stats" / "rank0.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in rows if "time" in r and "step" in r}
+    step_s = times[step] - times[step - 1] if step - 1 in times else SLOW_STEP_S
+    assert newest.stat().st_mtime - sent < step_s + 0.5 * SLOW_STEP_S, (step_s, out[-3000:])
+    for rank in (0, 1):
+        log = (job / f"train_rank{rank}.log").read_text()
+        assert f"stopped on SIGTERM at step {step} of 50" in log
+    if launcher == "self-launch":
+        assert rc == 128 + signal.SIGTERM, out[-3000:]
+        assert f"resume from its newest checkpoint ({newest.name})" in out, out[-3000:]
+    else:
+        assert "exitcode: 143" in out or "SignalException" in out, out[-3000:]
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoint writes cut short
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra_ddp import checkpoint
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ
 from hydra_ddp.errors import UserError, exit_code, worker_failed
@@ -71,20 +72,14 @@ def spawn(
         results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
     except SignalException as e:
         # The agent got the signal and passed it on; the workers saved a checkpoint first.
-        raise Preempted(
-            e.sigval,
-            f"stopped on {signal_name(e.sigval)}: re-run the same command with "
-            f"{run_dir_override(run.output_dir)} to resume from its newest checkpoint",
-        ) from None
+        raise Preempted(e.sigval, _stopped(f"stopped on {signal_name(e.sigval)}", run)) from None
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         stops = {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
         if codes <= stops:  # the workers themselves were signalled and stopped cleanly
             signum = max(codes) - 128
             raise Preempted(
-                signum,
-                f"the workers stopped on {signal_name(signum)}: re-run the same command with "
-                f"{run_dir_override(run.output_dir)} to resume from its newest checkpoint",
+                signum, _stopped(f"the workers stopped on {signal_name(signum)}", run)
             ) from None
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
@@ -95,6 +90,22 @@ def spawn(
         else:
             os.environ[_NO_SHARED_STORE] = saved
     return results[0]
+
+
+def _stopped(how: str, run: Any) -> str:
+    """The launcher's line for a stopped worker group: how to resume, only if there is a
+    checkpoint to resume from (a stop during start-up, or one the launcher's grace cut short,
+    leaves none)."""
+    newest = checkpoint.latest(Path(run.output_dir))
+    if newest is None:
+        return (
+            f"{how} before any checkpoint was written: nothing to resume, re-running the same "
+            "command starts again from step 0"
+        )
+    return (
+        f"{how}: re-run the same command with {run_dir_override(run.output_dir)} to resume "
+        f"from its newest checkpoint ({newest.name})"
+    )
 
 
 def _launch_config(cfg: TrainConfig) -> Any:

@@ -315,7 +315,6 @@ def fit(loop: Loop, pos: Position) -> float:
         loop.health.check()  # collective
         lr = parts.optimizers.last_lr()
         loop.stats.log(pos.step, grad_norm, lr, **_data_stats(job, pos))  # collective
-    loop.stopper.finish()  # collective
     loop.stats.close()
     return time.perf_counter() - t_start
 
