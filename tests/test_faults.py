@@ -641,3 +641,77 @@ def test_exploding_lr_stops_with_overflowed_gradients(tmp_path: Path) -> None:
         )
     line = str(info.value)
     assert "non-finite" in line and "at step " in line and "lower optim.lr" in line, line
+
+
+# --------------------------------------------------------------------------------------------
+# Which rank the launcher blames
+# --------------------------------------------------------------------------------------------
+
+
+def _said(errors: Path, rank: int, text: str, at_ns: int) -> None:
+    path = errors / f"rank{rank}.txt"
+    path.write_text(text + "\n")
+    os.utime(path, ns=(at_ns, at_ns))
+
+
+def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path) -> None:
+    """Previously: the lowest rank that wrote errors/rank<r>.txt was named, so rank 0's "lost
+    contact" (a consequence) hid rank 1's cause. The ranks' files as `translated` writes them."""
+    from hydra_ddp.errors import worker_failed
+
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    lost = "rank 0 lost contact with another rank (Connection reset by peer): that rank ..."
+    _said(errors, 0, lost, 1_000)
+    _said(errors, 1, "unexpected error: ValueError: boom", 2_000)  # later, but its own
+    line = str(worker_failed({0: 2, 1: 2}, errors, tmp_path))
+    assert line.startswith("worker rank 1 failed: unexpected error: ValueError: boom"), line
+
+    # Two ranks with errors of their own: the first in time, not the lowest.
+    _said(errors, 0, "data: bad row", 3_000)
+    assert str(worker_failed({0: 2, 1: 2}, errors, tmp_path)).startswith("worker rank 1 failed")
+
+    # A rank that died without a word (SIGABRT in gloo) while the others only lost contact.
+    _said(errors, 0, lost, 1_000)
+    (errors / "rank1.txt").unlink()
+    line = str(worker_failed({0: 2, 1: -6}, errors, tmp_path))
+    assert line.startswith("worker rank 1 failed: killed by SIGABRT"), line
+
+    # A stalled rank killed by the agent after the others timed out: the timeout says more.
+    waited = "rank 0 waited dist.timeout_s=5s for another rank in a collective (...): ..."
+    _said(errors, 0, waited, 1_000)
+    line = str(worker_failed({0: 2, 1: -15}, errors, tmp_path))
+    assert line.startswith("worker rank 0 failed: rank 0 waited"), line
+
+
+@pytest.mark.slow  # four 2-rank self-launched jobs, about a minute each under load
+@pytest.mark.parametrize(
+    ("how", "blamed"),
+    [
+        ("raise", "ValueError: a bug in the user's callback on rank 1"),
+        ("loader", "a DataLoader worker of rank 1 died"),
+        ("collective", "killed by SIGABRT"),
+        ("efbig", "file too large"),
+    ],
+)
+def test_the_final_line_names_the_rank_that_failed_first(
+    tmp_path: Path, how: str, blamed: str
+) -> None:
+    """Previously: in each of these cases rank 1 failed and the last line said `worker rank 0
+    failed: rank 0 lost contact ...` (the survivor's consequence won, as the lowest rank)."""
+    from conftest import REPO
+
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "hydra_ddp.train", *FAST, "dist.nproc_per_node=2",
+            "trainer.max_steps=30", "trainer.log_interval=1", "trainer.num_workers=1",
+            "+callbacks.fail._target_=failing_callbacks.FailOnRank", f"+callbacks.fail.how={how}",
+            f"hydra.run.dir={tmp_path / 'job'}",
+        ],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = [ln for ln in done.stderr.splitlines() if "error:" in ln][-1]
+    assert "worker rank 1 failed: " in last and blamed in last, done.stderr[-3000:]

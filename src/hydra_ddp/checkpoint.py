@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
-from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,10 @@ def save(
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        too_large = over_size_limit(e, tmp)
         tmp.unlink(missing_ok=True)
+        if too_large:
+            raise UserError(file_too_large(final)) from e
         raise UserError(
             f"could not write checkpoint {final} ({write_error(e, folder)}): free space or "
             "quota there, or resume in another dir; the checkpoints already there are intact"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from hydra_ddp import checkpoint
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ
-from hydra_ddp.errors import UserError, exit_code, worker_failed
+from hydra_ddp.errors import exit_code, record, worker_failed
 from hydra_ddp.loop import train
 from hydra_ddp.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 
@@ -49,6 +49,7 @@ def spawn(
         # cores spend their time fighting over them (10x slower on a 2-core CPU job).
         os.environ["OMP_NUM_THREADS"] = "1"
     errors = Path(run.output_dir) / "errors"
+    errors.mkdir(parents=True, exist_ok=True)  # where each worker says why it failed
     for old in errors.glob("rank*.txt"):
         old.unlink()
     config = _launch_config(cfg)
@@ -136,6 +137,8 @@ def worker(
     """One worker started by `spawn`: log setup, then what torchrun's ranks run."""
     rank = int(os.environ.get("RANK", 0))
     _setup_worker_logging(Path(run.output_dir), rank, log_stem)
+    # A restarted group (dist.max_restarts): what this rank said in the last attempt is over.
+    (Path(run.output_dir) / "errors" / f"rank{rank}.txt").unlink(missing_ok=True)
     try:
         return target(cfg, env_from_environ(cfg.dist), run, *args)
     except Preempted as e:
@@ -144,10 +147,7 @@ def worker(
         sys.exit(e.exit_code)
     except Exception as e:
         code = exit_code(e, log)
-        if isinstance(e, UserError):
-            errors = Path(run.output_dir) / "errors"
-            errors.mkdir(exist_ok=True)
-            (errors / f"rank{rank}.txt").write_text(str(e) + "\n")
+        record(e, rank, Path(run.output_dir) / "errors")  # unless `translated` did already
         # A clean exit code rather than a traceback from every worker (the log has it).
         sys.exit(code)
 
