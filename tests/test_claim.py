@@ -133,3 +133,57 @@ def test_a_second_job_in_a_live_jobs_dir_is_refused_and_a_killed_ones_is_taken_o
     assert "taking over" in third.stderr and "resumed from" in (
         (run_dir / "train_rank0.log").read_text()
     )
+
+
+@pytest.mark.slow  # a real self-launched job whose parent is SIGKILLed, then two restarts
+def test_workers_of_a_killed_launcher_stop_and_keep_the_dir_until_they_have(
+    tmp_path: Path,
+) -> None:
+    """Previously: SIGKILL of the self-launch parent left its workers training; a restart
+    within a second took the claim over (its pid was dead) and both jobs wrote
+    step_00000003.pt and step 3's stats. Now the workers get SIGTERM (parent-death signal),
+    save and stop, and until then their lock on the claim refuses the restart."""
+    import psutil
+    from conftest import REPO, user_env
+
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "logger=none", "trainer.progress=false",
+           f"hydra.run.dir={run_dir}", "dist.nproc_per_node=2", "trainer.max_steps=30",
+           "trainer.log_interval=1", "model._target_=slow_model.SlowMLP",
+           "+model.sleep_s=8"]  # fmt: skip
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    stats = run_dir / "stats" / "rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while not (stats.exists() and stats.read_text().count("\n") >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, "no step logged"
+        time.sleep(0.1)
+    workers = [p for p in psutil.Process(first.pid).children()  # spawned ranks, not trackers
+               if "spawn_main" in " ".join(p.cmdline())]  # fmt: skip
+    assert len(workers) == 2
+    first.kill()  # the launcher only: its workers are orphans now
+    first.wait()
+    try:
+        second = subprocess.run([*cmd, "trainer.max_steps=5"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-2000:]
+        errors = [ln for ln in second.stderr.splitlines() if "error:" in ln]
+        assert len(errors) == 1 and "still runs" in errors[0], second.stderr[-2000:]
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, "the orphaned workers kept training"
+    finally:
+        for p in workers:
+            if p.is_running():
+                p.kill()
+    log0 = (run_dir / "train_rank0.log").read_text()
+    assert "stopped on SIGTERM at step" in log0, log0[-2000:]
+    stopped = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    assert stopped, "the orphans saved nothing"
+    third = subprocess.run([*cmd, "model.sleep_s=0"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert third.returncode == 0, third.stderr[-3000:]
+    # One writer per step: no step's stats row written twice into rank 0's file.
+    steps = [json.loads(ln)["step"] for ln in stats.read_text().splitlines()]
+    assert len(steps) == len(set(steps)), steps

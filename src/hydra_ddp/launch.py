@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from hydra_ddp import checkpoint
+from hydra_ddp import checkpoint, claim
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ
 from hydra_ddp.errors import exit_code, record, worker_failed
@@ -137,6 +137,7 @@ def worker(
     """One worker started by `spawn`: log setup, then what torchrun's ranks run."""
     rank = int(os.environ.get("RANK", 0))
     _setup_worker_logging(Path(run.output_dir), rank, log_stem)
+    claim.join(run.output_dir)  # the dir stays this job's while this worker may write there
     # A restarted group (dist.max_restarts): what this rank said in the last attempt is over.
     (Path(run.output_dir) / "errors" / f"rank{rank}.txt").unlink(missing_ok=True)
     try:
