@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
-from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
+from hydra_ddp.errors import (
+    UserError,
+    check_regular,
+    file_too_large,
+    first_line,
+    over_size_limit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +225,7 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
                 f"(checkpoints/step_*.pt); give a checkpoint file, or {otherwise}"
             )
         return found
+    check_regular(path, f"{key}:", f"give a checkpoint file or a run dir, or {otherwise}")
     if not path.is_file():
         raise UserError(
             f"{key}={value}: no such file; give a checkpoint file (<run dir>/checkpoints/"
@@ -227,9 +234,22 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
     return path
 
 
-def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
-    """Read a checkpoint safely; every failure is one clear line naming the file."""
+def load(
+    path: Path, map_location: torch.device | str = "cpu", key: str = "trainer.resume"
+) -> dict[str, Any]:
+    """Read a checkpoint safely; every failure is one clear line naming the file (and what to
+    do with `key`, the setting that named it)."""
     path = Path(path)
+    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
+    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
+        # torch.save has written zip archives since torch 1.6; anything else (a text file,
+        # random bytes) only gives the unpickler's riddles, e.g. "(101)".
+        otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
+        raise UserError(
+            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
+            f"another format, or a write cut short?): point {key} at another file from "
+            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or at a run dir, or {otherwise}"
+        )
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(
             f"{path} is empty (a checkpoint whose write never completed?): point "
@@ -301,7 +321,7 @@ def init_weights(model: torch.nn.Module, source: str, strict: bool) -> Path:
     a run dir, into `model`; nothing else. With `strict` false, only the tensors whose names and
     shapes match, and one line each for the rest. Returns the file read."""
     path = file_or_newest(source, "trainer.init_from", "no trainer.init_from")
-    state = load(path)
+    state = load(path, key="trainer.init_from")
     if strict:
         load_model_state(model, state, path, hint="or trainer.init_strict=false")
         return path

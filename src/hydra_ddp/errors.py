@@ -142,6 +142,28 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
     return None
 
 
+def check_regular(path: Path, what: str, fix: str) -> None:
+    """Refuse `path` in one line unless it is a regular file (or missing: the caller says
+    that). A FIFO blocks whoever opens it until a writer comes, with no timeout; a socket or a
+    device is no data set or checkpoint either."""
+    import stat
+
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = (
+        "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a directory" if stat.S_ISDIR(mode)
+        else "not a regular file"
+    )  # fmt: skip
+    raise UserError(f"{what} {path} is {kind}, not a regular file: {fix}")
+
+
 def file_size_limit() -> int | None:
     """This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), None if unlimited."""
     import resource

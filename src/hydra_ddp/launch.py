@@ -19,7 +19,7 @@ from typing import Any, Callable
 from hydra_ddp import checkpoint, claim
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ
-from hydra_ddp.errors import exit_code, record, worker_failed
+from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop import train
 from hydra_ddp.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 
@@ -147,6 +147,8 @@ def worker(
             (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
     except Exception as e:
+        # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
+        e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
         record(e, rank, Path(run.output_dir) / "errors")  # unless `translated` did already
         # A clean exit code rather than a traceback from every worker (the log has it).
