@@ -187,3 +187,53 @@ def test_workers_of_a_killed_launcher_stop_and_keep_the_dir_until_they_have(
     # One writer per step: no step's stats row written twice into rank 0's file.
     steps = [json.loads(ln)["step"] for ln in stats.read_text().splitlines()]
     assert len(steps) == len(set(steps)), steps
+
+
+@pytest.mark.slow  # two submitit_local sweeps of 2 tasks each
+def test_a_second_submitit_sweep_into_the_same_dir_is_refused_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Previously: the loser's rank 0 refused, its rank 1 waited 300 s and then wrote a port
+    error into the *winner's* train_rank1.log; the winner's .claim stayed after it finished
+    (its `job` field null: submitit's local job id was not read, nor the claim given back)."""
+    from conftest import REPO, user_env
+
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    sweep, gate = tmp_path / "sweep", tmp_path / "go"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", "hydra/launcher=submitit_local",
+           "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", "logger=none",
+           "trainer.progress=false", f"hydra.sweep.dir={sweep}", "trainer.max_steps=3"]  # fmt: skip
+    winner = subprocess.Popen(
+        [*cmd, "+callbacks.gate._target_=gate_callbacks.WaitForFile",
+         f"+callbacks.gate.path={gate}"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    job = sweep / "0"
+    try:
+        deadline = time.monotonic() + 240
+        while not (job / "stats" / "rank1.jsonl").exists():  # both ranks are training
+            assert winner.poll() is None and time.monotonic() < deadline, "winner not running"
+            time.sleep(0.2)
+        claim_text = (job / claim.NAME).read_text()
+        assert "SUBMITIT_LOCAL_JOB_ID=" in claim_text, claim_text
+        rank1_log = (job / "train_rank1.log").read_bytes()  # the winner's rank 1 waits at step 1
+        started = time.monotonic()
+        loser = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=300)  # fmt: skip
+        took = time.monotonic() - started
+        assert loser.returncode != 0
+        # Both of the loser's tasks refused in one line, rank 1 without waiting for a store.
+        errs = sorted(sweep.glob(".submitit/*/*_log.err"))
+        refusals = [p for p in errs if "is in use by another job" in p.read_text()]
+        assert len(refusals) == 2, [p.read_text()[-500:] for p in errs]
+        assert took < 200, took  # not the 300 s of a rank 1 waiting for its rank 0
+        assert (job / "train_rank1.log").read_bytes() == rank1_log  # the loser's rank 1 kept out
+        for log in job.glob("train_rank*.log"):
+            assert "in use by another job" not in log.read_text()
+    finally:
+        gate.touch()
+    assert winner.wait(timeout=240) == 0
+    assert (job / "summary.json").exists()
+    assert not (job / claim.NAME).exists(), "the winner's claim outlived it"

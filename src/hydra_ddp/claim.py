@@ -35,7 +35,7 @@ _locks: list[int] = []  # open descriptors of the claim files this process holds
 
 
 def _job_id() -> str | None:
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID"):
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
         if key in os.environ:
             return f"{key}={os.environ[key]}"
     return None
@@ -87,7 +87,8 @@ def claim(run_dir: str | Path) -> None:
                 sys.stderr.write(
                     f"error: {run_dir} is in use by another job ({_describe(holder)}, since "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
-                    f"){still if busy else ''}: wait for it to end, or choose another "
+                    f"){still if busy and not _alive(holder, path) else ''}: wait for it to end, "
+                    "or choose another "
                     f"hydra.run.dir; if that job is gone, delete {path}\n"
                 )
                 raise SystemExit(2) from None
@@ -142,6 +143,32 @@ def join(run_dir: str | Path) -> None:
     except OSError:
         return  # no claim (a run dir from before claims): nothing to hold
     _lock_shared(fd)
+
+
+def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
+    """A rank other than 0 of a launcher's job: before writing into `run_dir`, wait (at most
+    `timeout_s`) until its rank 0 holds the dir's claim. A dir a live job of another launcher
+    holds is refused at once in one line (exit 2), instead of this rank writing its log into
+    that job's files and then waiting for a rank 0 that refused. No claim within the time (a
+    rank 0 that failed before claiming): go on, the process group's timeout applies."""
+    path = Path(run_dir) / NAME
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            holder = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            holder = None
+        if holder is not None:
+            if holder.get("job") and holder.get("job") == _job_id():
+                return
+            if _still_held(path) or (holder and _alive(holder, path)):
+                sys.stderr.write(
+                    f"error: {run_dir} is in use by another job ({_describe(holder)}): this "
+                    "job's rank 0 stops too; wait for that job to end, or choose another "
+                    "hydra.run.dir (a sweep: hydra.sweep.dir)\n"
+                )
+                raise SystemExit(2)
+        time.sleep(0.2)
 
 
 def _describe(holder: dict[str, Any]) -> str:

@@ -74,6 +74,10 @@ def spawn(
     except SignalException as e:
         # The agent got the signal and passed it on; the workers saved a checkpoint first.
         raise Preempted(e.sigval, _stopped(f"stopped on {signal_name(e.sigval)}", run)) from None
+    except KeyboardInterrupt:
+        # Ctrl-C while the agent starts up (before it handles signals): its workers, if any,
+        # got it too and are stopped by the agent on its way out.
+        raise Preempted(signal.SIGINT, _stopped("stopped on SIGINT", run)) from None
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         stops = {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
@@ -146,6 +150,10 @@ def worker(
         if not e.logged:
             (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop handles signals (start-up): the launcher says it once.
+        log.info("stopped on SIGINT while starting")
+        sys.exit(128 + signal.SIGINT)
     except Exception as e:
         # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
