@@ -22,13 +22,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
-from hydra_ddp.errors import (
-    UserError,
-    check_regular,
-    file_too_large,
-    first_line,
-    over_size_limit,
-)
+from hydra_ddp.errors import UserError, check_archive, file_too_large, first_line, over_size_limit
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +219,7 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
                 f"(checkpoints/step_*.pt); give a checkpoint file, or {otherwise}"
             )
         return found
-    check_regular(path, f"{key}:", f"give a checkpoint file or a run dir, or {otherwise}")
+    check_archive(path, key)
     if not path.is_file():
         raise UserError(
             f"{key}={value}: no such file; give a checkpoint file (<run dir>/checkpoints/"
@@ -234,22 +228,10 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
     return path
 
 
-def load(
-    path: Path, map_location: torch.device | str = "cpu", key: str = "trainer.resume"
-) -> dict[str, Any]:
-    """Read a checkpoint safely; every failure is one clear line naming the file (and what to
-    do with `key`, the setting that named it)."""
+def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> dict[str, Any]:
+    """Read a checkpoint safely; every failure is one line naming the file and `key`."""
     path = Path(path)
-    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
-    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
-        # torch.save has written zip archives since torch 1.6; anything else (a text file,
-        # random bytes) only gives the unpickler's riddles, e.g. "(101)".
-        otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
-        raise UserError(
-            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
-            f"another format, or a write cut short?): point {key} at another file from "
-            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or at a run dir, or {otherwise}"
-        )
+    check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(
             f"{path} is empty (a checkpoint whose write never completed?): point "

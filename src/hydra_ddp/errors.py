@@ -164,6 +164,23 @@ def check_regular(path: Path, what: str, fix: str) -> None:
     raise UserError(f"{what} {path} is {kind}, not a regular file: {fix}")
 
 
+def check_archive(path: Path, key: str) -> None:
+    """Refuse, in one line naming `key` (trainer.resume, trainer.init_from), a checkpoint file
+    that is no regular file or no zip archive: torch.save writes zip archives (since torch
+    1.6), and for anything else (a text file, random bytes) the unpickler's own message is a
+    riddle, e.g. "(101)"."""
+    import zipfile
+
+    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
+    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
+        otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
+        raise UserError(
+            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
+            f"another format, or a write cut short?): point {key} at another file from "
+            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or a run dir, or {otherwise}"
+        )
+
+
 def file_size_limit() -> int | None:
     """This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), None if unlimited."""
     import resource
