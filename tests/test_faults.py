@@ -677,6 +677,13 @@ def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path)
     line = str(worker_failed({0: 2, 1: -6}, errors, tmp_path))
     assert line.startswith("worker rank 1 failed: killed by SIGABRT"), line
 
+    # A rank that stopped on a signal records nothing: a stop is not a failure to blame.
+    from hydra_ddp.errors import record
+    from hydra_ddp.preemption import Preempted
+
+    record(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
+    assert not (errors / "rank3.txt").exists()
+
     # A stalled rank killed by the agent after the others timed out: the timeout says more.
     waited = "rank 0 waited dist.timeout_s=5s for another rank in a collective (...): ..."
     _said(errors, 0, waited, 1_000)

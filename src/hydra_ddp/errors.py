@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 
+class Stopped(Exception):
+    """Not a failure: the job stopped on request (preemption.Preempted), nothing to blame."""
+
+
 class UserError(Exception):
     """Bad input: the message names the key or file and says what to do. The entry prints it
     as one line and exits with status 2, instead of a traceback from every rank."""
@@ -232,7 +236,7 @@ def record(e: BaseException, rank: int, errors_dir: Path) -> None:
     when), for `worker_failed`. Only where the launcher made that dir (self-launch), and only
     the rank's first error: what follows it (a failed teardown) is not the cause."""
     path = errors_dir / f"rank{rank}.txt"
-    if not errors_dir.is_dir() or path.exists():
+    if isinstance(e, Stopped) or not errors_dir.is_dir() or path.exists():
         return
     why = str(e) if isinstance(e, UserError) else f"unexpected error: {type(e).__name__}: "
     if not isinstance(e, UserError):

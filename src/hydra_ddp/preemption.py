@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _CHECK_EVERY_S = 0.1
 _MAX_INTERVAL = 100
 
 
-class Preempted(Exception):
+class Preempted(Stopped):
     """The job stopped on a signal after saving a checkpoint (or with nothing to save)."""
 
     def __init__(self, signum: int, message: str) -> None:
