@@ -133,3 +133,107 @@ def test_a_second_job_in_a_live_jobs_dir_is_refused_and_a_killed_ones_is_taken_o
     assert "taking over" in third.stderr and "resumed from" in (
         (run_dir / "train_rank0.log").read_text()
     )
+
+
+@pytest.mark.slow  # a real self-launched job whose parent is SIGKILLed, then two restarts
+def test_workers_of_a_killed_launcher_stop_and_keep_the_dir_until_they_have(
+    tmp_path: Path,
+) -> None:
+    """Previously: SIGKILL of the self-launch parent left its workers training; a restart
+    within a second took the claim over (its pid was dead) and both jobs wrote
+    step_00000003.pt and step 3's stats. Now the workers get SIGTERM (parent-death signal),
+    save and stop, and until then their lock on the claim refuses the restart."""
+    import psutil
+    from conftest import REPO, user_env
+
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "logger=none", "trainer.progress=false",
+           f"hydra.run.dir={run_dir}", "dist.nproc_per_node=2", "trainer.max_steps=30",
+           "trainer.log_interval=1", "model._target_=slow_model.SlowMLP",
+           "+model.sleep_s=8"]  # fmt: skip
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    stats = run_dir / "stats" / "rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while not (stats.exists() and stats.read_text().count("\n") >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, "no step logged"
+        time.sleep(0.1)
+    workers = [p for p in psutil.Process(first.pid).children()  # spawned ranks, not trackers
+               if "spawn_main" in " ".join(p.cmdline())]  # fmt: skip
+    assert len(workers) == 2
+    first.kill()  # the launcher only: its workers are orphans now
+    first.wait()
+    try:
+        second = subprocess.run([*cmd, "trainer.max_steps=5"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-2000:]
+        errors = [ln for ln in second.stderr.splitlines() if "error:" in ln]
+        assert len(errors) == 1 and "still runs" in errors[0], second.stderr[-2000:]
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, "the orphaned workers kept training"
+    finally:
+        for p in workers:
+            if p.is_running():
+                p.kill()
+    log0 = (run_dir / "train_rank0.log").read_text()
+    assert "stopped on SIGTERM at step" in log0, log0[-2000:]
+    stopped = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    assert stopped, "the orphans saved nothing"
+    third = subprocess.run([*cmd, "model.sleep_s=0"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert third.returncode == 0, third.stderr[-3000:]
+    # One writer per step: no step's stats row written twice into rank 0's file.
+    steps = [json.loads(ln)["step"] for ln in stats.read_text().splitlines()]
+    assert len(steps) == len(set(steps)), steps
+
+
+@pytest.mark.slow  # two submitit_local sweeps of 2 tasks each
+def test_a_second_submitit_sweep_into_the_same_dir_is_refused_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Previously: the loser's rank 0 refused, its rank 1 waited 300 s and then wrote a port
+    error into the *winner's* train_rank1.log; the winner's .claim stayed after it finished
+    (its `job` field null: submitit's local job id was not read, nor the claim given back)."""
+    from conftest import REPO, user_env
+
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    sweep, gate = tmp_path / "sweep", tmp_path / "go"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", "hydra/launcher=submitit_local",
+           "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", "logger=none",
+           "trainer.progress=false", f"hydra.sweep.dir={sweep}", "trainer.max_steps=3"]  # fmt: skip
+    winner = subprocess.Popen(
+        [*cmd, "+callbacks.gate._target_=gate_callbacks.WaitForFile",
+         f"+callbacks.gate.path={gate}"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    job = sweep / "0"
+    try:
+        deadline = time.monotonic() + 240
+        while not (job / "stats" / "rank1.jsonl").exists():  # both ranks are training
+            assert winner.poll() is None and time.monotonic() < deadline, "winner not running"
+            time.sleep(0.2)
+        claim_text = (job / claim.NAME).read_text()
+        assert "SUBMITIT_LOCAL_JOB_ID=" in claim_text, claim_text
+        rank1_log = (job / "train_rank1.log").read_bytes()  # the winner's rank 1 waits at step 1
+        started = time.monotonic()
+        loser = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=300)  # fmt: skip
+        took = time.monotonic() - started
+        assert loser.returncode != 0
+        # Both of the loser's tasks refused in one line, rank 1 without waiting for a store.
+        errs = sorted(sweep.glob(".submitit/*/*_log.err"))
+        refusals = [p for p in errs if "is in use by another job" in p.read_text()]
+        assert len(refusals) == 2, [p.read_text()[-500:] for p in errs]
+        assert took < 200, took  # not the 300 s of a rank 1 waiting for its rank 0
+        assert (job / "train_rank1.log").read_bytes() == rank1_log  # the loser's rank 1 kept out
+        for log in job.glob("train_rank*.log"):
+            assert "in use by another job" not in log.read_text()
+    finally:
+        gate.touch()
+    assert winner.wait(timeout=240) == 0
+    assert (job / "summary.json").exists()
+    assert not (job / claim.NAME).exists(), "the winner's claim outlived it"

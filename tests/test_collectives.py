@@ -127,10 +127,38 @@ def _steps_until_stop(env: DistEnv, signalled_rank: int, at_step: int) -> tuple[
             if signum:
                 return step, signum
             time.sleep(0.002)
-        stopper.finish()
         return -1, 0
     finally:
         stopper.restore()
+
+
+def _slow_steps_until_stop(env: DistEnv, step_s: float) -> tuple[int, float]:
+    """Steps of `step_s`; rank 1 gets SIGTERM in the middle of step 2. The step where each rank
+    stops, and how long after the signal."""
+    stopper = StopOnSignal(env).start()
+    sent = 0.0
+    try:
+        for step in range(8):
+            signum = stopper.agreed()
+            if signum:
+                return step, time.monotonic() - sent
+            time.sleep(step_s / 2)
+            if env.rank == 1 and step == 2:
+                sent = time.monotonic()
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(step_s / 2)
+        return -1, 0.0
+    finally:
+        stopper.restore()
+
+
+def test_a_signal_in_a_slow_step_stops_at_the_end_of_that_step() -> None:
+    """Previously: the ranks agreed through an all-reduce read one check later, so a signal
+    in step N stopped the ranks after step N+1 or N+2: with 20 s steps past the 30 s torchrun's
+    agent gives, and every rank was killed before its checkpoint."""
+    done = ranks.run(_slow_steps_until_stop, 0.5)
+    assert done[0][0] == done[1][0] == 3, done  # the boundary right after step 2
+    assert done[1][1] < 0.5 + 0.4, done  # within the rest of the step, plus load
 
 
 @pytest.mark.parametrize("signalled_rank", [0, 1])

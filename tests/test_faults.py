@@ -368,6 +368,69 @@ def test_workers_stop_when_the_torchrun_agent_is_killed(tmp_path: Path) -> None:
     assert checkpoint.latest(job) is not None
 
 
+SLOW_STEP_S = 3.0
+SLOW = [
+    *FAST,
+    "model._target_=slow_model.SlowMLP",
+    f"+model.sleep_s={SLOW_STEP_S}",
+    "trainer.max_steps=50",
+    "trainer.log_interval=1",
+    "trainer.ckpt_interval=0",
+]
+
+
+@pytest.mark.slow  # two 2-rank jobs of 3 s steps, a minute in all
+@pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
+def test_sigterm_in_a_slow_step_checkpoints_that_step(tmp_path: Path, launcher: str) -> None:
+    """Previously: the ranks agreed to stop through an all-reduce read one step later, so with
+    20 s steps the stop came ~2 steps after SIGTERM, past the 30 s torchrun's agent waits: the
+    workers were killed with no checkpoint, and self-launch still advised resuming from one.
+    Here steps take 3 s (a forward that sleeps); SIGTERM right after a step must end with a
+    checkpoint of the next one within one step plus the save (not two steps), exit 143 from every
+    worker."""
+    from conftest import REPO
+
+    if launcher == "torchrun":
+        cmd = _torchrun_cmd(*SLOW)
+    else:
+        cmd = [sys.executable, "-m", "hydra_ddp.train", "dist.nproc_per_node=2", *SLOW]
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    with open(tmp_path / "launcher.log", "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    job = _wait_for(_logged(tmp_path, 1), proc, 240, "step 1 logged")[0]
+    lines = (job / "stats" / "rank0.jsonl").read_text().splitlines()
+    in_progress = max(json.loads(ln)["step"] for ln in lines if ln.endswith("}")) + 1
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)  # to the agent (or the self-launching job) only
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail("the job did not stop within 60 s of SIGTERM")
+    out = (tmp_path / "launcher.log").read_text()
+    newest = checkpoint.latest(job)
+    assert newest is not None, out[-3000:]
+    step = checkpoint.load(newest)["step"]
+    assert step == in_progress, (step, out[-3000:])  # the step in progress at the signal
+    # One step (3 s, as measured) plus the save; the old design took one more step.
+    rows = [json.loads(line) for line in (job / "stats" / "rank0.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in rows if "time" in r and "step" in r}
+    step_s = times[step] - times[step - 1] if step - 1 in times else SLOW_STEP_S
+    assert newest.stat().st_mtime - sent < step_s + 0.5 * SLOW_STEP_S, (step_s, out[-3000:])
+    for rank in (0, 1):
+        log = (job / f"train_rank{rank}.log").read_text()
+        assert f"stopped on SIGTERM at step {step} of 50" in log
+    if launcher == "self-launch":
+        assert rc == 128 + signal.SIGTERM, out[-3000:]
+        assert f"resume from its newest checkpoint ({newest.name})" in out, out[-3000:]
+    else:
+        assert "exitcode: 143" in out or "SignalException" in out, out[-3000:]
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoint writes cut short
 # --------------------------------------------------------------------------------------------
@@ -578,3 +641,84 @@ def test_exploding_lr_stops_with_overflowed_gradients(tmp_path: Path) -> None:
         )
     line = str(info.value)
     assert "non-finite" in line and "at step " in line and "lower optim.lr" in line, line
+
+
+# --------------------------------------------------------------------------------------------
+# Which rank the launcher blames
+# --------------------------------------------------------------------------------------------
+
+
+def _said(errors: Path, rank: int, text: str, at_ns: int) -> None:
+    path = errors / f"rank{rank}.txt"
+    path.write_text(text + "\n")
+    os.utime(path, ns=(at_ns, at_ns))
+
+
+def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path) -> None:
+    """Previously: the lowest rank that wrote errors/rank<r>.txt was named, so rank 0's "lost
+    contact" (a consequence) hid rank 1's cause. The ranks' files as `translated` writes them."""
+    from hydra_ddp.errors import worker_failed
+
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    lost = "rank 0 lost contact with another rank (Connection reset by peer): that rank ..."
+    _said(errors, 0, lost, 1_000)
+    _said(errors, 1, "unexpected error: ValueError: boom", 2_000)  # later, but its own
+    line = str(worker_failed({0: 2, 1: 2}, errors, tmp_path))
+    assert line.startswith("worker rank 1 failed: unexpected error: ValueError: boom"), line
+
+    # Two ranks with errors of their own: the first in time, not the lowest.
+    _said(errors, 0, "data: bad row", 3_000)
+    assert str(worker_failed({0: 2, 1: 2}, errors, tmp_path)).startswith("worker rank 1 failed")
+
+    # A rank that died without a word (SIGABRT in gloo) while the others only lost contact.
+    _said(errors, 0, lost, 1_000)
+    (errors / "rank1.txt").unlink()
+    line = str(worker_failed({0: 2, 1: -6}, errors, tmp_path))
+    assert line.startswith("worker rank 1 failed: killed by SIGABRT"), line
+
+    # A rank that stopped on a signal records nothing: a stop is not a failure to blame.
+    from hydra_ddp.errors import record
+    from hydra_ddp.preemption import Preempted
+
+    record(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
+    assert not (errors / "rank3.txt").exists()
+
+    # A stalled rank killed by the agent after the others timed out: the timeout says more.
+    waited = "rank 0 waited dist.timeout_s=5s for another rank in a collective (...): ..."
+    _said(errors, 0, waited, 1_000)
+    line = str(worker_failed({0: 2, 1: -15}, errors, tmp_path))
+    assert line.startswith("worker rank 0 failed: rank 0 waited"), line
+
+
+@pytest.mark.slow  # four 2-rank self-launched jobs, about a minute each under load
+@pytest.mark.parametrize(
+    ("how", "blamed"),
+    [
+        ("raise", "ValueError: a bug in the user's callback on rank 1"),
+        ("loader", "a DataLoader worker of rank 1 died"),
+        ("collective", "killed by SIGABRT"),
+        ("efbig", "file too large"),
+    ],
+)
+def test_the_final_line_names_the_rank_that_failed_first(
+    tmp_path: Path, how: str, blamed: str
+) -> None:
+    """Previously: in each of these cases rank 1 failed and the last line said `worker rank 0
+    failed: rank 0 lost contact ...` (the survivor's consequence won, as the lowest rank)."""
+    from conftest import REPO
+
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "hydra_ddp.train", *FAST, "dist.nproc_per_node=2",
+            "trainer.max_steps=30", "trainer.log_interval=1", "trainer.num_workers=1",
+            "+callbacks.fail._target_=failing_callbacks.FailOnRank", f"+callbacks.fail.how={how}",
+            f"hydra.run.dir={tmp_path / 'job'}",
+        ],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = [ln for ln in done.stderr.splitlines() if "error:" in ln][-1]
+    assert "worker rank 1 failed: " in last and blamed in last, done.stderr[-3000:]

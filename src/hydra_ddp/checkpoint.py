@@ -23,7 +23,7 @@ import torch
 
 from hydra_ddp import safe_state
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
-from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.errors import UserError, check_archive, file_too_large, first_line, over_size_limit
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,10 @@ def save(
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        too_large = over_size_limit(e, tmp)
         tmp.unlink(missing_ok=True)
+        if too_large:
+            raise UserError(file_too_large(final)) from e
         raise UserError(
             f"could not write checkpoint {final} ({write_error(e, folder)}): free space or "
             "quota there, or resume in another dir; the checkpoints already there are intact"
@@ -217,6 +220,7 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
                 f"(checkpoints/step_*.pt); give a checkpoint file, or {otherwise}"
             )
         return found
+    check_archive(path, key)
     if not path.is_file():
         raise UserError(
             f"{key}={value}: no such file; give a checkpoint file (<run dir>/checkpoints/"
@@ -225,9 +229,10 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
     return path
 
 
-def load(path: Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
-    """Read a checkpoint safely; every failure is one clear line naming the file."""
+def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> dict[str, Any]:
+    """Read a checkpoint safely; every failure is one line naming the file and `key`."""
     path = Path(path)
+    check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(
             f"{path} is empty (a checkpoint whose write never completed?): point "
@@ -299,7 +304,7 @@ def init_weights(model: torch.nn.Module, source: str, strict: bool) -> Path:
     a run dir, into `model`; nothing else. With `strict` false, only the tensors whose names and
     shapes match, and one line each for the rest. Returns the file read."""
     path = file_or_newest(source, "trainer.init_from", "no trainer.init_from")
-    state = load(path)
+    state = load(path, key="trainer.init_from")
     if strict:
         load_model_state(model, state, path, hint="or trainer.init_strict=false")
         return path

@@ -6,10 +6,18 @@ holder. A claim whose holder is gone is taken over with a warning, so a restart 
 a dead process on this host, a claim of the same launcher job (torchrun's elastic restart,
 SLURM's requeue: same job id), or one whose heartbeat (the file's mtime, refreshed every
 `HEARTBEAT_S` by its holder) stopped on another host (a lost node).
+
+"Gone" means every process of the job: the claimer and each worker that writes into the dir
+hold a shared `flock` on the claim file (`join`), which the kernel drops when a process dies,
+however it dies. A claim whose lock is still held is never taken over, even when its claimer's
+pid is dead: the workers of a SIGKILLed self-launch parent go on until they have saved and
+stopped (they get SIGTERM: preemption.exit_with_parent), and a restart in that second would
+otherwise write the same checkpoints and stats as they do.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -23,10 +31,11 @@ NAME = ".claim"
 HEARTBEAT_S = 30.0
 STALE_S = 4 * HEARTBEAT_S
 _held: dict[Path, threading.Event] = {}
+_locks: list[int] = []  # open descriptors of the claim files this process holds a lock on
 
 
 def _job_id() -> str | None:
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID"):
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
         if key in os.environ:
             return f"{key}={os.environ[key]}"
     return None
@@ -72,12 +81,15 @@ def claim(run_dir: str | Path) -> None:
                 holder = json.loads(path.read_text() or "{}")
             except (OSError, ValueError):
                 holder = {}
-            if holder and _alive(holder, path):
+            busy = _still_held(path)
+            if busy or (holder and _alive(holder, path)):
+                still = " (a process of that job still runs: its workers stop after saving)"
                 sys.stderr.write(
                     f"error: {run_dir} is in use by another job ({_describe(holder)}, since "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
-                    "): wait for it to end, or choose another hydra.run.dir; if that job is "
-                    f"gone, delete {path}\n"
+                    f"){still if busy and not _alive(holder, path) else ''}: wait for it to end, "
+                    "or choose another "
+                    f"hydra.run.dir; if that job is gone, delete {path}\n"
                 )
                 raise SystemExit(2) from None
             # Hydra has not set up logging yet (this runs as it resolves the log file's name).
@@ -86,13 +98,77 @@ def claim(run_dir: str | Path) -> None:
             )
             path.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(_me(), f)
+        os.write(fd, json.dumps(_me()).encode())
+        _lock_shared(fd)
         stop = threading.Event()
         _held[run_dir] = stop
         threading.Thread(target=_heartbeat, args=(path, stop), daemon=True).start()
         return
     raise SystemExit(f"error: could not claim {path}: another job keeps taking it")
+
+
+def _lock_shared(fd: int) -> None:
+    """Hold a shared lock on the claim file through `fd` for the life of this process."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pass  # a file system without locks: the pid and heartbeat rules still apply
+    _locks.append(fd)
+
+
+def _still_held(path: Path) -> bool:
+    """True while some process (of any host sharing the file system's locks) holds the claim
+    file's lock: the job that made it is not gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # no locks here: the pid and heartbeat rules decide
+    finally:
+        os.close(fd)  # also drops the lock we got
+    return False
+
+
+def join(run_dir: str | Path) -> None:
+    """A worker of the job that claimed `run_dir` (a self-launched rank): hold the claim's lock
+    too, so the dir is not taken over while this process can still write there."""
+    path = Path(run_dir) / NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no claim (a run dir from before claims): nothing to hold
+    _lock_shared(fd)
+
+
+def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
+    """A rank other than 0 of a launcher's job: before writing into `run_dir`, wait (at most
+    `timeout_s`) until its rank 0 holds the dir's claim. A dir a live job of another launcher
+    holds is refused at once in one line (exit 2), instead of this rank writing its log into
+    that job's files and then waiting for a rank 0 that refused. No claim within the time (a
+    rank 0 that failed before claiming): go on, the process group's timeout applies."""
+    path = Path(run_dir) / NAME
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            holder = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            holder = None
+        if holder is not None:
+            if holder.get("job") and holder.get("job") == _job_id():
+                return
+            if _still_held(path) or (holder and _alive(holder, path)):
+                sys.stderr.write(
+                    f"error: {run_dir} is in use by another job ({_describe(holder)}): this "
+                    "job's rank 0 stops too; wait for that job to end, or choose another "
+                    "hydra.run.dir (a sweep: hydra.sweep.dir)\n"
+                )
+                raise SystemExit(2)
+        time.sleep(0.2)
 
 
 def _describe(holder: dict[str, Any]) -> str:
@@ -121,3 +197,5 @@ def release_all() -> None:
         except (OSError, ValueError):
             pass
         _held.pop(run_dir, None)
+    while _locks:
+        os.close(_locks.pop())

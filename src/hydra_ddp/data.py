@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from hydra_ddp.components import check
 from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
 from hydra_ddp.dist import DistEnv
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check_regular
 from hydra_ddp.sampling import (
     ShardedSampler,
     StridedSampler,
@@ -521,6 +521,9 @@ class CharText(DataSource):
         )
 
 
+_RECREATE = "recreate the data set with scripts/make_synthetic.py"
+
+
 class SyntheticArrays(DataSource):
     """A classification set stored as .npy shards plus manifest.json (see
     scripts/make_synthetic.py). Reads are memory-mapped, so only the rows asked for are ever
@@ -537,6 +540,7 @@ class SyntheticArrays(DataSource):
             ) from None
         except OSError:
             pass  # missing: said below, with how to create it
+        check_regular(manifest, f"data.path={path}:", _RECREATE)
         if not manifest.is_file():
             raise UserError(
                 f"data.path={path}: {manifest} not found; create the data set "
@@ -567,6 +571,7 @@ class SyntheticArrays(DataSource):
 
     def _open(self, name: str, rows: int) -> np.ndarray:
         path = self.root / name
+        check_regular(path, "data file", f"put the shard itself there; {_RECREATE}")
         try:
             arr = np.load(path, mmap_mode="r")
         except FileNotFoundError as e:

@@ -14,8 +14,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
+import traceback
 from pathlib import Path
 from typing import Iterator
+
+
+class Stopped(Exception):
+    """Not a failure: the job stopped on request (preemption.Preempted), nothing to blame."""
 
 
 class UserError(Exception):
@@ -24,6 +30,10 @@ class UserError(Exception):
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# The words of the two messages below that say a rank failed *because of* another one: the
+# launcher blames such a rank only when no rank said anything better (`worker_failed`).
+LOST_CONTACT = "lost contact with another rank"
+WAITED = "for another rank in a collective"
 
 # What a collective raises when another rank died mid-job: gloo's socket errors, and NCCL's
 # watchdog and communicator errors (the remote process exited or the network failed).
@@ -67,6 +77,17 @@ def timed_out(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(s in str(e) for s in _TIMED_OUT)
 
 
+def _loader_died(e: BaseException) -> bool:
+    """True for what a rank raises when one of its DataLoader worker processes was killed:
+    torch's own RuntimeError, or a broken connection while it fetched from that worker."""
+    if isinstance(e, RuntimeError) and "DataLoader worker" in str(e):
+        return True
+    if not isinstance(e, (ConnectionError, EOFError)):
+        return False
+    data_dir = f"torch{os.sep}utils{os.sep}data{os.sep}"
+    return any(data_dir in frame.filename for frame in traceback.extract_tb(e.__traceback__))
+
+
 def config_error(e: BaseException) -> UserError | None:
     """One line for a config value that OmegaConf cannot resolve: usually `${...}` typed on the
     command line (a shell variable, a template string), which OmegaConf reads as an
@@ -100,10 +121,18 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
         # Every survivor of a dead rank gets the same collective traceback, which says nothing
         # about the cause.
         return UserError(
-            f"rank {rank} lost contact with another rank ({first_line(e)}): that rank most "
+            f"rank {rank} {LOST_CONTACT} ({first_line(e)}): that rank most "
             "likely died, see its log for why; with torchrun --max-restarts=K (or "
             "dist.max_restarts=K) the group restarts and resumes from the newest checkpoint"
         )
+    if _loader_died(e):
+        return UserError(
+            f"a DataLoader worker of rank {rank} died ({first_line(e)}): most often the "
+            "out-of-memory killer (see `dmesg`); lower trainer.num_workers or what each worker "
+            "holds, or trainer.num_workers=0 to load in the rank itself"
+        )
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        return UserError(file_too_large(e.filename or f"a file in {output_dir}"))
     if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
         return UserError(
             f"could not write {e.filename or output_dir} ({e.strerror}): free space "
@@ -112,22 +141,94 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
         )
     if timed_out(e):
         return UserError(
-            f"rank {rank} waited dist.timeout_s={timeout_s:g}s for another rank in a "
-            f"collective ({first_line(e)}): a rank stopped answering (stopped, hung on I/O, or "
+            f"rank {rank} waited dist.timeout_s={timeout_s:g}s {WAITED} "
+            f"({first_line(e)}): a rank stopped answering (stopped, hung on I/O, or "
             "far slower than the others), see the other ranks' logs; raise dist.timeout_s if "
             "one rank legitimately works that long alone"
         )
     return None
 
 
+def check_regular(path: Path, what: str, fix: str) -> None:
+    """Refuse `path` in one line unless it is a regular file (or missing: the caller says
+    that). A FIFO blocks whoever opens it until a writer comes, with no timeout; a socket or a
+    device is no data set or checkpoint either."""
+    import stat
+
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = (
+        "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a directory" if stat.S_ISDIR(mode)
+        else "not a regular file"
+    )  # fmt: skip
+    raise UserError(f"{what} {path} is {kind}, not a regular file: {fix}")
+
+
+def check_archive(path: Path, key: str) -> None:
+    """Refuse, in one line naming `key` (trainer.resume, trainer.init_from), a checkpoint file
+    that is no regular file or no zip archive: torch.save writes zip archives (since torch
+    1.6), and for anything else (a text file, random bytes) the unpickler's own message is a
+    riddle, e.g. "(101)"."""
+    import zipfile
+
+    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
+    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
+        otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
+        raise UserError(
+            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
+            f"another format, or a write cut short?): point {key} at another file from "
+            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or a run dir, or {otherwise}"
+        )
+
+
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), None if unlimited."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def over_size_limit(e: BaseException, path: Path) -> bool:
+    """True when a failed write of `path` hit the file-size limit: EFBIG, or (torch.save
+    reports any failed write as a RuntimeError without its errno) a file that reached it."""
+    if isinstance(e, OSError):
+        return e.errno == errno.EFBIG
+    limit = file_size_limit()
+    try:
+        return limit is not None and path.stat().st_size >= limit - 4096
+    except OSError:
+        return False
+
+
+def file_too_large(path: object) -> str:
+    limit = file_size_limit()
+    cap = f"at most {limit} bytes per file" if limit is not None else "a size limit"
+    return (
+        f"could not write {path}: file too large (this job may write {cap}: `ulimit -f`, "
+        "or the file system's own limit): raise the limit (`ulimit -f unlimited` before "
+        "starting, or ask the cluster's admins), or write smaller files"
+    )
+
+
 @contextlib.contextmanager
 def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
     """Re-raise what `one_line` can say in one line as that UserError (the original chained
-    as its cause, so the rank's log file keeps the traceback)."""
+    as its cause, so the rank's log file keeps the traceback). Under self-launch the error is
+    also recorded for the launcher (`record`) here, before the process group is torn down:
+    the peers' "lost contact" comes after it, and the launcher may kill this rank soon after."""
     try:
         yield
     except Exception as e:
         better = one_line(e, rank, timeout_s, output_dir)
+        record(better or e, rank, Path(output_dir) / "errors")
         if better is None or better is e:
             raise
         raise better from e
@@ -179,16 +280,36 @@ def translated_evaluation(
 ) -> Iterator[None]:
     """`translated` for evaluation and prediction: every exception becomes one line naming the
     rank and what it was doing (`doing[0]`, updated by the caller as it moves on); the
-    traceback of one that is no UserError goes to the rank's log first."""
+    traceback of one that is no UserError goes to the rank's log first. Recorded for the
+    launcher like `translated`'s, so its last line names the rank that failed first."""
     try:
         yield
     except Exception as e:
         if isinstance(e, UserError):
+            record(e, rank, Path(output_dir) / "errors")  # for the launcher, as `translated`
             raise
         if not lost_peer(e):
             logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
                                              exc_info=e)  # fmt: skip
-        raise evaluation_one_line(e, rank, timeout_s, output_dir, doing[0]) from e
+        better = evaluation_one_line(e, rank, timeout_s, output_dir, doing[0])
+        record(better, rank, Path(output_dir) / "errors")
+        raise better from e
+
+
+def record(e: BaseException, rank: int, errors_dir: Path) -> None:
+    """Write why this rank failed to `errors_dir/rank<r>.txt` (one line; the file's mtime is
+    when), for `worker_failed`. Only where the launcher made that dir (self-launch), and only
+    the rank's first error: what follows it (a failed teardown) is not the cause."""
+    path = errors_dir / f"rank{rank}.txt"
+    if isinstance(e, Stopped) or not errors_dir.is_dir() or path.exists():
+        return
+    why = str(e) if isinstance(e, UserError) else f"unexpected error: {type(e).__name__}: "
+    if not isinstance(e, UserError):
+        why += first_line(e)
+    try:
+        path.write_text(why.replace("\n", " ") + "\n")
+    except OSError:
+        pass  # a full disk: the rank's log has the error; the launcher names the exit code
 
 
 def exit_code(e: Exception, log: logging.Logger) -> int:
@@ -206,20 +327,37 @@ def worker_failed(
     exit_codes: dict[int, int], said_dir: Path, output_dir: Path, log_stem: str = "train"
 ) -> UserError:
     """The launcher's one line for a failed worker group (`exit_codes`: failed rank -> exit
-    code). It names the lowest rank that said why it stopped (`said_dir/rank<r>.txt`; the
-    agent may record only the rank that exited first, or a rank it terminated itself), else
-    the lowest failed rank."""
-    said = sorted(
-        int(p.stem[len("rank") :])
-        for p in said_dir.glob("rank*.txt")
-        if p.stem[len("rank") :].isdigit()
-    )
-    rank = said[0] if said else min(exit_codes)
-    why_file = said_dir / f"rank{rank}.txt"
-    if why_file.is_file():
-        why = why_file.read_text().strip()
+    code; the agent may list only the rank that exited first, or one it terminated itself).
+
+    It names the rank whose own error came first (`said_dir/rank<r>.txt`, by mtime), not one
+    that only lost contact with it or timed out waiting for it: a rank that failed on its own
+    comes first, then one that died without a word (a C++ abort, the OOM killer) when the others
+    only lost contact with it, then the first rank that timed out or lost contact."""
+    said: dict[int, tuple[int, str]] = {}
+    for p in said_dir.glob("rank*.txt"):
+        rank_text = p.stem[len("rank") :]
+        try:
+            if rank_text.isdigit():
+                said[int(rank_text)] = (p.stat().st_mtime_ns, p.read_text().strip())
+        except OSError:
+            continue
+    own = {r: v for r, v in said.items() if LOST_CONTACT not in v[1] and WAITED not in v[1]}
+    silent = sorted(r for r in exit_codes if r not in said)
+    lost = any(LOST_CONTACT in v[1] for v in said.values())
+    if own:
+        rank = min(own, key=lambda r: (own[r][0], r))
+    elif silent and (lost or not said):
+        rank = silent[0]
+    elif said:
+        rank = min(said, key=lambda r: (said[r][0], r))
     else:
-        why = f"exit code {exit_codes[rank]}" if rank in exit_codes else "it stopped"
+        rank = min(exit_codes)
+    if rank in said:
+        why = said[rank][1]
+    elif rank in exit_codes:
+        why = _exit_reason(exit_codes[rank])
+    else:
+        why = "it stopped"
     return UserError(
         f"worker rank {rank} failed: {why} (log: {output_dir / f'{log_stem}_rank{rank}.log'})"
     )
@@ -236,3 +374,19 @@ def too_big_for_cluster(
         f"hydra.launcher.{key}) but no node of {where} has more than {most:g}: lower "
         f"dist.nproc_per_node or hydra.launcher.{key}, or add a node with {need:g} {kind}(s)"
     )
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (
+            f"killed by {name} without an error of its own (exit code {code}): see the end of "
+            "its log (SIGKILL: often the out-of-memory killer; SIGABRT: a crash in C++, e.g. "
+            "ranks calling different collectives)"
+        )
+    return f"exit code {code}"

@@ -16,9 +16,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra_ddp import checkpoint, claim
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import env_from_environ
-from hydra_ddp.errors import UserError, exit_code, worker_failed
+from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop import train
 from hydra_ddp.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 
@@ -48,6 +49,7 @@ def spawn(
         # cores spend their time fighting over them (10x slower on a 2-core CPU job).
         os.environ["OMP_NUM_THREADS"] = "1"
     errors = Path(run.output_dir) / "errors"
+    errors.mkdir(parents=True, exist_ok=True)  # where each worker says why it failed
     for old in errors.glob("rank*.txt"):
         old.unlink()
     config = _launch_config(cfg)
@@ -71,20 +73,18 @@ def spawn(
         results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
     except SignalException as e:
         # The agent got the signal and passed it on; the workers saved a checkpoint first.
-        raise Preempted(
-            e.sigval,
-            f"stopped on {signal_name(e.sigval)}: re-run the same command with "
-            f"{run_dir_override(run.output_dir)} to resume from its newest checkpoint",
-        ) from None
+        raise Preempted(e.sigval, _stopped(f"stopped on {signal_name(e.sigval)}", run)) from None
+    except KeyboardInterrupt:
+        # Ctrl-C while the agent starts up (before it handles signals): its workers, if any,
+        # got it too and are stopped by the agent on its way out.
+        raise Preempted(signal.SIGINT, _stopped("stopped on SIGINT", run)) from None
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         stops = {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
         if codes <= stops:  # the workers themselves were signalled and stopped cleanly
             signum = max(codes) - 128
             raise Preempted(
-                signum,
-                f"the workers stopped on {signal_name(signum)}: re-run the same command with "
-                f"{run_dir_override(run.output_dir)} to resume from its newest checkpoint",
+                signum, _stopped(f"the workers stopped on {signal_name(signum)}", run)
             ) from None
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
@@ -95,6 +95,22 @@ def spawn(
         else:
             os.environ[_NO_SHARED_STORE] = saved
     return results[0]
+
+
+def _stopped(how: str, run: Any) -> str:
+    """The launcher's line for a stopped worker group: how to resume, only if there is a
+    checkpoint to resume from (a stop during start-up, or one the launcher's grace cut short,
+    leaves none)."""
+    newest = checkpoint.latest(Path(run.output_dir))
+    if newest is None:
+        return (
+            f"{how} before any checkpoint was written: nothing to resume, re-running the same "
+            "command starts again from step 0"
+        )
+    return (
+        f"{how}: re-run the same command with {run_dir_override(run.output_dir)} to resume "
+        f"from its newest checkpoint ({newest.name})"
+    )
 
 
 def _launch_config(cfg: TrainConfig) -> Any:
@@ -125,18 +141,24 @@ def worker(
     """One worker started by `spawn`: log setup, then what torchrun's ranks run."""
     rank = int(os.environ.get("RANK", 0))
     _setup_worker_logging(Path(run.output_dir), rank, log_stem)
+    claim.join(run.output_dir)  # the dir stays this job's while this worker may write there
+    # A restarted group (dist.max_restarts): what this rank said in the last attempt is over.
+    (Path(run.output_dir) / "errors" / f"rank{rank}.txt").unlink(missing_ok=True)
     try:
         return target(cfg, env_from_environ(cfg.dist), run, *args)
     except Preempted as e:
         if not e.logged:
             (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop handles signals (start-up): the launcher says it once.
+        log.info("stopped on SIGINT while starting")
+        sys.exit(128 + signal.SIGINT)
     except Exception as e:
+        # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
+        e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
-        if isinstance(e, UserError):
-            errors = Path(run.output_dir) / "errors"
-            errors.mkdir(exist_ok=True)
-            (errors / f"rank{rank}.txt").write_text(str(e) + "\n")
+        record(e, rank, Path(run.output_dir) / "errors")  # unless `translated` did already
         # A clean exit code rather than a traceback from every worker (the log has it).
         sys.exit(code)
 

@@ -319,7 +319,6 @@ def fit(loop: Loop, pos: Position) -> float:
         loop.health.check()  # collective
         lrs = parts.optimizers.learning_rates()
         loop.stats.log(pos.step, grad_norm, lrs, **_data_stats(job, pos))  # collective
-    loop.stopper.finish()  # collective
     loop.stats.close()
     return time.perf_counter() - t_start
 

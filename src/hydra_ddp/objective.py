@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, first_line
 
 IGNORE_INDEX = -100  # targets with this value (padding) count in no loss or metric
 
@@ -152,7 +152,18 @@ class Objective:
     def __call__(
         self, output: Any, batch: Any, model: Any = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        value = self.call(output, batch, model)
+        try:
+            value = self.call(output, batch, model)
+        except (TypeError, AttributeError) as e:
+            if not isinstance(output, (tuple, list)):
+                raise
+            # A model whose forward returns (logits, extra): the loss got the whole tuple.
+            raise UserError(
+                f"loss ({_name(self.loss_fn)}) cannot take the model's output, a "
+                f"{type(output).__name__} of {len(output)} ({first_line(e, 120)}): it expects "
+                "one tensor (logits or predictions) first; return only that from forward, or "
+                "use a loss whose first parameter takes the tuple (`def loss(output, target)`)"
+            ) from e
         if isinstance(value, Mapping):
             if "loss" not in value:
                 raise UserError(

@@ -113,6 +113,8 @@ def log_file(output_dir: str, stem: str) -> str:
         if launcher_rank() == 0:
             os.makedirs(output_dir, exist_ok=True)
             claim.claim(output_dir)  # one job per run dir: before anything is written there
+        else:
+            claim.wait_for_own_job(output_dir)  # not into another job's dir, nor its logs
         with open(path, "a"):
             pass
     except OSError as e:
@@ -165,6 +167,19 @@ def sweep_subdir(
         digest = hashlib.sha256(full.encode()).hexdigest()[:8]
         name = f"{name[: SUBDIR_MAX_CHARS - len(digest) - 1]}-{digest}"
     return name
+
+
+def override_value(line: str) -> str | None:
+    """The value of a `key=value` override as Hydra reads it: `hydra.run.dir='out/a b'` is
+    `out/a b`, not a path starting with a quote (made by hand, that left a stray `'out/`
+    tree). None when Hydra's grammar does not parse it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        value = OverridesParser.create().parse_overrides([line])[0].value()
+    except Exception:  # Hydra's own error, said when it composes
+        return None
+    return value if isinstance(value, str) else str(value)
 
 
 def _key(override: Any) -> str:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _CHECK_EVERY_S = 0.1
 _MAX_INTERVAL = 100
 
 
-class Preempted(Exception):
+class Preempted(Stopped):
     """The job stopped on a signal after saving a checkpoint (or with nothing to save)."""
 
     def __init__(self, signum: int, message: str) -> None:
@@ -80,8 +81,11 @@ class StopOnSignal:
     """Catches the stop signals while the loop runs; `agreed()` at each step boundary says
     whether the ranks are to stop there.
 
-    Ranks agree with a tiny all-reduce, started asynchronously at one boundary and read at a
-    later one, so it overlaps training instead of stalling it. It is not run every step: rank
+    Ranks agree with a tiny blocking all-reduce, so a signal that reaches any rank during a step
+    stops every rank at the end of that step, however long the step is: the bound is one step
+    plus the checkpoint, inside the grace a launcher gives before it kills. (It used to be
+    asynchronous and read one check later: with 20 s steps the stop then came ~2 steps late and
+    torchrun's agent killed the workers before the checkpoint.) It is not run every step: rank
     0 sends, in the same all-reduce, how many steps to wait before the next one (about
     `_CHECK_EVERY_S` of steps, from its step time), so every rank checks at the same steps and
     a 2 ms step does not pay for a collective each time. Under NCCL it runs on a gloo group of
@@ -96,7 +100,6 @@ class StopOnSignal:
         self._previous: dict[int, Any] = {}
         # [the signal some rank got, rank 0's steps until the next check]; reduced with MAX.
         self._flag = torch.zeros(2, dtype=torch.int64)
-        self._pending: Any = None
         self._group: Any = None
         self._countdown = 0  # boundaries left before the next check
         self._last_check = time.monotonic()
@@ -136,23 +139,14 @@ class StopOnSignal:
         return self.signals[0] if self.signals else 0
 
     def agreed(self) -> int:
-        """The signal (its number) that some rank got before the previous check, the same on
-        every rank; 0 to go on."""
+        """The signal (its number) that some rank got before this boundary, the same on every
+        rank; 0 to go on. `# collective` at the boundaries rank 0 chose."""
         if not self.env.distributed:
             return self.received
         self._boundaries += 1
         if self._countdown > 0:
             self._countdown -= 1
             return 0
-        interval = 1
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-            agreed, interval = (int(v) for v in self._flag.tolist())
-            if agreed:
-                return agreed
-        # The next check: started now, read `interval` boundaries later (rank 0's proposal of
-        # the previous check, which every rank read).
         now = time.monotonic()
         step_s = (now - self._last_check) / self._boundaries
         self._last_check, self._boundaries = now, 0
@@ -163,17 +157,10 @@ class StopOnSignal:
         self._checked = True
         self._flag[0] = self.received
         self._flag[1] = proposal if self.env.is_main else 0
-        self._pending = dist.all_reduce(
-            self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True
-        )
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)  # collective
+        agreed, interval = (int(v) for v in self._flag.tolist())
         self._countdown = interval - 1
-        return 0
-
-    def finish(self) -> None:
-        """The loop ended normally: complete the outstanding all-reduce (every rank has one)."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        return agreed
 
     def chain(self) -> None:
         """After the checkpoint: let the earlier Python handler of every signal received run

@@ -43,7 +43,7 @@ from hydra_ddp.dist import (
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.loop import build_components, train
 from hydra_ddp.monitor import monitor_key
-from hydra_ddp.paths import register_resolvers
+from hydra_ddp.paths import override_value, register_resolvers
 from hydra_ddp.preemption import Preempted
 from hydra_ddp.tracking import RunInfo, resolve_mode
 
@@ -179,6 +179,9 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
         sweeps.record_failure(output_dir, why)
         _fail_task_at_exit(code)
         return float("nan")
+    finally:
+        # The job's end (main() is not run under submitit, nor for each job of a sweep).
+        claim.release_all()
 
 
 def _fail_task_at_exit(code: int) -> None:
@@ -192,14 +195,17 @@ def _fail_task_at_exit(code: int) -> None:
 def _check_run_dir(argv: list[str]) -> None:
     """`hydra.run.dir=<path>` on the command line that cannot be created (read-only disk, no
     permission): one line here, instead of the traceback of Hydra's mkdir."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    given = [a for a in argv if a.startswith("hydra.run.dir=")]
     if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
         return
+    path = override_value(given[-1])
+    if path is None:
+        return  # Hydra reports what it cannot parse
     try:
-        os.makedirs(given[-1], exist_ok=True)
+        os.makedirs(path, exist_ok=True)
     except OSError as e:
         sys.stderr.write(
-            f"error: hydra.run.dir={given[-1]} cannot be created ({e.strerror}): choose a "
+            f"error: hydra.run.dir={path} cannot be created ({e.strerror}): choose a "
             "writable place\n"
         )
         sys.exit(2)

@@ -1,0 +1,64 @@
+"""Small mistakes that used to give tracebacks or wrong advice, each now one line that says
+what to do: a quoted `hydra.run.dir='...'`, a forward that returns a tuple, Ctrl-C while a
+self-launched job starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAST, user_env
+
+from hydra_ddp.errors import UserError
+from hydra_ddp.losses import CrossEntropy
+from hydra_ddp.objective import Objective
+
+
+def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch) -> None:
+    """Previously: `"hydra.run.dir='out/a b'"` made `'out/a b'` (quotes and all) in the working
+    directory before Hydra, which reads the value without its quotes, ran in `out/a b`."""
+    from hydra_ddp.train import _check_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    _check_run_dir(["hydra.run.dir='out/a b'", "trainer.max_steps=1"])
+    assert (tmp_path / "out" / "a b").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_forward_returning_a_tuple_says_what_the_loss_expects() -> None:
+    """Previously: the loss's own TypeError/AttributeError deep in torch, as a traceback."""
+    objective = Objective(CrossEntropy(0.0))
+    batch = (torch.zeros(4, 5), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(UserError) as e:
+        objective((torch.zeros(4, 3), torch.zeros(4)), batch)
+    line = str(e.value)
+    assert "a tuple of 2" in line and "expects one tensor" in line and "\n" not in line
+
+
+@pytest.mark.slow  # a real self-launched job interrupted while it starts
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_workers_start_says_there_is_nothing_to_resume(tmp_path: Path) -> None:
+    """Previously: a traceback of the launching process, and advice to resume from a
+    checkpoint that did not exist."""
+    cmd = [sys.executable, "-m", "hydra_ddp.train", *FAST, "dist.nproc_per_node=2",
+           f"hydra.run.dir={tmp_path / 'job'}"]  # fmt: skip
+    out = tmp_path / "out.log"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=user_env(tmp_path), stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 200
+    while "starting 2 workers" not in out.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+    assert proc.wait(timeout=120) == 128 + signal.SIGINT
+    text = out.read_text()
+    assert "before any checkpoint was written: nothing to resume" in text, text[-3000:]
+    assert "to resume from its newest checkpoint" not in text
