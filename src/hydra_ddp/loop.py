@@ -36,8 +36,9 @@ from hydra_ddp import checkpoint, jsonfile, provenance, redact
 from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
-from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig
+from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
 from hydra_ddp.console import Console
+from hydra_ddp.dcp import DCPCheckpointer
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source
 from hydra_ddp.ddp import wrap_model
 from hydra_ddp.dist import (
@@ -51,6 +52,7 @@ from hydra_ddp.dist import (
 from hydra_ddp.ema import EMA
 from hydra_ddp.errors import translated
 from hydra_ddp.evaluation import Evaluator
+from hydra_ddp.fsdp import state_bytes
 from hydra_ddp.monitor import Monitor, monitor_key
 from hydra_ddp.objective import Objective, rows, to_device
 from hydra_ddp.optim import Optimizers
@@ -203,23 +205,33 @@ def _run(job: Job) -> dict[str, Any]:
     when it returns, before the process group (see dist.process_group)."""
     cfg, env, run, parts = job.cfg, job.env, job.run, job.parts
     tcfg = cfg.trainer
-    model, hook_state = wrap_model(parts.model, env, cfg.ddp)
+    sharded = cfg.ddp.wrapper == Wrapper.fsdp2
+    # Before the wrap: ddp=fsdp2 shards the average like the model (its first update copies
+    # the weights, so what it starts from does not matter).
+    ema = EMA(parts.model, tcfg.ema_decay) if tcfg.ema_decay else None
+    model, hook_state = wrap_model(
+        parts.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
+        compile_units=tcfg.compile and sharded,
+    )  # fmt: skip
+    if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
+        parts.optimizers = Optimizers.build(cfg.optim, cfg.scheduler, model, job.total_steps)
     # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
     # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce still starts
-    # while the backward of the earlier layers runs. Checkpoints keep using the raw model, so
-    # their keys carry no `_orig_mod.` prefix.
-    step_model = torch.compile(model) if tcfg.compile else model
+    # while the backward of the earlier layers runs (fsdp2 compiled each unit before sharding).
+    # Checkpoints keep using the raw model, so their keys carry no `_orig_mod.` prefix.
+    step_model = torch.compile(model) if tcfg.compile and not sharded else model
     scaler = scaler_for(tcfg.precision, env.device)
-    ema = EMA(parts.model, tcfg.ema_decay) if tcfg.ema_decay else None
     monitor = Monitor(tcfg, monitor_key(cfg))
     stateful = dict(
         model=parts.model, optimizer=parts.optimizers, scaler=scaler, monitor=monitor,
         callbacks=job.callbacks, **({"ema": ema} if ema else {}),
     )  # fmt: skip
-    checkpointer = Checkpointer(
+    # ddp=fsdp2: sharded checkpoints, every rank writing its own shards (dcp.py).
+    checkpointer = (DCPCheckpointer if sharded else Checkpointer)(
         run.output_dir, env, tcfg.ckpt_interval, tcfg.keep_ckpts, job.total_steps, stateful,
         per_rank={"comm_hook": hook_state} if hook_state else None,
         meta={"batch_size": tcfg.batch_size},
+        **({"async_save": tcfg.async_ckpt} if sharded else {}),
     )  # fmt: skip
     pos, resumed = _resume(job, checkpointer)  # collective
     if resumed:
@@ -543,6 +555,9 @@ def _summary(
         f"{unit}_per_s": samples / max(wall, 1e-9),
         "wall_time_s": wall,
         "rows_held_per_rank": [int(h[0]) for h in held],
+        # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
+        "state_bytes_per_rank": [int(b[0]) for b in all_gather_floats([state_bytes(
+            job.parts.model, job.parts.optimizers.optimizers.values())], env)],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": cfg.sampler.policy.value,
         "objective": val[monitor_key(cfg)],  # trainer.monitor

@@ -112,6 +112,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small GPT-style character model (nanoGPT's shape: pre-norm blocks, tied embeddings)."""
 
+    # ddp=fsdp2 shards each block as a unit of its own (gathered one block at a time); the
+    # root keeps the embeddings, the final norm and the tied head.
+    fsdp_units = ("Block",)
+
     def __init__(
         self,
         vocab_size: int,
