@@ -107,9 +107,7 @@ def load_full(path: Path) -> dict[str, Any]:
     reader = dcp.FileSystemReader(str(path))
     wanted: dict[str, torch.Tensor] = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
-        if key.split(".", 1)[0] in ("model", "ema") and isinstance(
-            meta, dcp.TensorStorageMetadata
-        ):
+        if key.split(".", 1)[0] in ("model", "ema") and isinstance(meta, dcp.TensorStorageMetadata):
             wanted[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     dcp.load(wanted, storage_reader=reader, no_dist=True)
     extra = _read_extra(path)

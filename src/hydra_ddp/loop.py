@@ -38,8 +38,8 @@ from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
 from hydra_ddp.console import Console
-from hydra_ddp.dcp import DCPCheckpointer
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source
+from hydra_ddp.dcp import DCPCheckpointer
 from hydra_ddp.ddp import wrap_model
 from hydra_ddp.dist import (
     DistEnv,
@@ -556,8 +556,12 @@ def _summary(
         "wall_time_s": wall,
         "rows_held_per_rank": [int(h[0]) for h in held],
         # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
-        "state_bytes_per_rank": [int(b[0]) for b in all_gather_floats([state_bytes(
-            job.parts.model, job.parts.optimizers.optimizers.values())], env)],  # fmt: skip
+        "state_bytes_per_rank": [
+            int(b[0])
+            for b in all_gather_floats(
+                [state_bytes(job.parts.model, job.parts.optimizers.optimizers.values())], env
+            )
+        ],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": cfg.sampler.policy.value,
         "objective": val[monitor_key(cfg)],  # trainer.monitor
