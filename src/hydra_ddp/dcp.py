@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
@@ -59,17 +60,22 @@ def is_checkpoint(path: Path) -> bool:
 
 def damage(path: Path) -> str | None:
     """Why a checkpoint folder is not whole, or None when every file its manifest lists is
-    there with its size and CRC-32. Cached while the manifest is unchanged."""
-    manifest = Path(path) / MANIFEST
-    try:
-        st = manifest.stat()
-    except OSError:
+    there with its size and CRC-32. Cached while no file in it changes (picking the newest
+    checkpoint and then loading it read the files once)."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
         return "no manifest.json (its write never completed)"
-    return _damage(str(path), st.st_size, st.st_mtime_ns)
+    try:
+        stats = tuple(
+            sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir())
+        )
+    except OSError as e:
+        return f"unreadable ({first_line(e, 160)})"
+    return _damage(str(path), stats)
 
 
 @functools.lru_cache(maxsize=16)
-def _damage(path: str, size: int, mtime_ns: int) -> str | None:
+def _damage(path: str, stats: tuple) -> str | None:
     try:
         files = json.loads((Path(path) / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -109,7 +115,10 @@ def load_full(path: Path) -> dict[str, Any]:
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         if key.split(".", 1)[0] in ("model", "ema") and isinstance(meta, dcp.TensorStorageMetadata):
             wanted[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(wanted, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        # "torch.distributed is ... uninitialized, assuming ... a single process": just so.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
     extra = _read_extra(path)
     state: dict[str, Any] = {"step": int(extra["step"])}
     state["model"] = {k[len("model.") :]: v for k, v in wanted.items() if k.startswith("model.")}
@@ -172,7 +181,7 @@ class DCPCheckpointer(Checkpointer):
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
                 self._pending = (future, tmp, final, name)
                 return
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.env.distributed)
         except (OSError, RuntimeError) as e:
             raise self._write_failed(e, final) from e
         self._complete(tmp, final, name)
@@ -310,7 +319,7 @@ class DCPCheckpointer(Checkpointer):
         state = self._tensors()
         model, optimizers = self.stateful["model"], self.stateful["optimizer"]
         try:
-            dcp.load(state, checkpoint_id=str(path))  # collective
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self.env.distributed)  # collective
             set_model_state_dict(model, state["model"])
             for name, optimizer in optimizers.optimizers.items():
                 set_optimizer_state_dict(model, optimizer, state["optimizer"][name])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from hydra_ddp.fsdp import local
+from hydra_ddp.fsdp import local, reshard
 
 
 class EMA:
@@ -32,8 +32,8 @@ class EMA:
 
     def _pairs(self, model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Buffers too (BatchNorm's running statistics), as AveragedModel(use_buffers=True).
-        mine = [*self.module.parameters(), *self.module.buffers()]
-        theirs = [*model.parameters(), *model.buffers()]
+        mine = [*reshard(self.module).parameters(), *self.module.buffers()]
+        theirs = [*reshard(model).parameters(), *model.buffers()]
         # ddp=fsdp2: both are sharded alike, so each rank averages its own shards.
         return [(local(a).detach(), local(b).detach()) for a, b in zip(mine, theirs)]
 

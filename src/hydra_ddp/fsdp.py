@@ -115,6 +115,18 @@ def wrap(
     return model
 
 
+def reshard(model: torch.nn.Module) -> torch.nn.Module:
+    """Put every unit of `model` back to its shards. The root keeps its gathered parameters
+    after a forward (reshard_after_forward=False), and while it does `parameters()` returns
+    those whole tensors, not the shards the optimizer and the EMA work on."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, or the tensor itself."""
     from torch.distributed.tensor import DTensor
@@ -133,7 +145,7 @@ def state_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimiz
     """This rank's bytes of parameters + gradients + optimizer state (local shards only).
     Gradients are counted at the size they take during a step (one per trainable parameter,
     sharded like it): between steps they are freed."""
-    params = [local(p) for p in model.parameters()]
+    params = [local(p) for p in reshard(model).parameters()]
     total = sum(p.numel() * p.element_size() for p in params)
     total += sum(
         local(p).numel() * local(p).element_size() for p in model.parameters() if p.requires_grad
