@@ -74,7 +74,7 @@ def wrap(
             unit.compile()
     if not env.distributed:
         log.info("ddp=fsdp2 in one process without a process group: nothing to shard")
-        return model
+        return _materialise(model, env, also) if cfg.meta_init else model
     if cfg.cpu_offload and env.device.type != "cuda":
         raise UserError(
             f"ddp.cpu_offload=true keeps the shards in CPU memory off a GPU, but this job runs "
@@ -101,6 +101,8 @@ def wrap(
         # The root: everything no unit holds (embeddings, final norm, head). Its parameters
         # stay gathered after the forward: the backward starts with them.
         fully_shard(module, **{**options, "reshard_after_forward": False})
+    if cfg.meta_init:
+        _materialise(model, env, also)
     log.info(
         "FSDP2: %d unit(s) + root over %d rank(s) (%s), reshard_after_forward=%s "
         "param_dtype=%s reduce_dtype=%s cpu_offload=%s",
@@ -112,6 +114,29 @@ def wrap(
         cfg.reduce_dtype.value,
         cfg.cpu_offload,
     )
+    return model
+
+
+def _materialise(
+    model: torch.nn.Module, env: DistEnv, also: Iterable[torch.nn.Module]
+) -> torch.nn.Module:
+    """ddp.meta_init: allocate this rank's shards of a model built on the meta device and
+    initialise them with the model's own code: its `init_weights()`, else every module's
+    `reset_parameters()`. The same seed on every rank, so the ranks draw alike."""
+    for module in (model, *also):
+        module.to_empty(device=env.device)
+        with torch.no_grad():
+            if callable(getattr(module, "init_weights", None)):
+                module.init_weights()
+            else:
+                for sub in module.modules():
+                    if callable(getattr(sub, "reset_parameters", None)):
+                        sub.reset_parameters()
+        for name, buffer in module.named_buffers():
+            if not buffer.is_floating_point() and buffer.numel() and buffer.device.type == "meta":
+                raise UserError(f"ddp.meta_init: buffer {name} stays on the meta device")
+    log.info("ddp.meta_init: %s allocated as shards and initialised on each rank",
+             type(model).__name__)  # fmt: skip
     return model
 
 

@@ -98,7 +98,11 @@ def build_components(
     cfg: TrainConfig, source: DataSource, device: torch.device, total_steps: int
 ) -> Components:
     """Model, loss, metrics, optimizers and schedules, and the step, each from its config."""
-    model = build(cfg.model, "model", **source.spec).to(device)
+    if cfg.ddp.meta_init:  # ddp.meta_init: shapes only; fsdp.wrap allocates each rank's shards
+        with torch.device("meta"):
+            model = build(cfg.model, "model", **source.spec)
+    else:
+        model = build(cfg.model, "model", **source.spec).to(device)
     if cfg.step is not None:
         step = build(cfg.step, "step", _as_function=True)
     else:
