@@ -225,11 +225,9 @@ def test_torchrun_fsdp2_exits_cleanly_and_eval_reproduces_its_test_loss(tmp_path
     job = tmp_path / "outputs" / "run0"
     assert (job / "checkpoints" / "step_00000006.dcp" / "manifest.json").is_file()
     test_loss = summary(job)["test_loss"]
-    for cmd in (
-        [sys.executable, "-m", "hydra_ddp.eval", f"run={job}"],
-        [sys.executable, "-m", "hydra_ddp.eval", f"run={job}", "ckpt=best", "dist.nproc_per_node=2"],
-    ):  # fmt: skip
-        ok(run(cmd, tmp_path, timeout=300))
+    evaluate = [sys.executable, "-m", "hydra_ddp.eval", f"run={job}"]
+    for extra in ([], ["ckpt=best", "dist.nproc_per_node=2"]):
+        ok(run([*evaluate, *extra], tmp_path, timeout=300))
         assert json.loads((job / "eval_test.json").read_text())["loss"] == pytest.approx(
             test_loss, abs=1e-6
         )
