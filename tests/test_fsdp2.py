@@ -71,7 +71,8 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
 # FSDP2 against DDP
 # --------------------------------------------------------------------------------------------
 
-SAME_AS_DDP = [*GPT, "trainer.max_steps=50", "trainer.grad_accum=2", "trainer.grad_clip=0.5"]
+SAME_AS_DDP = [*GPT, "trainer.max_steps=50", "trainer.grad_accum=2", "trainer.grad_clip=0.5",
+               "trainer.log_interval=5"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_fsdp2_matches_ddp_with_half_the_state(pair: dict[str, Path]) -> None:
     """Loss curves and final parameters (the export's) equal to 1e-5; state per rank ~1/2."""
     la, lb = _losses(pair["ddp"]), _losses(pair["fsdp2"])
-    assert sorted(la) == sorted(lb) == list(range(1, 51))
+    assert sorted(la) == sorted(lb) == list(range(5, 51, 5))
     assert max(abs(la[s] - lb[s]) for s in la) < 1e-5
     exported = export(pair["fsdp2"])
     assert exported == pair["fsdp2"] / "export" / "step_00000050.pt"
@@ -149,6 +150,7 @@ def test_init_from_across_ddp_and_fsdp2(pair: dict[str, Path], tmp_path: Path) -
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # four runs; the resharding itself also runs in the default suite (init_from)
 def test_resume_on_2_then_1_then_2_ranks_continues_the_run(tmp_path: Path) -> None:
     """2 ranks x 8 rows to step 10, 1 rank x 16 rows to step 20, 2 ranks x 8 to step 30: the
     same global batches as an uninterrupted 2-rank run (the strided order is global), so the

@@ -177,11 +177,14 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     """Run one rank's share of the job and return the job summary (the same on every rank)."""
-    job = prepare(cfg, env, run)
+    jobs = [prepare(cfg, env, run)]
     if env.launched:
         exit_with_parent()
     with process_group(env, cfg.dist), translated(env.rank, cfg.dist.timeout_s, run.output_dir):
-        return _run(job)
+        # Handed over, not kept here: under ddp=fsdp2 the job's model and optimizer state are
+        # sharded DTensors that hold the process group (their device mesh), so they must die
+        # in _run, before the group (see dist.process_group).
+        return _run(jobs.pop())
 
 
 @dataclass
