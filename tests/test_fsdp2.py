@@ -77,12 +77,13 @@ SAME_AS_DDP = [*GPT, "trainer.max_steps=50", "trainer.grad_accum=2", "trainer.gr
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same 2-rank job under DDP and under FSDP2 (fp32, grad_accum=2, clipping)."""
+    """The same 2-rank job under DDP and under FSDP2 (fp32, grad_accum=2, clipping); fsdp2
+    writes its periodic checkpoints in the background (trainer.async_ckpt)."""
     root = tmp_path_factory.mktemp("pair")
     jobs = {"ddp": root / "ddp", "fsdp2": root / "fsdp2"}
     train_ranks(jobs["ddp"], *SAME_AS_DDP, timeout=300)
     train_ranks(jobs["fsdp2"], *SAME_AS_DDP, "ddp=fsdp2", "trainer.ckpt_interval=10",
-                "trainer.keep_ckpts=3", timeout=300)  # fmt: skip
+                "trainer.keep_ckpts=3", "trainer.async_ckpt=true", timeout=300)  # fmt: skip
     return jobs
 
 
@@ -116,6 +117,8 @@ def test_sharded_checkpoints_rotate_and_fall_back_past_a_damaged_one(
     assert (folder / "best.dcp").is_dir() and not list(folder.glob(".*"))
     newest = folder / "step_00000050.dcp"
     assert checkpoint.latest(job) == newest
+    # Written in the background, completed at the next save: whole, and at its own step.
+    assert dcp.load_full(folder / "step_00000040.dcp")["step"] == 40
     # A half-written save (killed mid-write) has no checkpoint's name: never picked.
     shutil.copytree(newest, folder / ".step_00000060.dcp.tmp")
     assert checkpoint.latest(job) == newest
