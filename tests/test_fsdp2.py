@@ -143,9 +143,16 @@ def test_init_from_across_ddp_and_fsdp2(pair: dict[str, Path], tmp_path: Path) -
     into_fsdp = train_ranks(
         tmp_path / "b", *short, "ddp=fsdp2", f"trainer.init_from={pair['ddp']}"
     )[0]
+    # ddp.meta_init: loaded into the shards, not into a whole model per rank (rank 0 reads the
+    # file and broadcasts it; a .dcp folder is read by every rank, its own parts only).
+    meta = [*short, "ddp=fsdp2", "ddp.meta_init=true"]
+    meta_from_file = train_ranks(tmp_path / "c", *meta, f"trainer.init_from={pair['ddp']}")
+    meta_from_dcp = train_ranks(tmp_path / "d", *meta, f"trainer.init_from={pair['fsdp2']}")
+    assert "loaded into the shards" in meta_from_file.logs[0]
     # lr 0: the weights stay as loaded, and evaluate to the test loss of the run they came from.
-    assert into_ddp["test_loss"] == pytest.approx(summary(pair["fsdp2"])["test_loss"], abs=1e-5)
-    assert into_fsdp["test_loss"] == pytest.approx(summary(pair["ddp"])["test_loss"], abs=1e-5)
+    for done, source in ((into_ddp, "fsdp2"), (into_fsdp, "ddp"), (meta_from_file[0], "ddp"),
+                         (meta_from_dcp[0], "fsdp2")):  # fmt: skip
+        assert done["test_loss"] == pytest.approx(summary(pair[source])["test_loss"], abs=1e-5)
 
 
 # --------------------------------------------------------------------------------------------

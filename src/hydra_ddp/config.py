@@ -463,6 +463,11 @@ class TrainConfig:
                 "by every rank; DDP's single file is written by rank 0): add ddp=fsdp2, or drop "
                 "trainer.async_ckpt"
             )
+        if self.ddp.meta_init and self.trainer.init_from and not self.trainer.init_strict:
+            raise UserError(
+                "trainer.init_strict=false with ddp.meta_init=true: a partial init_from is "
+                "loaded into whole weights before sharding, so drop ddp.meta_init"
+            )
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
             raise UserError(
                 "trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "

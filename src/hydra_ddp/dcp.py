@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -126,6 +127,34 @@ def load_full(path: Path) -> dict[str, Any]:
         state["ema"] = {f"module.{k[4:]}": v for k, v in wanted.items() if k.startswith("ema.")}
         state["ema"]["n_averaged"] = torch.tensor(int(extra.get("ema_n_averaged", 1)))
     return state
+
+
+def load_sharded(model: torch.nn.Module, path: Path, env: Any) -> None:
+    """Collective: trainer.init_from into an already sharded model (ddp.meta_init), without a
+    whole copy on every rank. A .dcp folder: each rank reads only its own parts of each
+    tensor; a single file: rank 0 reads it and broadcasts each tensor, which the ranks shard."""
+    path = Path(path)
+    try:
+        if is_checkpoint(path):
+            why = damage(path)
+            if why is not None:
+                raise UserError(f"trainer.init_from={path}: not a readable checkpoint ({why})")
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path), no_dist=not env.distributed)
+            set_model_state_dict(model, state["model"])
+        else:
+            from hydra_ddp.checkpoint import load
+
+            full = load(path)["model"] if env.is_main or not env.distributed else {}
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
+            set_model_state_dict(model, full, options=options)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise UserError(
+            f"trainer.init_from={path} is a checkpoint of a different model "
+            f"({first_line(e)}): give one of this model, or drop ddp.meta_init and set "
+            "trainer.init_strict=false"
+        ) from e
+    log.info("trainer.init_from: %s loaded into the shards", path)
 
 
 def _read_extra(path: Path) -> dict[str, Any]:

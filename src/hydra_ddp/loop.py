@@ -39,7 +39,7 @@ from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
 from hydra_ddp.console import Console
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source
-from hydra_ddp.dcp import DCPCheckpointer
+from hydra_ddp.dcp import DCPCheckpointer, load_sharded
 from hydra_ddp.ddp import wrap_model
 from hydra_ddp.dist import (
     DistEnv,
@@ -134,6 +134,8 @@ class Job:
     total_micro: int | None  # micro-batches of trainer.epochs (None: trainer.max_steps)
     callbacks: Callbacks
     resume_from: Path | None
+    # ddp.meta_init: the trainer.init_from checkpoint, loaded into the shards after the wrap.
+    init_sharded: Path | None = None
 
 
 def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
@@ -165,13 +167,18 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
     if tcfg.resume == "never" and env.is_main:
         checkpoint.set_aside(run.output_dir)
-    if tcfg.init_from and resume_from is None:
+    init_sharded = None
+    if tcfg.init_from and resume_from is None and cfg.ddp.meta_init:  # no weights to load into yet
+        init_sharded = checkpoint.file_or_newest(
+            tcfg.init_from, "trainer.init_from", "no trainer.init_from"
+        )
+    elif tcfg.init_from and resume_from is None:
         checkpoint.init_weights(parts.model, tcfg.init_from, tcfg.init_strict)
     elif tcfg.init_from:
         log.info("trainer.init_from=%s not used: resuming %s", tcfg.init_from, resume_from)
     return Job(
         cfg, env, run, console, parts, train_data, evals, steps_per_epoch, total_steps,
-        total_micro, callbacks, resume_from,
+        total_micro, callbacks, resume_from, init_sharded,
     )  # fmt: skip
 
 
@@ -220,6 +227,8 @@ def _run(job: Job) -> dict[str, Any]:
         parts.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
         compile_units=tcfg.compile and sharded,
     )  # fmt: skip
+    if job.init_sharded is not None:
+        load_sharded(parts.model, job.init_sharded, env)  # collective
     if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
         parts.optimizers = Optimizers.build(cfg.optim, cfg.scheduler, model, job.total_steps)
     # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
