@@ -122,19 +122,23 @@ def _materialise(
 ) -> torch.nn.Module:
     """ddp.meta_init: allocate this rank's shards of a model built on the meta device and
     initialise them with the model's own code: its `init_weights()`, else every module's
-    `reset_parameters()`. The same seed on every rank, so the ranks draw alike."""
+    `reset_parameters()`. Buffers are allocated uninitialised: a model with buffers sets them
+    in its `init_weights()`."""
+    # DTensor's random ops draw each shard's part of one global stream only on accelerators; on
+    # CPU every rank would draw the same values into its shard (shards equal to each other), so
+    # there each rank draws from a seed of its own.
+    per_rank = env.device.type == "cpu" and env.distributed
     for module in (model, *also):
         module.to_empty(device=env.device)
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            if per_rank:
+                torch.manual_seed(torch.initial_seed() + 7919 * env.rank)
             if callable(getattr(module, "init_weights", None)):
                 module.init_weights()
             else:
                 for sub in module.modules():
                     if callable(getattr(sub, "reset_parameters", None)):
                         sub.reset_parameters()
-        for name, buffer in module.named_buffers():
-            if not buffer.is_floating_point() and buffer.numel() and buffer.device.type == "meta":
-                raise UserError(f"ddp.meta_init: buffer {name} stays on the meta device")
     log.info("ddp.meta_init: %s allocated as shards and initialised on each rank",
              type(model).__name__)  # fmt: skip
     return model
