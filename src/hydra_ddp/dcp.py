@@ -212,7 +212,7 @@ class DCPCheckpointer(Checkpointer):
                 return
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.env.distributed)
         except (OSError, RuntimeError) as e:
-            raise self._write_failed(e, final) from e
+            raise _write_failed(e, final) from e
         self._complete(tmp, final, name)
 
     def wait(self) -> None:
@@ -225,7 +225,7 @@ class DCPCheckpointer(Checkpointer):
         try:
             future.result()
         except (OSError, RuntimeError) as e:
-            raise self._write_failed(e, final) from e
+            raise _write_failed(e, final) from e
         self._complete(tmp, final, name)
 
     def _complete(self, tmp: Path, final: Path, name: str | None) -> None:
@@ -267,7 +267,7 @@ class DCPCheckpointer(Checkpointer):
                     shutil.rmtree(p, ignore_errors=True)
             tmp.mkdir()
         except OSError as e:
-            raise self._write_failed(e, tmp) from e
+            raise _write_failed(e, tmp) from e
 
     def _write_extra(self, path: Path, position: dict[str, int], ranks: list) -> None:
         state = {k: obj.state_dict() for k, obj in self.stateful.items() if k not in _SHARDED}
@@ -281,13 +281,7 @@ class DCPCheckpointer(Checkpointer):
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:
-            raise self._write_failed(e, path.parent) from e
-
-    def _write_failed(self, e: BaseException, path: Path) -> UserError:
-        return UserError(
-            f"could not write checkpoint {path} ({write_error(e, path.parent)}): free space or "
-            "quota there, or resume in another dir; the checkpoints already there are intact"
-        )
+            raise _write_failed(e, path.parent) from e
 
     def _rng(self) -> dict[str, torch.Tensor]:
         mine = {"torch": torch.get_rng_state()}
@@ -309,21 +303,8 @@ class DCPCheckpointer(Checkpointer):
 
     def keep_as_best(self, step: int) -> None:
         """Rank 0: step <step>'s folder is also best.dcp (hard links: no second copy)."""
-        if not self.env.is_main:
-            return
-        folder = checkpoint_dir(self.output_dir)
-        source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for p in source.iterdir():
-            try:
-                os.link(p, tmp / p.name)
-            except OSError:
-                shutil.copy2(p, tmp / p.name)
-        final = folder / "best.dcp"
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if self.env.is_main:
+            _link_as_best(checkpoint_dir(self.output_dir), step)
 
     # ---- resuming ----
 
@@ -376,6 +357,28 @@ class DCPCheckpointer(Checkpointer):
             if self.env.device.type == "cuda" and "cuda" in ranks[self.env.rank]:
                 torch.cuda.set_rng_state(ranks[self.env.rank]["cuda"].cpu(), self.env.device)
         return position
+
+
+def _write_failed(e: BaseException, path: Path) -> UserError:
+    return UserError(
+        f"could not write checkpoint {path} ({write_error(e, path.parent)}): free space or "
+        "quota there, or resume in another dir; the checkpoints already there are intact"
+    )
+
+
+def _link_as_best(folder: Path, step: int) -> None:
+    source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in source.iterdir():
+        try:
+            os.link(p, tmp / p.name)
+        except OSError:
+            shutil.copy2(p, tmp / p.name)
+    final = folder / "best.dcp"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def _dcp_name(name: str | None) -> str | None:
