@@ -83,6 +83,33 @@ ok = (proc.returncode == 0 and sorted(visible) == ["0", "1"]
 print("ray_two_jobs disjoint GPUs:", "OK" if ok else "FAILED")
 PY
 fi
+
+# ---- ddp=fsdp2 on NCCL: bf16 parameters, fp32 gradient reduce, beside DDP on the same GPT ----
+# (issue 27; a block of its own.) Both on as many ranks as GPUs allow (2 at most): tokens/s,
+# state_bytes_per_rank and each rank's CUDA peak memory are printed side by side below. Then
+# the sharded run resumes on 1 rank (another world size) and is exported to one file.
+G=(data=text model=gpt model.n_layer=6 model.n_embd=384 model.n_head=6 data.block_size=256 trainer.batch_size=64 trainer.max_steps=300 trainer.log_interval=50 trainer.ckpt_interval=100)
+NP=$(( $(nvidia-smi -L | wc -l) >= 2 ? 2 : 1 ))
+run gpt_ddp_bf16 "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" trainer.precision=bf16 hydra.run.dir="$W/gpt_ddp_bf16"
+run gpt_fsdp2    "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.param_dtype=bf16 ddp.reduce_dtype=fp32 trainer.async_ckpt=true hydra.run.dir="$W/gpt_fsdp2"
+$PY - "$W" <<'PY'
+import json, sys, pathlib
+w = pathlib.Path(sys.argv[1])
+for name in ("gpt_ddp_bf16", "gpt_fsdp2"):
+    s = json.loads((w / name / "summary.json").read_text())
+    peaks = []
+    for r in range(s["world_size"]):
+        rows = [json.loads(l) for l in (w / name / "stats" / f"rank{r}.jsonl").read_text().splitlines() if l.strip()]
+        peaks.append(max((x.get("cuda_peak_mem_mb") or 0) for x in rows))
+    print(name, "ranks", s["world_size"], "steps", s["steps"], "tokens_per_s", round(s.get("tokens_per_s", 0)),
+          "state_MiB_per_rank", [round(b / 2**20, 1) for b in s["state_bytes_per_rank"]],
+          "cuda_peak_MiB_per_rank", peaks, "val_loss", round(s["val_loss"], 4))
+PY
+run gpt_fsdp2_meta "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.meta_init=true trainer.max_steps=100 hydra.run.dir="$W/gpt_fsdp2_meta"
+run gpt_fsdp2_1rank "${R[@]}" --nproc_per_node=1 "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.param_dtype=bf16 trainer.max_steps=400 hydra.run.dir="$W/gpt_fsdp2"
+run gpt_fsdp2_export "$PY" -m hydra_ddp.export run="$W/gpt_fsdp2"
+run gpt_fsdp2_eval "$PY" -m hydra_ddp.eval run="$W/gpt_fsdp2" ckpt="$W/gpt_fsdp2/export/step_00000400.pt"
+grep -h "resumed from\|export\]\|test step" "$W/gpt_fsdp2_1rank.log" "$W/gpt_fsdp2_export.log" "$W/gpt_fsdp2_eval.log" | cut -c 1-300
 $PY - "$W" <<'PY'
 import json, sys, pathlib
 w = pathlib.Path(sys.argv[1])

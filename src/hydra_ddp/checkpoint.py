@@ -27,7 +27,8 @@ from hydra_ddp.errors import UserError, check_archive, file_too_large, first_lin
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
+# step_<step>.pt files; step_<step>.dcp folders are ddp=fsdp2's sharded checkpoints (dcp.py).
+_NAME = re.compile(r"^step_(\d{8})\.(?:pt|dcp)$")
 _TMP = re.compile(r"^\.step_\d{8}\.pt\.(\d+)\.tmp$")
 
 
@@ -66,7 +67,7 @@ def save(
         ) from e
     _fsync_dir(folder)
     if name is None:
-        for old in sorted(_complete(folder))[:-keep]:
+        for old in sorted(c for c in _complete(folder) if c[1].suffix == ".pt")[:-keep]:
             old[1].unlink(missing_ok=True)
     return final
 
@@ -137,6 +138,10 @@ def damage(path: Path) -> str | None:
     bytes flipped anywhere (a bad disk, a partial copy), not only a missing end record. It
     reads the whole file, so the answer is kept for as long as the file is unchanged: picking
     the newest checkpoint and then loading it check it once."""
+    if path.is_dir():
+        from hydra_ddp import dcp
+
+        return dcp.damage(path)
     try:
         st = path.stat()
     except OSError as e:
@@ -212,6 +217,8 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
     """The checkpoint that `key=value` names: a file, or the newest complete one of a run dir
     (or of its checkpoints/ folder)."""
     path = Path(value)
+    if path.is_dir() and path.suffix == ".dcp":  # a sharded checkpoint (ddp=fsdp2) itself
+        return path
     if path.is_dir():
         found = latest(path.parent if path.name == "checkpoints" else path)
         if found is None:
@@ -230,8 +237,13 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
 
 
 def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> dict[str, Any]:
-    """Read a checkpoint safely; every failure is one line naming the file and `key`."""
+    """Read a checkpoint safely; every failure is one line naming the file and `key`. A sharded
+    checkpoint folder (ddp=fsdp2) is read whole: its model (and EMA) and step."""
     path = Path(path)
+    if path.is_dir():
+        from hydra_ddp import dcp
+
+        return dcp.load_full(path)
     check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(
@@ -410,6 +422,12 @@ class Checkpointer:
         the world size, batch size and sampler settings it was counted in (`saved_world_size`,
         `saved_batch_size`, `saved_sampler`; 0 or None: not recorded)."""
         env = self.env
+        if Path(path).is_dir():
+            raise UserError(
+                f"{path} is a sharded checkpoint of a ddp=fsdp2 run: resume it with ddp=fsdp2, "
+                f"or start from its weights with trainer.init_from={path} and "
+                "trainer.resume=never"
+            )
         state = load(path)
         load_model_state(self.stateful["model"], state, path)
         try:

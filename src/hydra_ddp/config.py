@@ -14,7 +14,7 @@ What a user swaps in (data, model, optim, scheduler, loss, metrics) is not typed
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
@@ -43,11 +43,28 @@ class CommHook(Enum):
     powersgd = "powersgd"  # low-rank gradient compression (Vogels et al., 2019)
 
 
+class Wrapper(Enum):
+    """The data-parallel wrapper."""
+
+    ddp = "ddp"  # DistributedDataParallel: every rank holds the whole model and its state
+    # torch.distributed.fsdp.fully_shard: parameters, gradients and optimizer state sharded
+    # over the ranks (about 1/N each), gathered unit by unit for the forward and backward.
+    fsdp2 = "fsdp2"
+
+
+class DType(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 @dataclass
 class DDPConfig:
-    """DistributedDataParallel constructor options. device_ids/output_device are not here:
-    they follow from LOCAL_RANK on CUDA and stay unset on CPU."""
+    """DistributedDataParallel constructor options, or (wrapper=fsdp2) fully_shard's.
+    device_ids/output_device are not here: they follow from LOCAL_RANK on CUDA and stay unset
+    on CPU."""
 
+    wrapper: Wrapper = Wrapper.ddp
     # False: do not wrap the model at all (single-process debugging); see ddp=none.
     enabled: bool = True
     # Re-broadcast rank 0's buffers (e.g. BatchNorm stats) at every forward.
@@ -72,7 +89,29 @@ class DDPConfig:
     # error feedback needs the first two steps uncompressed).
     powersgd_start_iter: int = 10
 
+    # ---- wrapper=fsdp2 only (ddp=fsdp2; see hydra_ddp/fsdp.py) ----
+    # The modules sharded as units of their own (gathered one at a time): module class names
+    # (Block) or fnmatch patterns of module names (blocks.*). The root is always a unit (it
+    # takes the rest). null: the model's `fsdp_units` attribute if it has one, else the root.
+    shard_units: Optional[List[str]] = None
+    # Free each unit's gathered parameters after its forward (gather them again for the
+    # backward): less memory, one more all-gather per unit and step.
+    reshard_after_forward: bool = True
+    # Dtype the gathered parameters compute in (the sharded fp32 copy is what the optimizer
+    # steps); bf16 halves the all-gather bytes and the activations.
+    param_dtype: DType = DType.fp32
+    # Dtype of the gradient reduce-scatter; fp32 keeps the averaged gradients exact.
+    reduce_dtype: DType = DType.fp32
+    # Keep the sharded parameters, gradients and optimizer state in CPU memory (CUDA only):
+    # a bigger model for the same GPU memory, at the cost of host-device copies every step.
+    cpu_offload: bool = False
+    # Build the model on the meta device, shard it, then allocate and initialise only this
+    # rank's shards (the model's `reset_parameters`, or `init_weights`): no rank ever holds the
+    # whole model. Needs a model whose modules can re-initialise themselves.
+    meta_init: bool = False
+
     def __post_init__(self) -> None:
+        self._check_wrapper_options()
         _require(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
         _require(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
         _require(
@@ -81,6 +120,43 @@ class DDPConfig:
             ">= 2 (PowerSGD compresses from the third step at the earliest)",
             self.powersgd_start_iter,
         )
+
+    def _check_wrapper_options(self) -> None:
+        """An option of the other wrapper is refused rather than silently ignored."""
+        fsdp2 = self.wrapper == Wrapper.fsdp2
+        foreign = [
+            f"ddp.{k}={_shown(getattr(self, k))}"
+            for k in (_DDP_ONLY if fsdp2 else _FSDP2_ONLY)
+            if getattr(self, k) != _DDP_DEFAULTS[k]
+        ]
+        if foreign and fsdp2:
+            raise UserError(
+                f"{', '.join(foreign)}: a DistributedDataParallel option, which ddp=fsdp2 "
+                "(ddp.wrapper=fsdp2) does not use: drop it; fsdp2's options are "
+                f"{', '.join('ddp.' + k for k in _FSDP2_ONLY)}"
+            )
+        if foreign:
+            raise UserError(
+                f"{', '.join(foreign)}: an option of ddp=fsdp2, which this job (ddp.wrapper="
+                "ddp) does not use: add ddp=fsdp2, or drop it"
+            )
+
+
+def _shown(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+# The DDPConfig fields that only DistributedDataParallel reads, and those only fully_shard does.
+_DDP_ONLY = (
+    "enabled", "broadcast_buffers", "bucket_cap_mb", "find_unused_parameters",
+    "gradient_as_bucket_view", "static_graph", "init_sync", "comm_hook", "powersgd_rank",
+    "powersgd_start_iter",
+)  # fmt: skip
+_FSDP2_ONLY = (
+    "shard_units", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload",
+    "meta_init",
+)  # fmt: skip
+_DDP_DEFAULTS = {f.name: f.default for f in fields(DDPConfig)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,6 +339,9 @@ class TrainerConfig:
     ema_decay: float = 0.0
     # torch.compile the DDP-wrapped model (loop._run says why in that order).
     compile: bool = False
+    # ddp=fsdp2: write the periodic checkpoints in the background (torch.distributed.checkpoint's
+    # async_save) while training goes on; each is completed before the next save.
+    async_ckpt: bool = False
     # torch.use_deterministic_algorithms, cuBLAS's deterministic workspace, no cuDNN autotuning.
     deterministic: bool = False
     # run.json lists the checkout's untracked, not ignored files (path, size) and counts them
@@ -416,6 +495,17 @@ class TrainConfig:
                     f"{unknown[0]!r}; its optimizers are {', '.join(names)} (one optimizer is "
                     "named default), or give trainer.grad_clip as one number for all"
                 )
+        if self.trainer.async_ckpt and self.ddp.wrapper != Wrapper.fsdp2:
+            raise UserError(
+                "trainer.async_ckpt=true needs ddp=fsdp2 (its sharded checkpoints are written "
+                "by every rank; DDP's single file is written by rank 0): add ddp=fsdp2, or drop "
+                "trainer.async_ckpt"
+            )
+        if self.ddp.meta_init and self.trainer.init_from and not self.trainer.init_strict:
+            raise UserError(
+                "trainer.init_strict=false with ddp.meta_init=true: a partial init_from is "
+                "loaded into whole weights before sharding, so drop ddp.meta_init"
+            )
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
             raise UserError(
                 "trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "

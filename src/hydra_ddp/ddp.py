@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hydra_ddp.config import CommHook, DDPConfig
+from hydra_ddp.config import CommHook, DDPConfig, Wrapper
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.errors import UserError
 
@@ -18,14 +18,24 @@ log = logging.getLogger(__name__)
 
 
 def wrap_model(
-    model: torch.nn.Module, env: DistEnv, cfg: DDPConfig
+    model: torch.nn.Module,
+    env: DistEnv,
+    cfg: DDPConfig,
+    also: Iterable[torch.nn.Module] = (),
+    compile_units: bool = False,
 ) -> tuple[torch.nn.Module, CommHookState | None]:
-    """Move the model to this rank's device and wrap it in DDP as the ddp/ config says; also
-    return the comm hook's checkpointable state (PowerSGD's), if it has one.
+    """Move the model to this rank's device and wrap it as the ddp/ config says: in DDP, or
+    sharded by fully_shard (ddp=fsdp2, hydra_ddp/fsdp.py; `also` are sharded the same way and
+    `compile_units` compiles each unit first). Also return the comm hook's checkpointable
+    state (PowerSGD's), if it has one.
 
     device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
     would name a GPU that does not exist.
     """
+    if cfg.wrapper == Wrapper.fsdp2:
+        from hydra_ddp import fsdp
+
+        return fsdp.wrap(model, env, cfg, also, compile_units), None
     model = model.to(env.device)
     if not cfg.enabled:
         if env.world_size > 1:

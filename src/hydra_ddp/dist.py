@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import logging
 import os
 import socket
@@ -285,7 +286,10 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     wrapper dies with that function's frame, before the group. On an error the traceback keeps
     the failed frames (and the wrapper) alive: they are cleared here first. Dropping the group's
     last reference inside the wrapper's deallocation joins gloo's threads with the GIL held,
-    which deadlocks when one of them still frees a tensor (seen under load)."""
+    which deadlocks when one of them still frees a tensor (seen under load). The same holds
+    for fully_shard's state (ddp=fsdp2): its modules and DTensors hold the group through their
+    device mesh, and FSDP's hooks make reference cycles, so a garbage collection frees them
+    here, before the group, rather than at interpreter exit after it."""
     init_process_group(env, cfg)
     crash_log = _crash_trace_to_log() if env.launched else None
     try:
@@ -302,6 +306,7 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     finally:
         if crash_log is not None:
             faulthandler.disable()
+        gc.collect()
         destroy_process_group()
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from hydra_ddp.fsdp import local, reshard
+
 
 class EMA:
     """The averaged copy of `model`: `update(model)` after each optimizer step, `module` to
@@ -30,9 +32,10 @@ class EMA:
 
     def _pairs(self, model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Buffers too (BatchNorm's running statistics), as AveragedModel(use_buffers=True).
-        mine = [*self.module.parameters(), *self.module.buffers()]
-        theirs = [*model.parameters(), *model.buffers()]
-        return [(a.detach(), b.detach()) for a, b in zip(mine, theirs)]
+        mine = [*reshard(self.module).parameters(), *self.module.buffers()]
+        theirs = [*reshard(model).parameters(), *model.buffers()]
+        # ddp=fsdp2: both are sharded alike, so each rank averages its own shards.
+        return [(local(a).detach(), local(b).detach()) for a, b in zip(mine, theirs)]
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:

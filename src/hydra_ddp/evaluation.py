@@ -142,9 +142,13 @@ def checkpoint_file(request: Request) -> Path:
                 "give ckpt=<file>"
             )
         return found
-    path = checkpoint.checkpoint_dir(request.run) / "best.pt" if request.ckpt == "best" else None
+    path = None
+    if request.ckpt == "best":  # best.dcp: a ddp=fsdp2 run's (sharded) best checkpoint
+        folder = checkpoint.checkpoint_dir(request.run)
+        path = next((p for p in (folder / "best.pt", folder / "best.dcp") if p.exists()), None)
+        path = path or folder / "best.pt"
     path = path or Path(request.ckpt)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"ckpt={request.ckpt}: {path} does not exist; use last, best or a file")
     return path
 

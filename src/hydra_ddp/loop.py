@@ -36,9 +36,10 @@ from hydra_ddp import checkpoint, epoch_rows, jsonfile, provenance, redact, trac
 from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
-from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig
+from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
 from hydra_ddp.console import Console
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source
+from hydra_ddp.dcp import DCPCheckpointer, load_sharded
 from hydra_ddp.ddp import wrap_model
 from hydra_ddp.dist import (
     DistEnv,
@@ -51,6 +52,7 @@ from hydra_ddp.dist import (
 from hydra_ddp.ema import EMA
 from hydra_ddp.errors import translated
 from hydra_ddp.evaluation import Evaluator
+from hydra_ddp.fsdp import state_bytes
 from hydra_ddp.monitor import Monitor, monitor_key
 from hydra_ddp.objective import Objective, rows, to_device
 from hydra_ddp.optim import Optimizers
@@ -96,7 +98,11 @@ def build_components(
     cfg: TrainConfig, source: DataSource, device: torch.device, total_steps: int
 ) -> Components:
     """Model, loss, metrics, optimizers and schedules, and the step, each from its config."""
-    model = build(cfg.model, "model", **source.spec).to(device)
+    if cfg.ddp.meta_init:  # ddp.meta_init: shapes only; fsdp.wrap allocates each rank's shards
+        with torch.device("meta"):
+            model = build(cfg.model, "model", **source.spec)
+    else:
+        model = build(cfg.model, "model", **source.spec).to(device)
     if cfg.step is not None:
         step = build(cfg.step, "step", _as_function=True)
     else:
@@ -128,6 +134,8 @@ class Job:
     total_micro: int | None  # micro-batches of trainer.epochs (None: trainer.max_steps)
     callbacks: Callbacks
     resume_from: Path | None
+    # ddp.meta_init: the trainer.init_from checkpoint, loaded into the shards after the wrap.
+    init_sharded: Path | None = None
 
 
 def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
@@ -160,23 +168,31 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     if tcfg.resume == "never" and env.is_main:
         checkpoint.set_aside(run.output_dir)
         tracking.set_aside(run.output_dir)  # the stats files and summary.json
-    if tcfg.init_from and resume_from is None:
+    init_sharded = None
+    if tcfg.init_from and resume_from is None and cfg.ddp.meta_init:  # no weights to load into yet
+        init_sharded = checkpoint.file_or_newest(
+            tcfg.init_from, "trainer.init_from", "no trainer.init_from"
+        )
+    elif tcfg.init_from and resume_from is None:
         checkpoint.init_weights(parts.model, tcfg.init_from, tcfg.init_strict)
     elif tcfg.init_from:
         log.info("trainer.init_from=%s not used: resuming %s", tcfg.init_from, resume_from)
     return Job(
         cfg, env, run, console, parts, train_data, evals, steps_per_epoch, total_steps,
-        total_micro, callbacks, resume_from,
+        total_micro, callbacks, resume_from, init_sharded,
     )  # fmt: skip
 
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     """Run one rank's share of the job and return the job summary (the same on every rank)."""
-    job = prepare(cfg, env, run)
+    jobs = [prepare(cfg, env, run)]
     if env.launched:
         exit_with_parent()
     with process_group(env, cfg.dist), translated(env.rank, cfg.dist.timeout_s, run.output_dir):
-        return _run(job)
+        # Handed over, not kept here: under ddp=fsdp2 the job's model and optimizer state are
+        # sharded DTensors that hold the process group (their device mesh), so they must die
+        # in _run, before the group (see dist.process_group).
+        return _run(jobs.pop())
 
 
 @dataclass
@@ -204,23 +220,35 @@ def _run(job: Job) -> dict[str, Any]:
     when it returns, before the process group (see dist.process_group)."""
     cfg, env, run, parts = job.cfg, job.env, job.run, job.parts
     tcfg = cfg.trainer
-    model, hook_state = wrap_model(parts.model, env, cfg.ddp)
+    sharded = cfg.ddp.wrapper == Wrapper.fsdp2
+    # Before the wrap: ddp=fsdp2 shards the average like the model (its first update copies
+    # the weights, so what it starts from does not matter).
+    ema = EMA(parts.model, tcfg.ema_decay) if tcfg.ema_decay else None
+    model, hook_state = wrap_model(
+        parts.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
+        compile_units=tcfg.compile and sharded,
+    )  # fmt: skip
+    if job.init_sharded is not None:
+        load_sharded(parts.model, job.init_sharded, env)  # collective
+    if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
+        parts.optimizers = Optimizers.build(cfg.optim, cfg.scheduler, model, job.total_steps)
     # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
     # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce still starts
-    # while the backward of the earlier layers runs. Checkpoints keep using the raw model, so
-    # their keys carry no `_orig_mod.` prefix.
-    step_model = torch.compile(model) if tcfg.compile else model
+    # while the backward of the earlier layers runs (fsdp2 compiled each unit before sharding).
+    # Checkpoints keep using the raw model, so their keys carry no `_orig_mod.` prefix.
+    step_model = torch.compile(model) if tcfg.compile and not sharded else model
     scaler = scaler_for(tcfg.precision, env.device)
-    ema = EMA(parts.model, tcfg.ema_decay) if tcfg.ema_decay else None
     monitor = Monitor(tcfg, monitor_key(cfg))
     stateful = dict(
         model=parts.model, optimizer=parts.optimizers, scaler=scaler, monitor=monitor,
         callbacks=job.callbacks, **({"ema": ema} if ema else {}),
     )  # fmt: skip
-    checkpointer = Checkpointer(
+    # ddp=fsdp2: sharded checkpoints, every rank writing its own shards (dcp.py).
+    checkpointer = (DCPCheckpointer if sharded else Checkpointer)(
         run.output_dir, env, tcfg.ckpt_interval, tcfg.keep_ckpts, job.total_steps, stateful,
         per_rank={"comm_hook": hook_state} if hook_state else None,
         meta={"batch_size": tcfg.batch_size},
+        **({"async_save": tcfg.async_ckpt} if sharded else {}),
     )  # fmt: skip
     pos, resumed = _resume(job, checkpointer)  # collective
     if resumed:
@@ -561,6 +589,13 @@ def _summary(
         f"{unit}_per_s": samples / max(wall, 1e-9),
         "wall_time_s": wall,
         "rows_held_per_rank": [int(h[0]) for h in held],
+        # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
+        "state_bytes_per_rank": [
+            int(b[0])
+            for b in all_gather_floats(
+                [state_bytes(job.parts.model, job.parts.optimizers.optimizers.values())], env
+            )
+        ],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": cfg.sampler.policy.value,
         "objective": val[monitor_key(cfg)],  # trainer.monitor

@@ -112,6 +112,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small GPT-style character model (nanoGPT's shape: pre-norm blocks, tied embeddings)."""
 
+    # ddp=fsdp2 shards each block as a unit of its own (gathered one block at a time); the
+    # root keeps the embeddings, the final norm and the tied head.
+    fsdp_units = ("Block",)
+
     def __init__(
         self,
         vocab_size: int,
@@ -138,11 +142,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight
+        self.n_layer = n_layer
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialisation; also what ddp.meta_init runs on each rank's shards."""
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 # GPT-2's scaled init of the residual projections keeps activations bounded.
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.n_layer))
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
 
     @staticmethod
     def _init(m: nn.Module) -> None:

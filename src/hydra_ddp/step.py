@@ -16,9 +16,10 @@ import contextlib
 import logging
 import math
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hydra_ddp.config import NanPolicy, Precision
 from hydra_ddp.dist import DistEnv, all_gather_floats
@@ -105,11 +106,7 @@ class StepTools:
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
-            with (
-                contextlib.nullcontext()
-                if last or not hasattr(model, "no_sync")
-                else model.no_sync()
-            ):
+            with contextlib.nullcontext() if last else no_sync(model):
                 with self.autocast:
                     loss, extras = objective(_forward(model, batch), batch, self.raw_model)
                 self.scaler.scale(loss / n).backward()
@@ -129,6 +126,8 @@ class StepTools:
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
         max_norm = self.clip_for(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or math.inf)
+        if isinstance(grad_norm, DTensor):  # ddp=fsdp2: the global norm, on every rank
+            grad_norm = grad_norm.full_tensor()
         # The norm is the same on every rank (gradients are averaged by now), so all ranks skip
         # the same steps. Reading it is the one host sync: only with skip_non_finite.
         if self.scaler.is_enabled() or not self.skip_non_finite or torch.isfinite(grad_norm):
@@ -171,6 +170,24 @@ def _unused_parameter_names(model: Any, message: str) -> list[str]:
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     indices = [int(i) for i in found.group(1).split()]
     return [trainable[i] for i in indices if i < len(trainable)]
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Accumulate this micro-batch's gradients without syncing them over the ranks: DDP's
+    `no_sync()`, FSDP2's `set_requires_gradient_sync(False)` (FSDP2 has no `no_sync`; it
+    would reduce-scatter every micro-batch), nothing for an unwrapped model."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def default_step(

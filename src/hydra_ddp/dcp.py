@@ -1,0 +1,405 @@
+"""ddp=fsdp2's checkpoints: sharded, written by every rank through torch.distributed.checkpoint.
+
+A checkpoint is a folder, checkpoints/step_<step>.dcp/ (best.dcp/ for the best one):
+
+    __<rank>_0.distcp  each rank's shards of the model, optimizer and EMA tensors (DCP's files)
+    .metadata          DCP's index: which file holds which part of which tensor
+    extra.pt           rank 0: position, schedules, scaler, monitor, callbacks, every rank's RNG
+    manifest.json      written last: every other file's size and CRC-32
+
+The guarantees of the single-file checkpoints hold. Atomic: every rank writes into
+checkpoints/.<name>.tmp/, and rank 0 renames it once all have finished and the manifest is
+written, so a half-written checkpoint never has a checkpoint's name. Checked before resume:
+a folder whose files differ from its manifest is skipped for the newest intact one
+(checkpoint.latest). The data position is kept in rows, and DCP reshards the model and the
+optimizer state on load, so a run resumes on another number of ranks. `load_full` reads the
+whole model back without a process group: for `hydra_ddp.eval`, `trainer.init_from` and
+`hydra_ddp.export`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hydra_ddp.checkpoint import Checkpointer, checkpoint_dir, write_error
+from hydra_ddp.dist import all_gather_objects, barrier
+from hydra_ddp.errors import UserError, first_line
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".dcp"
+NAME = re.compile(r"^step_(\d{8})\.dcp$")
+MANIFEST, EXTRA = "manifest.json", "extra.pt"
+# Members kept in DCP's shards; the rest of the stateful objects go to extra.pt.
+_SHARDED = ("model", "optimizer", "ema")
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A DCP checkpoint folder (complete or not)."""
+    return Path(path).name.endswith(SUFFIX) and Path(path).is_dir()
+
+
+def damage(path: Path) -> str | None:
+    """Why a checkpoint folder is not whole, or None when every file its manifest lists is
+    there with its size and CRC-32. Cached while no file in it changes (picking the newest
+    checkpoint and then loading it read the files once)."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        return "no manifest.json (its write never completed)"
+    try:
+        stats = tuple(
+            sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir())
+        )
+    except OSError as e:
+        return f"unreadable ({first_line(e, 160)})"
+    return _damage(str(path), stats)
+
+
+@functools.lru_cache(maxsize=16)
+def _damage(path: str, stats: tuple) -> str | None:
+    try:
+        files = json.loads((Path(path) / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"manifest.json unreadable ({first_line(e, 120)})"
+    for name, (length, crc) in files.items():
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != length:
+            return f"{name} holds {file.stat().st_size} bytes, not {length} (truncated?)"
+        if _crc(file) != crc:
+            return f"{name} fails its CRC check (corrupt)"
+    return None
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def load_full(path: Path) -> dict[str, Any]:
+    """The whole model (and EMA) of a checkpoint folder as plain CPU tensors, with its step,
+    in the single-file checkpoint's layout ({"model": ..., "ema": ..., "step": ...}). Needs no
+    process group: DCP assembles every tensor from all ranks' shards."""
+    path = Path(path)
+    why = damage(path)
+    if why is not None:
+        raise UserError(
+            f"{path} is not a readable checkpoint ({why}): use another one of the run's "
+            "checkpoints/step_*.dcp"
+        )
+    reader = dcp.FileSystemReader(str(path))
+    wanted: dict[str, torch.Tensor] = {}
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        if key.split(".", 1)[0] in ("model", "ema") and isinstance(meta, dcp.TensorStorageMetadata):
+            wanted[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        # "torch.distributed is ... uninitialized, assuming ... a single process": just so.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
+    extra = _read_extra(path)
+    state: dict[str, Any] = {"step": int(extra["step"])}
+    state["model"] = {k[len("model.") :]: v for k, v in wanted.items() if k.startswith("model.")}
+    if any(k.startswith("ema.") for k in wanted):
+        state["ema"] = {f"module.{k[4:]}": v for k, v in wanted.items() if k.startswith("ema.")}
+        state["ema"]["n_averaged"] = torch.tensor(int(extra.get("ema_n_averaged", 1)))
+    return state
+
+
+def load_sharded(model: torch.nn.Module, path: Path, env: Any) -> None:
+    """Collective: trainer.init_from into an already sharded model (ddp.meta_init), without a
+    whole copy on every rank. A .dcp folder: each rank reads only its own parts of each
+    tensor; a single file: rank 0 reads it and broadcasts each tensor, which the ranks shard."""
+    path = Path(path)
+    try:
+        if is_checkpoint(path):
+            why = damage(path)
+            if why is not None:
+                raise UserError(f"trainer.init_from={path}: not a readable checkpoint ({why})")
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path), no_dist=not env.distributed)
+            set_model_state_dict(model, state["model"])
+        else:
+            from hydra_ddp.checkpoint import load
+
+            full = load(path)["model"] if env.is_main or not env.distributed else {}
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
+            set_model_state_dict(model, full, options=options)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise UserError(
+            f"trainer.init_from={path} is a checkpoint of a different model "
+            f"({first_line(e)}): give one of this model, or drop ddp.meta_init and set "
+            "trainer.init_strict=false"
+        ) from e
+    log.info("trainer.init_from: %s loaded into the shards", path)
+
+
+def _read_extra(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / EXTRA, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(
+            f"{path / EXTRA} is not readable ({first_line(e, 160)}): use another checkpoint"
+        ) from e
+
+
+class DCPCheckpointer(Checkpointer):
+    """Checkpointer's cadence and interface (`maybe_save`, `save`, `keep_as_best`, `restore`),
+    with sharded checkpoint folders. `async_save` (trainer.async_ckpt): the periodic saves
+    are written in the background while training goes on (after a copy of this rank's shards
+    to CPU memory), and completed before the next save; the end-of-run, best and stop-signal
+    saves are written at once. Every method is collective."""
+
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_save = async_save
+        self._pending: tuple[Any, Path, Path, str | None] | None = None
+        # The background save's collectives on a group of their own: on the training group
+        # they could interleave with the step's all-gathers (torchtitan does the same).
+        self._group = (
+            dist.new_group(backend="gloo")  # collective
+            if async_save and self.env.distributed
+            else None
+        )
+
+    # ---- saving ----
+
+    def maybe_save(self, position: dict[str, int]) -> None:
+        if self.due(position["step"]):
+            self.save(position, background=self.async_save)
+
+    def save(
+        self, position: dict[str, int], name: str | None = None, background: bool = False
+    ) -> None:
+        """Write step_<step>.dcp (or best.dcp for name=best.pt) from every rank."""
+        self.wait()
+        folder = checkpoint_dir(self.output_dir)
+        final = folder / (_dcp_name(name) or f"step_{position['step']:08d}{SUFFIX}")
+        tmp = folder / f".{final.name}.tmp"
+        ranks = all_gather_objects(self._rng(), self.env)
+        if self.env.is_main:
+            self._start_folder(folder, tmp)
+            self._write_extra(tmp / EXTRA, position, ranks)
+        barrier(self.env)  # the fresh tmp folder exists before any rank writes into it
+        state = self._tensors()
+        try:
+            if background:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+                self._pending = (future, tmp, final, name)
+                return
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.env.distributed)
+        except (OSError, RuntimeError) as e:
+            raise _write_failed(e, final) from e
+        self._complete(tmp, final, name)
+
+    def wait(self) -> None:
+        """Complete the background save, if one is under way (before the next save, and at
+        the end of the run)."""
+        if self._pending is None:
+            return
+        future, tmp, final, name = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (OSError, RuntimeError) as e:
+            raise _write_failed(e, final) from e
+        self._complete(tmp, final, name)
+
+    def _complete(self, tmp: Path, final: Path, name: str | None) -> None:
+        """Collective, after every rank's shards are written: CRC each rank's own files, then
+        rank 0 writes the manifest, renames the folder into place and rotates."""
+        mine = {p.name: _entry(p) for p in tmp.glob(f"__{self.env.rank}_*.distcp")}
+        shards = all_gather_objects(mine, self.env)
+        if self.env.is_main:
+            files = {k: v for part in shards for k, v in part.items()}
+            for p in tmp.iterdir():  # .metadata, extra.pt, and shards of ranks elsewhere
+                if p.is_file() and p.name not in files and p.name != MANIFEST:
+                    files[p.name] = _entry(p)
+            _write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
+            _fsync(tmp)
+            if final.exists():  # best.dcp being replaced: the old one moves out first
+                old = final.with_name(f".{final.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync(final.parent)
+            if name is None:
+                self._rotate(final.parent)
+            log.info("checkpoint: %s", final)
+        barrier(self.env)  # nobody races ahead and dies before the folder is in place
+
+    def _rotate(self, folder: Path) -> None:
+        steps = sorted(p for p in folder.iterdir() if NAME.match(p.name))
+        for old in steps[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _start_folder(self, folder: Path, tmp: Path) -> None:
+        """Rank 0: checkpoints/ exists, and no tmp folder of an earlier, killed save is left
+        (no other save is under way: `wait` ran)."""
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for p in folder.iterdir():
+                if p.name.startswith(".") and p.name.endswith((".dcp.tmp", ".dcp.old")):
+                    shutil.rmtree(p, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise _write_failed(e, tmp) from e
+
+    def _write_extra(self, path: Path, position: dict[str, int], ranks: list) -> None:
+        state = {k: obj.state_dict() for k, obj in self.stateful.items() if k not in _SHARDED}
+        state["scheduler"] = self.stateful["optimizer"].scheduler_state()
+        if "ema" in self.stateful:
+            state["ema_n_averaged"] = self.stateful["ema"].n_averaged
+        state.update(self.meta, **position, world_size=self.env.world_size, rng=ranks)
+        try:
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as e:
+            raise _write_failed(e, path.parent) from e
+
+    def _rng(self) -> dict[str, torch.Tensor]:
+        mine = {"torch": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            mine["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        return mine
+
+    def _tensors(self) -> dict[str, Any]:
+        """The sharded members as DCP state: each rank's DTensor shards (FQN keys, so a
+        checkpoint loads into any number of ranks)."""
+        model, optimizers = self.stateful["model"], self.stateful["optimizer"].optimizers
+        state: dict[str, Any] = {
+            "model": get_model_state_dict(model),
+            "optimizer": {n: get_optimizer_state_dict(model, o) for n, o in optimizers.items()},
+        }
+        if "ema" in self.stateful:
+            state["ema"] = get_model_state_dict(self.stateful["ema"].module)
+        return state
+
+    def keep_as_best(self, step: int) -> None:
+        """Rank 0: step <step>'s folder is also best.dcp (hard links: no second copy)."""
+        if self.env.is_main:
+            _link_as_best(checkpoint_dir(self.output_dir), step)
+
+    # ---- resuming ----
+
+    def restore(self, path: Path, position_keys: list[str]) -> dict[str, int]:
+        """Load a checkpoint folder into the model, optimizers (resharded to this job's ranks),
+        EMA and the rest; return the position as Checkpointer.restore does."""
+        path = Path(path)
+        if not is_checkpoint(path):
+            raise UserError(
+                f"{path} is a single-file checkpoint of a DistributedDataParallel run; this "
+                "ddp=fsdp2 job resumes sharded ones (checkpoints/step_*.dcp): start from its "
+                f"weights with trainer.init_from={path} and trainer.resume=never, or resume "
+                "it with ddp=default"
+            )
+        why = damage(path)
+        if why is not None:
+            raise UserError(
+                f"{path} is not a readable checkpoint ({why}): point trainer.resume at "
+                "another one, or trainer.resume=never"
+            )
+        extra = _read_extra(path)
+        state = self._tensors()
+        model, optimizers = self.stateful["model"], self.stateful["optimizer"]
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self.env.distributed)  # collective
+            set_model_state_dict(model, state["model"])
+            for name, optimizer in optimizers.optimizers.items():
+                set_optimizer_state_dict(model, optimizer, state["optimizer"][name])
+            if "ema" in self.stateful:
+                set_model_state_dict(self.stateful["ema"].module, state["ema"])
+                self.stateful["ema"].n_averaged = int(extra.get("ema_n_averaged", 1))
+            scheds = extra["scheduler"]
+            for name, scheduler in optimizers.schedulers.items():
+                scheduler.load_state_dict(scheds if optimizers.single else scheds[name])
+            for key, obj in self.stateful.items():
+                if key not in _SHARDED:
+                    obj.load_state_dict(extra[key])
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            raise UserError(
+                f"{path} does not match this job's model/optimizer/scheduler setup "
+                f"({type(e).__name__}: {first_line(e)}): resume with the config it was "
+                "trained with (its run's .hydra/config.yaml), or trainer.resume=never"
+            ) from e
+        position = {k: int(extra.get(k, 0)) for k in position_keys}
+        position["saved_world_size"] = int(extra.get("world_size") or self.env.world_size)
+        position["saved_batch_size"] = int(extra.get("batch_size", 0))
+        ranks = extra.get("rng") or []
+        if self.env.rank < len(ranks):
+            torch.set_rng_state(ranks[self.env.rank]["torch"].cpu())
+            if self.env.device.type == "cuda" and "cuda" in ranks[self.env.rank]:
+                torch.cuda.set_rng_state(ranks[self.env.rank]["cuda"].cpu(), self.env.device)
+        return position
+
+
+def _write_failed(e: BaseException, path: Path) -> UserError:
+    return UserError(
+        f"could not write checkpoint {path} ({write_error(e, path.parent)}): free space or "
+        "quota there, or resume in another dir; the checkpoints already there are intact"
+    )
+
+
+def _link_as_best(folder: Path, step: int) -> None:
+    source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for p in source.iterdir():
+        try:
+            os.link(p, tmp / p.name)
+        except OSError:
+            shutil.copy2(p, tmp / p.name)
+    final = folder / "best.dcp"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def _dcp_name(name: str | None) -> str | None:
+    """The loop's name for the best checkpoint (best.pt) as a folder name (best.dcp)."""
+    return None if name is None else name.removesuffix(".pt") + SUFFIX
+
+
+def _entry(path: Path) -> list[int]:
+    return [path.stat().st_size, _crc(path)]
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
