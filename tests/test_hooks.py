@@ -1,0 +1,63 @@
+"""The hooks that see a step's tensors, through the real loop on two gloo ranks (tests/ranks.py)
+with user code outside the package, by config alone: a callback logs every layer's gradient
+norm from on_before_optimizer_step (the gradients as averaged over the ranks, before clipping),
+on_step_end's ctx carries the step's micro-batches, outputs and losses, and an epoch-stepped
+schedule (scheduler=epoch_step) changes the learning rate exactly at the epoch boundaries."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from inproc import FAST, train_ranks
+
+CLIP = 0.001  # far below the gradients' norms: clipping changes every gradient
+
+
+def _rows(job: Path, rank: int) -> dict[int, dict]:
+    """The rank's stats rows, merged by step (stats and each ctx.log are rows of their own)."""
+    merged: dict[int, dict] = {}
+    for line in (job / "stats" / f"rank{rank}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "step" in row:
+            merged.setdefault(row["step"], {}).update(row)
+    return merged
+
+
+def test_two_ranks_log_layer_grad_norms_see_step_tensors_and_step_lr_by_epoch(
+    tmp_path: Path,
+) -> None:
+    # limit_train_batches=4 with grad_accum=2: 2 steps per epoch, 3 epochs are 6 steps.
+    summaries = train_ranks(
+        tmp_path, *FAST, "+callbacks.grads._target_=user_hooks.LayerGradNorms",
+        "+callbacks.contents._target_=user_hooks.StepContents", "scheduler=epoch_step",
+        "trainer.limit_train_batches=4", "trainer.grad_accum=2", "trainer.epochs=3",
+        "trainer.log_interval=1", f"trainer.grad_clip={CLIP}",
+    )  # fmt: skip
+    assert summaries[0]["steps"] == summaries[1]["steps"] == 6
+    rows = [_rows(tmp_path, rank) for rank in (0, 1)]
+    lr0 = rows[0][1]["lr"]
+    for rank in (0, 1):
+        calls = json.loads((tmp_path / f"grad_calls_rank{rank}.json").read_text())
+        assert calls == [[step, "default"] for step in range(1, 7)]  # once per optimizer step
+        for step in range(1, 7):
+            row = rows[rank][step]
+            layers = {k: v for k, v in row.items() if k.startswith("grad/")}
+            assert {"grad/net.0.weight", "grad/net.0.bias"} <= set(layers), sorted(row)
+            # The per-layer norms make up the norm the loop clipped, as it was before clipping.
+            total = math.sqrt(sum(v * v for v in layers.values()))
+            assert total == pytest.approx(row["grad_norm"], rel=1e-5)
+            assert row["grad_norm"] > 10 * CLIP
+            # Averaged over the ranks by then: the same on both.
+            assert layers == pytest.approx(
+                {k: v for k, v in rows[1 - rank][step].items() if k.startswith("grad/")}, rel=1e-5
+            )
+            # on_step_end: the step's two micro-batches and their outputs give its loss.
+            assert row["micro_batches"] == 2
+            assert row["recomputed_loss"] == pytest.approx(row["loss"], rel=1e-5)
+            assert row["ctx_loss"] == pytest.approx(row["loss"], rel=1e-6)
+            # StepLR(step_size=1, gamma=0.5) by epoch: halved after steps 2 and 4, not between.
+            assert row["lr"] == pytest.approx(lr0 * 0.5 ** ((step - 1) // 2), rel=1e-9)
+    assert lr0 == pytest.approx(0.002)  # optim=adamw's lr, untouched until the first epoch ends
