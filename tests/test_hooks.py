@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from inproc import FAST, train_ranks
+from inproc import FAST, train_here, train_ranks
 
 CLIP = 0.001  # far below the gradients' norms: clipping changes every gradient
 
@@ -61,3 +61,16 @@ def test_two_ranks_log_layer_grad_norms_see_step_tensors_and_step_lr_by_epoch(
             # StepLR(step_size=1, gamma=0.5) by epoch: halved after steps 2 and 4, not between.
             assert row["lr"] == pytest.approx(lr0 * 0.5 ** ((step - 1) // 2), rel=1e-9)
     assert lr0 == pytest.approx(0.002)  # optim=adamw's lr, untouched until the first epoch ends
+
+
+def test_a_step_with_two_optimizers_calls_the_hook_before_each_naming_it(tmp_path: Path) -> None:
+    # experiment=gan's step: tools.step(discriminator), then tools.step(generator).
+    train_here(
+        tmp_path, *FAST, "experiment=gan", "trainer.max_steps=2", "trainer.log_interval=1",
+        "+callbacks.grads._target_=user_hooks.LayerGradNorms",
+    )  # fmt: skip
+    calls = json.loads((tmp_path / "grad_calls_rank0.json").read_text())
+    assert calls == [[s, o] for s in (1, 2) for o in ("discriminator", "generator")]
+    logged = _rows(tmp_path, 0)[2]
+    assert any(k.startswith("grad/generator.") for k in logged)
+    assert any(k.startswith("grad/discriminator.") for k in logged)
