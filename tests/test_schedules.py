@@ -80,3 +80,16 @@ def test_a_monitor_naming_no_metric_stops_the_job_before_training(tmp_path: Path
                        r"of this job: use one of val/loss, val/acc"):  # fmt: skip
         train_here(tmp_path, *FAST, "scheduler=plateau", "scheduler.monitor=val/f1")
     assert not (tmp_path / "stats").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_an_epoch_stepped_schedule_resumed_mid_epoch_steps_at_the_same_boundaries(
+    tmp_path: Path,
+) -> None:
+    # 2 steps per epoch; stopped at step 3 (mid-epoch 1), resumed to step 6.
+    common = [*FAST, "scheduler=epoch_step", "trainer.limit_train_batches=2",
+              "trainer.log_interval=1", "trainer.ckpt_interval=3"]  # fmt: skip
+    train_here(tmp_path, *common, "trainer.max_steps=3")
+    train_here(tmp_path, *common, "trainer.max_steps=6")
+    lrs = {r["step"]: r["lr"] for r in _jsonl(tmp_path / "stats" / "rank0.jsonl") if "lr" in r}
+    assert sorted(lrs) == list(range(1, 7))
+    assert lrs == pytest.approx({s: lrs[1] * 0.5 ** ((s - 1) // 2) for s in range(1, 7)})
