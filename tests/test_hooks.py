@@ -6,12 +6,16 @@ schedule (scheduler=epoch_step) changes the learning rate exactly at the epoch b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 from inproc import FAST, train_here, train_ranks
+
+from hydra_ddp.step import StepTools
 
 CLIP = 0.001  # far below the gradients' norms: clipping changes every gradient
 
@@ -74,3 +78,31 @@ def test_a_step_with_two_optimizers_calls_the_hook_before_each_naming_it(tmp_pat
     logged = _rows(tmp_path, 0)[2]
     assert any(k.startswith("grad/generator.") for k in logged)
     assert any(k.startswith("grad/discriminator.") for k in logged)
+
+
+def test_under_a_grad_scaler_the_hook_sees_unscaled_unclipped_gradients() -> None:
+    # fp16 runs need CUDA; its GradScaler works the same on CPU, and StepTools is what calls
+    # the hook, so the step's machinery is tested here directly.
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(8, 4), torch.randint(0, 3, (8,))
+    loss_fn = torch.nn.functional.cross_entropy
+    loss_fn(model(x), y).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tools = StepTools(scaler, contextlib.nullcontext(), CLIP, optimizers={"main": optimizer})
+    seen: list = []
+    tools.before_step = lambda name: seen.append(
+        (name, [p.grad.clone() for p in model.parameters()])
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    tools.backward(model, [(x, y)], loss_fn)
+    norm = tools.step(optimizer)
+    assert [name for name, _ in seen] == ["main"]
+    for got, want in zip(seen[0][1], reference):
+        torch.testing.assert_close(got, want)  # unscaled and not yet clipped
+    assert float(norm) > 10 * CLIP
+    assert all(p.grad is None for p in model.parameters())  # zero_grad came after the hook
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it stepped
