@@ -2,7 +2,9 @@
 with user code outside the package, by config alone: a callback logs every layer's gradient
 norm from on_before_optimizer_step (the gradients as averaged over the ranks, before clipping),
 on_step_end's ctx carries the step's micro-batches, outputs and losses, and an epoch-stepped
-schedule (scheduler=epoch_step) changes the learning rate exactly at the epoch boundaries."""
+schedule (scheduler=epoch_step) changes the learning rate exactly at the epoch boundaries.
+Also: a step with two optimizers (experiment=gan) calls the hook before each, naming it, and
+under a grad scaler the hook sees the unscaled gradients (StepTools directly: fp16 needs CUDA)."""
 
 from __future__ import annotations
 
