@@ -93,3 +93,19 @@ def test_an_epoch_stepped_schedule_resumed_mid_epoch_steps_at_the_same_boundarie
     lrs = {r["step"]: r["lr"] for r in _jsonl(tmp_path / "stats" / "rank0.jsonl") if "lr" in r}
     assert sorted(lrs) == list(range(1, 7))
     assert lrs == pytest.approx({s: lrs[1] * 0.5 ** ((s - 1) // 2) for s in range(1, 7)})
+
+
+def test_each_optimizer_steps_its_own_schedule_by_its_own_interval() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    halve = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 1, "gamma": 0.5}
+    optim = {
+        "first": {**SGD, "params": "0.*"},  # the shared `scheduler`: by step
+        "second": {**SGD, "params": "1.*", "scheduler": {**halve, "interval": "epoch"}},
+    }
+    opts = Optimizers.build(optim, halve, model, total_steps=10, total_epochs=2)
+    for optimizer in opts.optimizers.values():
+        optimizer.step()
+    opts.step_schedules()
+    opts.step_schedules()
+    opts.end_epoch()
+    assert opts.learning_rates() == {"lr/first/rest": 0.25, "lr/second/rest": 0.5}
