@@ -7,7 +7,13 @@
 A callback is any object with some of these methods, each given a `Context`:
 
     on_train_start(ctx)   after resume, before the first step
-    on_step_end(ctx)      after each optimizer step
+    on_before_optimizer_step(ctx)
+                          with the step's gradients in the parameters' `.grad` (averaged over
+                          the ranks, unscaled under fp16), before clipping, the optimizer step
+                          and zero_grad; ctx.optimizer names the optimizer (once per optimizer
+                          a step calls tools.step with), ctx.step is the step being taken
+    on_step_end(ctx)      after each optimizer step, with the step's ctx.batch, ctx.outputs
+                          and ctx.losses (for this call only)
     on_eval_end(ctx)      after each validation, with its metrics in ctx.metrics
     on_epoch_end(ctx)     once per epoch that ends (also with grad_accum > 1, limit_train_batches,
                           and across a resume in the middle of an epoch)
@@ -32,7 +38,14 @@ from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
-HOOKS = ("on_train_start", "on_step_end", "on_eval_end", "on_epoch_end", "on_train_end")
+HOOKS = (
+    "on_train_start",
+    "on_before_optimizer_step",
+    "on_step_end",
+    "on_eval_end",
+    "on_epoch_end",
+    "on_train_end",
+)
 
 
 @dataclass
@@ -48,6 +61,16 @@ class Context:
     epoch: int = 0  # the epoch being trained (on_epoch_end: the one that just ended)
     loss: float | torch.Tensor = float("nan")  # the last step's mean loss (a device tensor)
     metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    # on_before_optimizer_step: the name of the optimizer about to step (`default`, or its key
+    # under `optim` with several); None elsewhere.
+    optimizer: str | None = None
+    # on_step_end only (None elsewhere, so the loop keeps no step's tensors past the call):
+    # the step's micro-batches as the model got them (on the device), the model's output of
+    # each (detached; empty for a step of your own that does not call tools.backward), and
+    # the step's mean `loss` and extras (device tensors).
+    batch: list[Any] | None = None
+    outputs: list[Any] | None = None
+    losses: dict[str, torch.Tensor] | None = None
     # ctx.log's destination: the rank's stats file and the logger (Tracker.log_values).
     _sink: Callable[[int, dict[str, Any]], None] | None = None
 
@@ -74,6 +97,29 @@ class Callbacks:
                     f"callbacks.{name} ({type(cb).__name__}) has none of the callback methods "
                     f"{', '.join(HOOKS)}: define at least one"
                 )
+
+    def has(self, hook: str) -> bool:
+        """Whether any callback defines `hook` (the loop skips the work a hook alone needs)."""
+        return any(callable(getattr(cb, hook, None)) for cb in self.items.values())
+
+    def before_step(
+        self, ctx: Context, where: Callable[[], tuple[int, int]]
+    ) -> Callable[[str], None] | None:
+        """What the step tools call with the gradients present (StepTools.before_step), given
+        the optimizer's name: on_before_optimizer_step at `where()` (the step being taken, the
+        epoch). None when no callback defines it, so the step pays nothing."""
+        if not self.has("on_before_optimizer_step"):
+            return None
+
+        def call(optimizer: str) -> None:
+            ctx.step, ctx.epoch = where()
+            ctx.optimizer = optimizer
+            try:
+                self("on_before_optimizer_step", ctx)
+            finally:
+                ctx.optimizer = None
+
+        return call
 
     def __call__(self, hook: str, ctx: Context) -> None:
         for name, cb in self.items.items():

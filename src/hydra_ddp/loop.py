@@ -94,10 +94,10 @@ class Components:
     step: Callable  # step.default_step, or the user's step._target_ / model.training_step
 
 
-def build_components(
-    cfg: TrainConfig, source: DataSource, device: torch.device, total_steps: int
-) -> Components:
-    """Model, loss, metrics, optimizers and schedules, and the step, each from its config."""
+def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
+                     total_steps: int, total_epochs: int | None = None) -> Components:  # fmt: skip
+    """Model, loss, metrics, optimizers and schedules, and the step, each from its config.
+    `total_epochs`: what an epoch-stepped schedule (scheduler.interval=epoch) runs for."""
     if cfg.ddp.meta_init:  # ddp.meta_init: shapes only; fsdp.wrap allocates each rank's shards
         with torch.device("meta"):
             model = build(cfg.model, "model", **source.spec)
@@ -112,7 +112,9 @@ def build_components(
         model=model,
         objective=Objective(build(cfg.loss, "loss", _as_function=True)),
         metrics={name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()},
-        optimizers=Optimizers.build(cfg.optim, cfg.scheduler, model, total_steps),
+        optimizers=Optimizers.build(
+            cfg.optim, cfg.scheduler, model, total_steps, total_epochs, ["loss", *cfg.metrics]
+        ),
         step=step,
     )
 
@@ -161,7 +163,8 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     # the last step takes what is left (a smaller step) when they do not divide.
     total_micro = tcfg.epochs * steps_per_epoch if tcfg.max_steps <= 0 else None
     total_steps = tcfg.max_steps if total_micro is None else -(-total_micro // tcfg.grad_accum)
-    parts = build_components(cfg, source, env.device, total_steps)
+    total_epochs = _total_epochs(total_steps, tcfg.grad_accum, steps_per_epoch)
+    parts = build_components(cfg, source, env.device, total_steps, total_epochs)
     callbacks = Callbacks(cfg.callbacks, data=source)
     checkpoint.check_folder(run.output_dir)
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
@@ -231,7 +234,11 @@ def _run(job: Job) -> dict[str, Any]:
     if job.init_sharded is not None:
         load_sharded(parts.model, job.init_sharded, env)  # collective
     if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
-        parts.optimizers = Optimizers.build(cfg.optim, cfg.scheduler, model, job.total_steps)
+        parts.optimizers = Optimizers.build(
+            cfg.optim, cfg.scheduler, model, job.total_steps,
+            _total_epochs(job.total_steps, tcfg.grad_accum, job.steps_per_epoch),
+            ["loss", *cfg.metrics],
+        )  # fmt: skip
     # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
     # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce still starts
     # while the backward of the earlier layers runs (fsdp2 compiled each unit before sharding).
@@ -304,6 +311,8 @@ def fit(loop: Loop, pos: Position) -> float:
     t_start = time.perf_counter()
     loop.step_model.train()
     loop.stopper.start()
+    loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
+    loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
         if signum:
@@ -317,6 +326,7 @@ def fit(loop: Loop, pos: Position) -> float:
             parts.optimizers.optimizers,
         )  # fmt: skip
         grad_norm = loop.tools.update()
+        outputs, loop.tools.outputs = loop.tools.outputs, []
         loop.health.observe(pos.step + 1, losses["loss"], grad_norm)
         parts.optimizers.step_schedules()
         if loop.ema is not None:
@@ -333,12 +343,17 @@ def fit(loop: Loop, pos: Position) -> float:
         if loop.stats.due(step):
             lrs = parts.optimizers.learning_rates()
             loop.stats.log(step, grad_norm, lrs, **_data_stats(job, pos))  # collective
-        callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"]))
+        callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"], batch=micro_batches,
+                                     outputs=outputs, losses=losses))  # fmt: skip
+        _at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
+        del outputs
         for epoch in range(epochs_done, _epochs_done(pos, job.steps_per_epoch)):
             callbacks("on_epoch_end", _at(loop.ctx, pos, epoch=epoch))
+            parts.optimizers.end_epoch()  # scheduler.interval=epoch
             epochs_done = epoch + 1
         if loop.evaluator.due(step):
             metrics = loop.evaluator.validate(pos)  # collective (+ best.pt)
+            parts.optimizers.after_validation(metrics)  # scheduler.monitor
             callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
             if loop.evaluator.should_stop:
                 break
@@ -543,6 +558,11 @@ def _epoch_length(batches: int, tcfg: TrainerConfig) -> int:
     if tcfg.overfit_batches:
         return min(tcfg.overfit_batches, batches)
     return min(tcfg.limit_train_batches, batches) if tcfg.limit_train_batches else batches
+
+
+def _total_epochs(total_steps: int, grad_accum: int, steps_per_epoch: int) -> int:
+    """The epochs the run starts (the last maybe in part), for an epoch-stepped schedule."""
+    return -(-total_steps * grad_accum // max(steps_per_epoch, 1))
 
 
 def _epochs_done(pos: Position, length: int) -> int:

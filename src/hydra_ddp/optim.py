@@ -11,6 +11,11 @@ and the run's total number of optimizer steps. Two keys in `optim` are the templ
 - several optimizers: `optim` without a `_target_` of its own is a dict of named optimizers,
   each with `params` (its pattern(s); together they must cover every trainable parameter, each
   once) and optionally its own `scheduler`. A GAN: `optim=gan`.
+
+Two keys of a `scheduler` are the template's too, as in Lightning: `interval: step | epoch`
+(when it steps: after each optimizer step, the default, or at each epoch's end; an epoch-stepped
+schedule gets the run's epochs as `total_steps`), and `monitor: val/<metric>` (a schedule like
+ReduceLROnPlateau, stepped after each validation with that metric's value).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -91,6 +98,48 @@ def _match(
     return hit, [(n, p) for n, p in named if not any(fnmatch.fnmatchcase(n, q) for q in pats)]
 
 
+class Interval(Enum):
+    """scheduler.interval: when a schedule steps."""
+
+    step = "step"  # after each optimizer step
+    epoch = "epoch"  # at the end of each epoch
+
+
+@dataclass
+class Timing:
+    """When one schedule steps: by `interval`, or after each validation with the metric
+    `monitor` (the key of the validation results: `val/loss` -> `loss`)."""
+
+    interval: Interval = Interval.step
+    monitor: str | None = None
+
+
+def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> Timing:
+    """Take the template's keys `interval` and `monitor` out of a scheduler's config `sched`
+    (the rest builds the schedule), checked: one line naming the key when wrong."""
+    interval, monitor = sched.pop("interval", None), sched.pop("monitor", None)
+    choices = [i.value for i in Interval]
+    if interval is not None and interval not in choices:
+        raise UserError(
+            f"{key}.interval={interval!r} is not one of {', '.join(choices)}: step after each "
+            "optimizer step (the default) or at each epoch's end"
+        )
+    if monitor is None:
+        return Timing(Interval(interval or "step"))
+    if interval is not None:
+        raise UserError(
+            f"{key}: give interval or monitor, not both: a schedule with a monitor steps after "
+            "each validation"
+        )
+    name = str(monitor).removeprefix("val/")
+    if metrics is not None and (not str(monitor).startswith("val/") or name not in metrics):
+        raise UserError(
+            f"{key}.monitor={monitor} is not a validation metric of this job: use one of "
+            f"{', '.join('val/' + m for m in metrics)} (the loss and the metrics config group)"
+        )
+    return Timing(monitor=name)
+
+
 class Optimizers:
     """The job's optimizers by name (one, `default`, for a plain `optim`) and their schedules.
 
@@ -102,34 +151,46 @@ class Optimizers:
         optimizers: dict[str, Any],
         schedulers: dict[str, Any],
         group_labels: dict[str, list[str]] | None = None,
+        timings: dict[str, Timing] | None = None,
     ) -> None:
         """`group_labels`: by optimizer, the name of each of its param groups in the logged
-        learning rates (default: the group's index)."""
+        learning rates (default: the group's index). `timings`: by optimizer, when its
+        schedule steps (default: after each optimizer step)."""
         self.optimizers, self.schedulers = optimizers, schedulers
         self.single = list(optimizers) == ["default"]
         self.group_labels = group_labels or {}
+        self.timings = {name: (timings or {}).get(name, Timing()) for name in schedulers}
 
     @classmethod
     def build(cls, cfg: Mapping[str, Any], scheduler_cfg: Any, model: torch.nn.Module,
-              total_steps: int) -> Optimizers:  # fmt: skip
+              total_steps: int, total_epochs: int | None = None,
+              metrics: Sequence[str] | None = None) -> Optimizers:  # fmt: skip
+        """`total_epochs`: an epoch-stepped schedule's `total_steps` (default: total_steps);
+        `metrics`: the validation metrics a `monitor` may name (default: not checked)."""
         from hydra_ddp.components import build
 
         labels: dict[str, list[str]] = {}
+        timings: dict[str, Timing] = {}
 
         def one(key: str, spec: Mapping[str, Any], named: list) -> tuple[Any, Any]:
             spec = dict(spec)
             groups = spec.pop("param_groups", None) or []
             sched = spec.pop("scheduler", None) or scheduler_cfg
+            sched_key = f"{key}.scheduler" if sched is not scheduler_cfg else "scheduler"
+            sched = dict(sched) if isinstance(sched, Mapping) else sched
             spec.pop("params", None)
-            mine = labels.setdefault(key.partition(".")[2] or "default", [])
+            name = key.partition(".")[2] or "default"
+            mine = labels.setdefault(name, [])
             opt = build(spec, key, params=_grouped(named, groups, f"{key}.param_groups", mine))
-            return opt, build(sched, f"{key}.scheduler" if sched is not scheduler_cfg else
-                              "scheduler", optimizer=opt, total_steps=total_steps)  # fmt: skip
+            timing = timings[name] = _timing(sched, sched_key, metrics) if sched else Timing()
+            by_epoch = timing.interval == Interval.epoch and total_epochs is not None
+            length = total_epochs if by_epoch else total_steps
+            return opt, build(sched, sched_key, optimizer=opt, total_steps=length)
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if "_target_" in cfg:
             opt, sched = one("optim", cfg, named)
-            return cls({"default": opt}, {"default": sched}, labels)
+            return cls({"default": opt}, {"default": sched}, labels, timings)
         optimizers, schedulers, left = {}, {}, named
         for name, spec in cfg.items():
             if not isinstance(spec, Mapping) or "params" not in spec:
@@ -149,11 +210,28 @@ class Optimizers:
                 f"trainable parameters in no optimizer: {', '.join(n for n, _ in left[:5])}"
                 f"{' ...' if len(left) > 5 else ''}: widen an optim.<name>.params pattern"
             )
-        return cls(optimizers, schedulers, labels)
+        return cls(optimizers, schedulers, labels, timings)
 
     def step_schedules(self) -> None:
-        for scheduler in self.schedulers.values():
-            scheduler.step()
+        """After each optimizer step: the schedules stepped by step (the default)."""
+        self._step(Timing(Interval.step))
+
+    def end_epoch(self) -> None:
+        """At each epoch's end: the schedules with `interval: epoch`."""
+        self._step(Timing(Interval.epoch))
+
+    def after_validation(self, metrics: Mapping[str, float]) -> None:
+        """After each validation (`metrics`: its results, `loss`, `acc`, ...): the schedules
+        with a `monitor`, stepped with that metric's value (the same on every rank)."""
+        for name, scheduler in self.schedulers.items():
+            monitor = self.timings[name].monitor
+            if monitor is not None:
+                scheduler.step(metrics[monitor])
+
+    def _step(self, when: Timing) -> None:
+        for name, scheduler in self.schedulers.items():
+            if self.timings[name] == when:
+                scheduler.step()
 
     def last_lr(self) -> float:
         return next(iter(self.schedulers.values())).get_last_lr()[0]

@@ -78,6 +78,12 @@ class StepTools:
                     f"the optimizers are {', '.join(optimizers)}"
                 )
         self.grad_norms: list[torch.Tensor] = []  # of this step's `step` calls
+        # Set by the loop for the callbacks: `before_step(name)` runs in `step` with the
+        # gradients present (on_before_optimizer_step); with `keep_outputs`, `backward` keeps
+        # each micro-batch's output, detached, in `outputs` for on_step_end (the loop empties it).
+        self.before_step: Callable[[str], None] | None = None
+        self.keep_outputs = False
+        self.outputs: list[Any] = []
 
     def clip_for(self, optimizer: torch.optim.Optimizer) -> float:
         """The clip threshold of `optimizer` (0: not clipped)."""
@@ -108,7 +114,11 @@ class StepTools:
             last = i == n - 1
             with contextlib.nullcontext() if last else no_sync(model):
                 with self.autocast:
-                    loss, extras = objective(_forward(model, batch), batch, self.raw_model)
+                    output = _forward(model, batch)
+                    loss, extras = objective(output, batch, self.raw_model)
+                if self.keep_outputs:
+                    self.outputs.append(_detached(output))
+                del output  # not held through the backward (a language model's logits)
                 self.scaler.scale(loss / n).backward()
             for name, value in {"loss": loss.detach(), **extras}.items():
                 totals[name] = value / n if name not in totals else totals[name] + value / n
@@ -117,13 +127,15 @@ class StepTools:
     def step(
         self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Unscale (fp16), clip the gradient norm of `parameters` (default: the optimizer's)
-        to this optimizer's threshold (`clip_for`), step unless the norm is non-finite (with
-        `skip_non_finite`), and zero the gradients. Returns the norm before clipping, on the
-        device."""
+        """Unscale (fp16), call `before_step` (the callbacks), clip the gradient norm of
+        `parameters` (default: the optimizer's) to this optimizer's threshold (`clip_for`),
+        step unless the norm is non-finite (with `skip_non_finite`), and zero the gradients.
+        Returns the norm before clipping, on the device."""
         if parameters is None:
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+        if self.before_step is not None:
+            self.before_step(self._names.get(id(optimizer), "default"))
         max_norm = self.clip_for(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or math.inf)
         if isinstance(grad_norm, DTensor):  # ddp=fsdp2: the global norm, on every rank
@@ -158,6 +170,18 @@ def _forward(model: Any, batch: Any) -> Any:
         if not names:
             raise
         raise unused_parameters(names) from e
+
+
+def _detached(output: Any) -> Any:
+    """A model's output without its autograd graph: a tensor, or a dict / list / tuple of them
+    (other values as they are)."""
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, Mapping):
+        return {k: _detached(v) for k, v in output.items()}
+    if type(output) in (list, tuple):  # not a namedtuple: its constructor takes fields
+        return type(output)(_detached(v) for v in output)
+    return output
 
 
 def _unused_parameter_names(model: Any, message: str) -> list[str]:
