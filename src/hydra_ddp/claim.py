@@ -150,7 +150,13 @@ def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
     `timeout_s`) until its rank 0 holds the dir's claim. A dir a live job of another launcher
     holds is refused at once in one line (exit 2), instead of this rank writing its log into
     that job's files and then waiting for a rank 0 that refused. No claim within the time (a
-    rank 0 that failed before claiming): go on, the process group's timeout applies."""
+    rank 0 that failed before claiming): go on, the process group's timeout applies.
+
+    Only where the wait can tell: with no job id its own rank 0's claim looks like anyone's,
+    and a rank on another node than rank 0 may see a node-local dir that rank 0 never
+    claims, so neither waits (a minute at every start, otherwise)."""
+    if _job_id() is None or not _on_first_node():
+        return
     path = Path(run_dir) / NAME
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -169,6 +175,15 @@ def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
                 )
                 raise SystemExit(2)
         time.sleep(0.2)
+
+
+def _on_first_node() -> bool:
+    """Whether this process runs on the launcher's first node, where rank 0 is (torchrun's
+    GROUP_RANK, SLURM's node id, submitit's local node id; unknown: assumed so)."""
+    for key in ("GROUP_RANK", "SLURM_NODEID", "SUBMITIT_LOCAL_NODEID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key]) == 0
+    return True
 
 
 def _describe(holder: dict[str, Any]) -> str:

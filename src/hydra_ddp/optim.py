@@ -233,9 +233,6 @@ class Optimizers:
             if self.timings[name] == when:
                 scheduler.step()
 
-    def last_lr(self) -> float:
-        return next(iter(self.schedulers.values())).get_last_lr()[0]
-
     def learning_rates(self) -> dict[str, float]:
         """Every optimizer's every group's current learning rate, as logged: the one `lr` when
         there is one optimizer with one group (the decay split of a group is one group), else
