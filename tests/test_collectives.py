@@ -60,6 +60,7 @@ def test_a_ranks_exception_is_raised_in_the_test() -> None:
     assert any("raised on rank 1 of 2" in note for note in info.value.__notes__)
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_a_hang_fails_within_the_timeout() -> None:
     t0 = time.monotonic()
     with pytest.raises(ranks.RankFailed, match="timed out after 2 s"):

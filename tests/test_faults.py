@@ -229,6 +229,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path: Path, uninterrupted
     _assert_same_result(job, uninterrupted, resumed_from)
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_torchrun_restarts_a_killed_worker_and_finishes(
     tmp_path: Path, uninterrupted: Path
 ) -> None:
@@ -295,6 +296,7 @@ def _gone(procs: list[psutil.Process], timeout: float) -> bool:
     return not alive
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_sigterm_to_torchrun_saves_a_checkpoint_and_resumes_exactly(
     tmp_path: Path, uninterrupted: Path
 ) -> None:
@@ -354,6 +356,7 @@ def test_ctrl_c_on_a_self_launched_job_saves_a_checkpoint(
     _assert_same_result(job, uninterrupted, stopped_at)
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_workers_stop_when_the_torchrun_agent_is_killed(tmp_path: Path) -> None:
     """Previously: a SIGKILLed torchrun agent left its workers training unsupervised to the
     end. Now each worker gets SIGTERM when its agent dies, saves and exits."""
@@ -516,6 +519,7 @@ def _lone_rank(tmp_path: Path, rank: int, port: int, timeout_s: int) -> tuple[Ex
     return info.value, time.monotonic() - t0
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
     """Rank 0 of 2, and rank 1 never starts: one line naming dist.timeout_s, no hang."""
     error, elapsed = _lone_rank(tmp_path, 0, ranks.free_port(), 5)
@@ -526,6 +530,7 @@ def test_missing_peer_fails_after_dist_timeout(tmp_path: Path) -> None:
     assert 5 <= elapsed < 5 + 60, elapsed  # the timeout, plus start-up on a busy machine
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_busy_port_fails_every_rank_within_dist_timeout(tmp_path: Path) -> None:
     """Previously: with a listener that never answers on MASTER_PORT, rank 0 failed in 2 s but
     rank 1 hung in torch's store handshake until killed (120 s with dist.timeout_s=20). Now a

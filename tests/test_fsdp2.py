@@ -135,6 +135,7 @@ def test_sharded_checkpoints_rotate_and_fall_back_past_a_damaged_one(
         dcp.load_full(newest)
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_init_from_across_ddp_and_fsdp2(pair: dict[str, Path], tmp_path: Path) -> None:
     """A DDP job starts from an fsdp2 run's sharded checkpoint, and an fsdp2 job from a DDP
     run's file: the first step's loss is the loss of the weights loaded, on both."""

@@ -190,6 +190,7 @@ def _report(root: Path) -> dict[str, dict]:
     return {j["job"].split("_", 1)[0]: j for j in report}
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_sweep_failing_jobs_do_not_stop_it(sweep) -> None:
     root, proc = sweep
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from pathlib import Path
 
+import conftest
 import pytest
 import ranks
 import torch
@@ -157,3 +160,22 @@ def test_an_error_while_predicting_names_the_rank_and_the_cause(mlp_runs, caplog
     assert lines[1].startswith("rank 1 failed while evaluating split test: ValueError: boom")
     assert "rank 0 lost contact with another rank while evaluating" in lines[0], lines
     assert "max-restarts" not in " ".join(lines)
+
+
+@pytest.mark.slow  # a real self-launch of the eval entry
+def test_a_self_launched_eval_names_the_rank_that_failed(mlp_runs, tmp_path: Path) -> None:
+    """The launcher's last line names the rank whose own error came first (rank 1's), not the
+    rank that only lost contact with it, and suggests no restart."""
+    proc = conftest.run([sys.executable, "-m", "hydra_ddp.eval", f"run={mlp_runs['tensor']}",
+                "dist.nproc_per_node=2", "model._target_=predict_models.FailsOnRank1"],
+               tmp_path, env=_with_tests_on_path(tmp_path))  # fmt: skip
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "rank 1" in last and "boom on rank 1" in last, proc.stderr[-2000:]
+    assert "max-restarts" not in proc.stderr
+
+
+def _with_tests_on_path(tmp: Path) -> dict[str, str]:
+    env = conftest.user_env(tmp)
+    env["PYTHONPATH"] += f"{os.pathsep}{Path(__file__).parent}"  # predict_models
+    return env

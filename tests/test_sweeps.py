@@ -182,6 +182,7 @@ SECRETS = (*(f"hunter{n}" for n in (2, 3)), "tok-unswept-" + "77")
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_a_swept_password_is_in_no_name_report_journal_log_or_wandb_file(tmp_path: Path) -> None:
     """A real sweep of `+model.password=hunter<2>,hunter<3>` with an unswept `+model.api_token`, W&B
     offline: the models get the real values (tests/secret_model.py checks), the jobs run and

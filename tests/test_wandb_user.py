@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import ranks
 import wandb_records
 from conftest import ok, run, user_env
@@ -22,6 +23,7 @@ def _runs(out: Path) -> list[Path]:
     return sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_a_secret_on_the_command_line_reaches_no_file_log_or_console(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [

@@ -137,6 +137,7 @@ def test_fine_tuning_resume_changes_and_evaluation(tmp_path: Path, caplog) -> No
     assert predictions.shape == (270, 10) and "predictions" in out.stderr
 
 
+@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_a_tiny_transformers_model_trains_on_two_ranks(tmp_path: Path) -> None:
     """The real Hugging Face class (GPT2LMHeadModel, randomly initialised: nothing downloaded),
     dict batches, its own `.loss`; runs where the optional `transformers` extra is installed
