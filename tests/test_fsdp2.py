@@ -161,7 +161,7 @@ def test_init_from_across_ddp_and_fsdp2(pair: dict[str, Path], tmp_path: Path) -
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # four runs; the resharding itself also runs in the default suite (init_from)
+@pytest.mark.slow  # four runs
 def test_resume_on_2_then_1_then_2_ranks_continues_the_run(tmp_path: Path) -> None:
     """2 ranks x 8 rows to step 10, 1 rank x 16 rows to step 20, 2 ranks x 8 to step 30: the
     same global batches as an uninterrupted 2-rank run (the strided order is global), so the
@@ -187,6 +187,20 @@ def test_resume_on_2_then_1_then_2_ranks_continues_the_run(tmp_path: Path) -> No
 # --------------------------------------------------------------------------------------------
 # Bad input: one line, before any step
 # --------------------------------------------------------------------------------------------
+
+
+def test_meta_init_draws_each_shard_of_its_own(tmp_path: Path) -> None:
+    """ddp.meta_init on 2 ranks: the randomly initialised weights, gathered whole (lr 0: the
+    one step changes nothing), have halves that differ: no rank's shard is a copy of
+    another's."""
+    run_dir = tmp_path / "meta"
+    train_ranks(run_dir, *GPT, "ddp=fsdp2", "ddp.meta_init=true", "trainer.max_steps=1",
+                "optim.lr=0")  # fmt: skip
+    drawn = {k: w for k, w in _final(run_dir).items() if w.dim() == 2 and w.std() > 0}
+    assert drawn, "no randomly initialised weight found"
+    for name, w in drawn.items():
+        half = w.shape[0] // 2
+        assert not torch.equal(w[:half], w[half : 2 * half]), f"{name}: both shards drew alike"
 
 
 @pytest.mark.parametrize(
