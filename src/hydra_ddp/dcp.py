@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hydra_ddp import safe_state
 from hydra_ddp.checkpoint import Checkpointer, checkpoint_dir, write_error
 from hydra_ddp.dist import all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
@@ -275,6 +276,7 @@ class DCPCheckpointer(Checkpointer):
         if "ema" in self.stateful:
             state["ema_n_averaged"] = self.stateful["ema"].n_averaged
         state.update(self.meta, **position, world_size=self.env.world_size, rng=ranks)
+        state = safe_state.checked(state)  # loadable with weights_only, as DDP's checkpoints
         try:
             with open(path, "wb") as f:
                 torch.save(state, f)
@@ -308,7 +310,7 @@ class DCPCheckpointer(Checkpointer):
 
     # ---- resuming ----
 
-    def restore(self, path: Path, position_keys: list[str]) -> dict[str, int]:
+    def restore(self, path: Path, position_keys: list[str]) -> dict[str, Any]:
         """Load a checkpoint folder into the model, optimizers (resharded to this job's ranks),
         EMA and the rest; return the position as Checkpointer.restore does."""
         path = Path(path)
@@ -351,6 +353,7 @@ class DCPCheckpointer(Checkpointer):
         position = {k: int(extra.get(k, 0)) for k in position_keys}
         position["saved_world_size"] = int(extra.get("world_size") or self.env.world_size)
         position["saved_batch_size"] = int(extra.get("batch_size", 0))
+        position["saved_sampler"] = extra.get("sampler")  # its settings (epoch_rows.settings)
         ranks = extra.get("rng") or []
         if self.env.rank < len(ranks):
             torch.set_rng_state(ranks[self.env.rank]["torch"].cpu())
