@@ -5,7 +5,8 @@
 
 In place, in the repository root (or --root), it
 
-  * renames the package directory src/hydra_ddp -> src/NAME (`git mv` in a git work tree);
+  * renames the package directory src/hydra_ddp -> src/NAME, and the Ray launcher plugin
+    src/hydra_plugins/hydra_ddp_ray_launcher -> NAME_ray_launcher (`git mv` in a git work tree);
   * rewrites every text file (git's tracked and untracked-but-not-ignored files; without git,
     the tree minus .git, .venv, outputs, multirun, wandb and caches): hydra_ddp -> NAME,
     hydra-ddp -> NAME with dashes (the distribution, the console script <dashed>-train, the W&B
@@ -169,12 +170,22 @@ def main() -> None:
         if count := sum(text.count(s) for s in (OLD, "hydra-ddp", "HYDRA_DDP")):
             plan[rel] = count
 
-    def moved(rel: Path) -> Path:  # a file's path after the package dir's rename
-        old = Path("src", OLD)
-        return Path("src", name, rel.relative_to(old)) if rel.is_relative_to(old) else rel
+    # The package dir and the Ray launcher's plugin dir (its name carries the package's, so
+    # two renamed projects in one environment do not shadow each other's launcher).
+    renames = {Path("src", OLD): Path("src", name)}
+    plugin = Path("src", "hydra_plugins", f"{OLD}_ray_launcher")
+    if (root / plugin).is_dir():
+        renames[plugin] = Path("src", "hydra_plugins", f"{name}_ray_launcher")
+
+    def moved(rel: Path) -> Path:  # a file's path after the renames
+        for old, new in renames.items():
+            if rel.is_relative_to(old):
+                return new / rel.relative_to(old)
+        return rel
 
     verb = "would " if args.dry_run else ""
-    print(f"{verb}rename src/{OLD} -> src/{name}" + (" (git mv)" if use_git else ""))
+    for old, new in renames.items():
+        print(f"{verb}rename {old} -> {new}" + (" (git mv)" if use_git else ""))
     for rel, count in plan.items():
         print(f"  {verb}rewrite {rel} ({count} replacement{'s' * (count != 1)})")
     for path, override in strips.items():
@@ -199,10 +210,11 @@ def main() -> None:
 
     for path in strips:
         remove(path)
-    if use_git and git(root, "ls-files", f"src/{OLD}").strip():
-        git(root, "mv", f"src/{OLD}", f"src/{name}")  # moves the untracked files with it too
-    else:
-        (root / "src" / OLD).rename(root / "src" / name)
+    for old, new in renames.items():
+        if use_git and git(root, "ls-files", str(old)).strip():
+            git(root, "mv", str(old), str(new))  # moves the untracked files with it too
+        else:
+            (root / old).rename(root / new)
     for rel in plan:
         (root / moved(rel)).write_bytes(texts[rel].encode("utf-8"))
     for rel in present:
