@@ -190,7 +190,7 @@ def _report(root: Path) -> dict[str, dict]:
     return {j["job"].split("_", 1)[0]: j for j in report}
 
 
-@pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
+@pytest.mark.slow  # one real 2-rank sweep (28 s) for six tests; the default suite keeps to 5 min
 def test_sweep_failing_jobs_do_not_stop_it(sweep) -> None:
     root, proc = sweep
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -213,6 +213,7 @@ def test_sweep_failing_jobs_do_not_stop_it(sweep) -> None:
     assert any(p.endswith("train.log") for p in jobs["2"]["logs"])
 
 
+@pytest.mark.slow  # shares the real sweep of test_sweep_failing_jobs_do_not_stop_it
 def test_sweep_objective_is_rank0_validation_monitor(sweep) -> None:
     """What Hydra got back from each job (a sweeper's objective) came from the workers: the
     final value of trainer.monitor (val/acc here), as summary.json says too."""
@@ -230,6 +231,7 @@ def test_sweep_objective_is_rank0_validation_monitor(sweep) -> None:
     assert jobs["0"]["objective"] is None and jobs["2"]["objective"] is None
 
 
+@pytest.mark.slow  # shares the real sweep of test_sweep_failing_jobs_do_not_stop_it
 def test_sweep_names_jobs_by_the_swept_key_and_tabulates_them(sweep) -> None:
     root, proc = sweep
     where = sweep_dir(root)
@@ -253,6 +255,7 @@ def test_sweep_names_jobs_by_the_swept_key_and_tabulates_them(sweep) -> None:
     assert "*" in next(ln for ln in table[1:] if best["job"] in ln)
 
 
+@pytest.mark.slow  # shares the real sweep of test_sweep_failing_jobs_do_not_stop_it
 def test_wandb_api_key_is_never_written_or_printed(sweep) -> None:
     """A key in the environment, W&B offline: nothing the sweep writes (logs, .hydra/ dumps,
     stats, reports, W&B files and config) nor prints contains it."""
@@ -264,6 +267,7 @@ def test_wandb_api_key_is_never_written_or_printed(sweep) -> None:
     assert not leaks, f"the API key was written to {leaks}"
 
 
+@pytest.mark.slow  # shares the real sweep of test_sweep_failing_jobs_do_not_stop_it
 def test_plot_run_overlays_the_jobs_of_a_sweep(sweep, tmp_path: Path) -> None:
     """scripts/plot_run.py on the sweep dir (its main, in process): one PNG per stat, a line
     per job that logged stats (#2 never trained), each the mean over the job's ranks."""
@@ -287,6 +291,7 @@ def test_plot_run_overlays_the_jobs_of_a_sweep(sweep, tmp_path: Path) -> None:
     assert [p[1] for p in line] == pytest.approx([p[1] for p in mean])
 
 
+@pytest.mark.slow  # shares the real sweep of test_sweep_failing_jobs_do_not_stop_it
 def test_sweep_each_job_is_its_own_wandb_run_in_one_group(sweep) -> None:
     root, _ = sweep
     jobs = _report(root)
