@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hydra_ddp import safe_state
+from hydra_ddp import dcp_files, safe_state
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
 from hydra_ddp.errors import UserError, check_archive, file_too_large, first_line, over_size_limit
 
@@ -139,9 +139,7 @@ def damage(path: Path) -> str | None:
     reads the whole file, so the answer is kept for as long as the file is unchanged: picking
     the newest checkpoint and then loading it check it once."""
     if path.is_dir():
-        from hydra_ddp import dcp
-
-        return dcp.damage(path)
+        return dcp_files.damage(path)
     try:
         st = path.stat()
     except OSError as e:
@@ -241,9 +239,7 @@ def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> 
     checkpoint folder (ddp=fsdp2) is read whole: its model (and EMA) and step."""
     path = Path(path)
     if path.is_dir():
-        from hydra_ddp import dcp
-
-        return dcp.load_full(path)
+        return dcp_files.load_full(path)
     check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(
