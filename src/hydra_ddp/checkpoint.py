@@ -446,18 +446,11 @@ class Checkpointer:
                 f"({type(e).__name__}: {first_line(e)}): resume with the optim.* and "
                 "scheduler.* config it was trained with, or trainer.resume=never"
             ) from e
-        saved_world = int(state.get("world_size") or env.world_size)
-        # How the data position was counted (rows = batch_in_epoch x batch_size x world size);
-        # a checkpoint from before batch_size was recorded had this job's.
-        position["saved_world_size"] = saved_world
-        position["saved_batch_size"] = int(state.get("batch_size", 0))
-        position["saved_sampler"] = state.get("sampler")  # its settings (epoch_rows.settings)
+        position.update(counted_in(state, env))
         ranks = state.get("rng") or []
-        mine = ranks[env.rank] if env.rank < len(ranks) and saved_world == env.world_size else {}
-        if env.rank < len(ranks):
-            torch.set_rng_state(ranks[env.rank]["torch"].cpu())
-            if env.device.type == "cuda" and "cuda" in ranks[env.rank]:
-                torch.cuda.set_rng_state(ranks[env.rank]["cuda"].cpu(), env.device)
+        same_world = position["saved_world_size"] == env.world_size
+        mine = ranks[env.rank] if env.rank < len(ranks) and same_world else {}
+        restore_rng(ranks, env)
         for key, obj in self.per_rank.items():
             if key in mine:
                 obj.load_state_dict(mine[key])
@@ -466,3 +459,22 @@ class Checkpointer:
                     "%s holds no %s state for rank %d: starting it fresh", path, key, env.rank
                 )
         return position
+
+
+def counted_in(state: dict[str, Any], env: DistEnv) -> dict[str, Any]:
+    """How a checkpoint's data position was counted (rows = batch_in_epoch x batch_size x
+    world size, in its sampler's order): `saved_world_size`, `saved_batch_size` (0: not
+    recorded, this job's) and `saved_sampler` (epoch_rows.settings; None: not recorded)."""
+    return {
+        "saved_world_size": int(state.get("world_size") or env.world_size),
+        "saved_batch_size": int(state.get("batch_size", 0)),
+        "saved_sampler": state.get("sampler"),
+    }
+
+
+def restore_rng(ranks: list[dict[str, Any]], env: DistEnv) -> None:
+    """This rank's RNG states as the checkpoint saved them (none when it had fewer ranks)."""
+    if env.rank < len(ranks):
+        torch.set_rng_state(ranks[env.rank]["torch"].cpu())
+        if env.device.type == "cuda" and "cuda" in ranks[env.rank]:
+            torch.cuda.set_rng_state(ranks[env.rank]["cuda"].cpu(), env.device)

@@ -38,7 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hydra_ddp import safe_state
-from hydra_ddp.checkpoint import Checkpointer, checkpoint_dir, write_error
+from hydra_ddp.checkpoint import (
+    Checkpointer,
+    checkpoint_dir,
+    counted_in,
+    restore_rng,
+    write_error,
+)
 from hydra_ddp.dcp_files import (  # noqa: F401  (dcp.damage, dcp.load_full: the folder's readers)
     EXTRA,
     MANIFEST,
@@ -271,14 +277,8 @@ class DCPCheckpointer(Checkpointer):
                 "trained with (its run's .hydra/config.yaml), or trainer.resume=never"
             ) from e
         position = {k: int(extra.get(k, 0)) for k in position_keys}
-        position["saved_world_size"] = int(extra.get("world_size") or self.env.world_size)
-        position["saved_batch_size"] = int(extra.get("batch_size", 0))
-        position["saved_sampler"] = extra.get("sampler")  # its settings (epoch_rows.settings)
-        ranks = extra.get("rng") or []
-        if self.env.rank < len(ranks):
-            torch.set_rng_state(ranks[self.env.rank]["torch"].cpu())
-            if self.env.device.type == "cuda" and "cuda" in ranks[self.env.rank]:
-                torch.cuda.set_rng_state(ranks[self.env.rank]["cuda"].cpu(), self.env.device)
+        position.update(counted_in(extra, self.env))
+        restore_rng(extra.get("rng") or [], self.env)
         return position
 
 
