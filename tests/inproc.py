@@ -2,7 +2,7 @@
 (Hydra's compose API on the same config dir, resolvers and schema), type and preflight it, and
 run the training loop on one rank here or on several with tests/ranks.py.
 
-`train` (hydra_ddp.loop) is re-exported here for the tests that run a job; tests of a module's
+`train` (hydra_ddp.loop.job) is re-exported here for the tests that run a job; tests of a module's
 own parts (test_step.py, test_config.py, ...) import that module directly.
 
 `isolated()` puts back what a run changes in the process: environment variables, the working
@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.dist import DistEnv, env_from_environ, under_launcher
-from hydra_ddp.loop import train
-from hydra_ddp.paths import register_resolvers
+from hydra_ddp.dist.paths import register_resolvers
+from hydra_ddp.loop.job import train
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import config_dir, preflight, to_typed
 

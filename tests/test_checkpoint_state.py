@@ -16,7 +16,7 @@ from conftest import ok, run
 from inproc import FAST, compose, train_here, train_ranks
 from omegaconf import OmegaConf
 
-from hydra_ddp import safe_state
+from hydra_ddp.checkpoint import safe_state
 from hydra_ddp.errors import UserError
 
 JOB = [*FAST, "trainer.ckpt_interval=2", "+callbacks.stats._target_=state_callbacks.NumpyState"]

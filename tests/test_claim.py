@@ -1,4 +1,4 @@
-"""One job per run dir (hydra_ddp/claim.py), in process: a live holder on this host refuses a
+"""One job per run dir (hydra_ddp/dist/claim.py), in process: a live holder on this host refuses a
 second job in one line naming it; a dead holder, an earlier attempt of the same launcher job,
 or a holder on another host whose heartbeat stopped is taken over with a warning; a finished
 job gives its claim back."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hydra_ddp import claim
+from hydra_ddp.dist import claim
 
 
 @pytest.fixture(autouse=True)

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from hydra_ddp.config import MonitorMode, TrainerConfig
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.dist.preemption import StopOnSignal
 from hydra_ddp.errors import UserError
-from hydra_ddp.metrics import Accuracy, MeanSquaredError, evaluate
-from hydra_ddp.monitor import Monitor
-from hydra_ddp.preemption import StopOnSignal
+from hydra_ddp.loop.monitor import Monitor
+from hydra_ddp.loop.scoring import evaluate
+from hydra_ddp.metrics import Accuracy, MeanSquaredError
 
 # --------------------------------------------------------------------------------------------
 # The helper

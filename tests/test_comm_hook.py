@@ -11,7 +11,8 @@ import pytest
 import torch
 from inproc import FAST, job, train_ranks, typed
 
-from hydra_ddp import checkpoint, safe_state
+from hydra_ddp import checkpoint
+from hydra_ddp.checkpoint import safe_state
 from hydra_ddp.errors import UserError
 
 POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_rank=1"]
@@ -20,8 +21,8 @@ POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_ra
 def _restore_hook(env, cfg, run, path: str) -> dict:
     """A rank: a fresh DDP wrap with the PowerSGD hook, restored from `path`; its state."""
     from hydra_ddp.checkpoint import Checkpointer
-    from hydra_ddp.ddp import wrap_model
-    from hydra_ddp.loop import prepare
+    from hydra_ddp.dist.ddp import wrap_model
+    from hydra_ddp.loop.job import prepare
 
     job_ = prepare(cfg, env, run)
     _, hook = wrap_model(job_.parts.model, env, cfg.ddp)

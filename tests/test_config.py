@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
 from hydra_ddp.components import build
+from hydra_ddp.dist.paths import register_resolvers
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop import build_components
-from hydra_ddp.paths import register_resolvers
+from hydra_ddp.loop.job import build_components
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {

@@ -15,7 +15,7 @@ from conftest import summary
 from inproc import isolated, job, train, train_here, train_ranks
 
 from hydra_ddp.dist import DistEnv
-from hydra_ddp.metrics import evaluate
+from hydra_ddp.loop.scoring import evaluate
 from hydra_ddp.models import MLP
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,8 +16,9 @@ import torch
 
 from hydra_ddp.config import NanPolicy
 from hydra_ddp.dist import DistEnv
-from hydra_ddp.ema import EMA
 from hydra_ddp.errors import UserError
+from hydra_ddp.loop.ema import EMA
+from hydra_ddp.loop.scoring import score
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.metrics import (
     Accuracy,
@@ -25,7 +26,6 @@ from hydra_ddp.metrics import (
     MeanSquaredError,
     Perplexity,
     R2Score,
-    score,
 )
 from hydra_ddp.models import GPT, MLP
 from hydra_ddp.optim import param_groups

@@ -24,7 +24,8 @@ import torch
 from conftest import ok, only_job_dir, run, summary, torchrun, user_env
 from inproc import FAST, train_here, train_ranks, typed
 
-from hydra_ddp import checkpoint, dcp
+from hydra_ddp import checkpoint
+from hydra_ddp.checkpoint import dcp
 from hydra_ddp.errors import UserError
 from hydra_ddp.export import export
 

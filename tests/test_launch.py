@@ -542,7 +542,7 @@ _LAUNCH_VARS = (
 def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No launcher variables for the test; the environment as it was afterwards. Run in
     tmp_path: resolving a job dir creates it."""
-    from hydra_ddp import paths as hdist
+    from hydra_ddp.dist import paths as hdist
 
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
@@ -561,7 +561,7 @@ def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) -> None:
     import torch.distributed as dist
 
-    from hydra_ddp.paths import job_dir
+    from hydra_ddp.dist.paths import job_dir
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ.update(
@@ -588,7 +588,7 @@ def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) 
 
 
 def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
-    from hydra_ddp.paths import job_dir
+    from hydra_ddp.dist.paths import job_dir
 
     assert job_dir("outputs/d/t") == "outputs/d/t"
     job_dir.cache_clear()
@@ -607,14 +607,14 @@ def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
     ],
 )
 def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
-    from hydra_ddp.paths import hydra_subdir
+    from hydra_ddp.dist.paths import hydra_subdir
 
     os.environ.update(env)
     assert hydra_subdir(".hydra", "out") == (".hydra" if rank == 0 else None)
 
 
 def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_path: Path) -> None:
-    from hydra_ddp.paths import hydra_subdir
+    from hydra_ddp.dist.paths import hydra_subdir
 
     (tmp_path / "run" / ".hydra").mkdir(parents=True)
     assert hydra_subdir(".hydra", str(tmp_path / "run")) == ".hydra.2"
@@ -624,7 +624,7 @@ def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_pat
 
 
 def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
-    from hydra_ddp.paths import claim_dir
+    from hydra_ddp.dist.paths import claim_dir
 
     assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00"
     assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00-2"
@@ -657,7 +657,7 @@ def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
     ],
 )
 def test_each_rank_logs_to_its_own_file(clean_env, tmp_path, env: dict, name: str) -> None:
-    from hydra_ddp.paths import log_file
+    from hydra_ddp.dist.paths import log_file
 
     os.environ.update(env)
     assert log_file(str(tmp_path), "train") == str(tmp_path / f"{name}.log")

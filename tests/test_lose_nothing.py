@@ -26,7 +26,8 @@ from conftest import FAST, ok, python_train, user_env
 from inproc import train_here
 from omegaconf import OmegaConf
 
-from hydra_ddp import checkpoint, sweeps
+from hydra_ddp import checkpoint
+from hydra_ddp.dist import sweeps
 from hydra_ddp.errors import UserError
 from hydra_ddp.train import _check_run_dir
 
@@ -255,7 +256,7 @@ def test_a_sweep_jobs_failure_record_goes_when_it_succeeds(tmp_path: Path) -> No
 
 
 def test_non_finite_metrics_are_written_as_null() -> None:
-    from hydra_ddp.loop import _json_safe
+    from hydra_ddp.loop.job import _json_safe
 
     safe = _json_safe({"val_loss": float("nan"), "val_acc": 0.5, "test_loss": float("inf")})
     assert json.loads(json.dumps(safe, allow_nan=False)) == {

@@ -16,8 +16,8 @@ import torch
 from conftest import FAST, user_env
 
 from hydra_ddp.errors import UserError
+from hydra_ddp.loop.objective import Objective
 from hydra_ddp.losses import CrossEntropy
-from hydra_ddp.objective import Objective
 
 
 def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch) -> None:

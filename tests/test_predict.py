@@ -25,8 +25,8 @@ from hydra_ddp.components import build
 from hydra_ddp.data import EvalData
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.eval import job_config, main, parse
-from hydra_ddp.evaluation import evaluate_run
-from hydra_ddp.objective import forward
+from hydra_ddp.loop.evaluation import evaluate_run
+from hydra_ddp.loop.objective import forward
 from hydra_ddp.tracking import RunInfo
 
 MLP_JOBS = {

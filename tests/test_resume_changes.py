@@ -17,7 +17,7 @@ import pytest
 import torch
 from inproc import FAST, train_here, train_ranks
 
-from hydra_ddp import epoch_rows
+from hydra_ddp.data import epoch_rows
 
 ROWS = 256  # user_data.Blobs rows in the training split
 

@@ -1,4 +1,4 @@
-"""Tests for hydra_ddp.sampling: Feistel bijection, strided/sharded samplers, partitioning."""
+"""Tests for hydra_ddp.data.sampling: Feistel bijection, strided/sharded samplers, partitioning."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import ranks
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from hydra_ddp import sampling
-from hydra_ddp.sampling import (
+from hydra_ddp.data import sampling
+from hydra_ddp.data.sampling import (
     FeistelPermutation,
     ShardedSampler,
     StridedSampler,

@@ -61,8 +61,8 @@ import numpy as np
 import pytest
 import torch
 
-from hydra_ddp import sampling
-from hydra_ddp.sampling import FeistelPermutation, ShardedSampler, StridedSampler
+from hydra_ddp.data import sampling
+from hydra_ddp.data.sampling import FeistelPermutation, ShardedSampler, StridedSampler
 
 Z_MAX = 4.5
 # Epochs per size in the tests: enough that 4 rounds fail every adjacency check by a wide

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
+from hydra_ddp.loop.objective import Objective
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.models import MLP
-from hydra_ddp.objective import Objective
 from hydra_ddp.optim import param_groups, warmup_constant, warmup_cosine
 from hydra_ddp.step import StepTools, default_step
 

@@ -21,7 +21,8 @@ import wandb_records
 from conftest import FAST, REPO, TESTS, job_dirs, ok, python_train, summary, user_env
 from omegaconf import OmegaConf
 
-from hydra_ddp import paths, redact, sweeps
+from hydra_ddp.dist import paths, sweeps
+from hydra_ddp.tracking import redact
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]
@@ -269,7 +270,7 @@ def test_optuna_search_composes() -> None:
     from hydra import compose, initialize_config_dir
 
     from hydra_ddp.config import MonitorMode, register_configs
-    from hydra_ddp.paths import register_resolvers
+    from hydra_ddp.dist.paths import register_resolvers
 
     register_configs()
     register_resolvers()

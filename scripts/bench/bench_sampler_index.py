@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: memory and latency of producing one rank's sample indices.
 
-Compares hydra_ddp.sampling.StridedSampler (indices computed per batch from a
+Compares hydra_ddp.data.sampling.StridedSampler (indices computed per batch from a
 keyed Feistel permutation) with torch.utils.data.DistributedSampler (which
 materialises ``torch.randperm(N).tolist()`` every epoch) for one rank of a
 shuffled epoch.
@@ -11,7 +11,7 @@ peak memory can be measured in isolation as
 
     peak = child's peak RSS (getrusage ru_maxrss) - child's RSS right after imports
 
-Both children import the same modules (numpy, torch, hydra_ddp.sampling), so the
+Both children import the same modules (numpy, torch, hydra_ddp.data.sampling), so the
 baseline is comparable.  Timings start just before the sampler is constructed:
 
 * time to first index:   construct + ``iter`` + first index (ours: first batch)
@@ -44,7 +44,7 @@ _SRC = _REPO / "src"
 def _ensure_importable() -> None:
     """Make hydra_ddp importable from a source checkout that is not pip-installed."""
     try:
-        import hydra_ddp.sampling  # noqa: F401
+        import hydra_ddp.data.sampling  # noqa: F401
     except ImportError:
         sys.path.insert(0, str(_SRC))
 
@@ -71,7 +71,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     import torch  # noqa: F401
     from torch.utils.data import DistributedSampler
 
-    from hydra_ddp.sampling import StridedSampler
+    from hydra_ddp.data.sampling import StridedSampler
 
     gc.collect()
     rss_after_imports = _rss_bytes()

@@ -89,7 +89,7 @@ class DDPConfig:
     # error feedback needs the first two steps uncompressed).
     powersgd_start_iter: int = 10
 
-    # ---- wrapper=fsdp2 only (ddp=fsdp2; see hydra_ddp/fsdp.py) ----
+    # ---- wrapper=fsdp2 only (ddp=fsdp2; see hydra_ddp/dist/fsdp.py) ----
     # The modules sharded as units of their own (gathered one at a time): module class names
     # (Block) or fnmatch patterns of module names (blocks.*). The root is always a unit (it
     # takes the rest). null: the model's `fsdp_units` attribute if it has one, else the root.

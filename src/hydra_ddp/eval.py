@@ -11,7 +11,7 @@ The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments over
 the training command line's grammar: `key=value`, `+key=value`, `++key=value`, `~key`), the
 checkpoint's weights are loaded (its EMA average when the run kept one, as the run evaluated),
 and the split is evaluated exactly as training does it, on any number of ranks. The metrics
-are printed and written to `<run>/eval_<split>.json`; predictions: see hydra_ddp/predict.py.
+are printed and written to `<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/predict.py.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hydra_ddp import launch
 from hydra_ddp.config import TrainConfig
-from hydra_ddp.dist import env_from_environ, launcher_rank, under_launcher
+from hydra_ddp.dist import env_from_environ, launch, launcher_rank, under_launcher
 from hydra_ddp.errors import UserError, exit_code, first_line
-from hydra_ddp.evaluation import Request, evaluate_run
+from hydra_ddp.loop.evaluation import Request, evaluate_run
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import config_dir, to_typed
 

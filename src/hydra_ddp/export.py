@@ -23,7 +23,7 @@ import torch
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError, exit_code
-from hydra_ddp.evaluation import Request, checkpoint_file
+from hydra_ddp.loop.evaluation import Request, checkpoint_file
 
 log = logging.getLogger("hydra_ddp.export")
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from hydra_ddp.config import NanPolicy, Precision
 from hydra_ddp.dist import DistEnv, all_gather_floats
 from hydra_ddp.errors import UserError, unused_parameters
-from hydra_ddp.objective import Objective, forward
+from hydra_ddp.loop.objective import Objective, forward
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import claim, launch, redact, sweeps
 from hydra_ddp.components import build
 from hydra_ddp.config import (
     LoggerBackend,
@@ -34,18 +33,21 @@ from hydra_ddp.config import (
 )
 from hydra_ddp.data import check_sampling, check_source
 from hydra_ddp.dist import (
+    claim,
     env_from_environ,
     export_submitit_env,
+    launch,
     launcher_rank,
     share_cpus_in_submitit_task,
+    sweeps,
     under_launcher,
 )
+from hydra_ddp.dist.paths import override_value, register_resolvers
+from hydra_ddp.dist.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
-from hydra_ddp.loop import build_components, train
-from hydra_ddp.monitor import monitor_key
-from hydra_ddp.paths import override_value, register_resolvers
-from hydra_ddp.preemption import Preempted
-from hydra_ddp.tracking import RunInfo, resolve_mode
+from hydra_ddp.loop.job import build_components, train
+from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.tracking import RunInfo, redact, resolve_mode
 
 log = logging.getLogger(__name__)
 

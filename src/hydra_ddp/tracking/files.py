@@ -19,8 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
-from hydra_ddp import jsonfile
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.dist import DistEnv, jsonfile
 from hydra_ddp.tracking import names
 from hydra_ddp.tracking.sink import Kind, Record, Sink
 from hydra_ddp.tracking.values import plain

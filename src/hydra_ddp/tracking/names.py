@@ -25,7 +25,7 @@ LR_PREFIX = "lr/"  # lr/<optimizer>/<group>: one per group when there are severa
 THROUGHPUT_SUFFIX = "_per_s"
 SAMPLES_PER_S = "samples_per_s"
 TOKENS_PER_S = "tokens_per_s"
-# Memory (metrics.memory_stats) and data (the loop's position and the rows each rank holds).
+# Memory (stats.memory_stats) and data (the loop's position and the rows each rank holds).
 MEMORY = ("rss_mb", "peak_rss_mb", "cuda_mem_mb", "cuda_peak_mem_mb")
 DATA = ("samples_seen", "data_rows", "data_bytes", "epoch")
 STATS = (LOSS, STEP_TIME, DATA_WAIT, GRAD_NORM, LR, SAMPLES_PER_S, TOKENS_PER_S, *MEMORY, *DATA)

@@ -24,7 +24,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hydra_ddp import sweeps
+from hydra_ddp.dist import sweeps
 from hydra_ddp.errors import UserError, too_big_for_cluster
 from hydra_plugins.hydra_ddp_ray_launcher import _task
 

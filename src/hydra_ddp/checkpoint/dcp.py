@@ -37,15 +37,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hydra_ddp import safe_state
 from hydra_ddp.checkpoint import (
     Checkpointer,
     checkpoint_dir,
     counted_in,
     restore_rng,
+    safe_state,
     write_error,
 )
-from hydra_ddp.dcp_files import (  # noqa: F401  (dcp.damage, dcp.load_full: the folder's readers)
+from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.load_full: the folder's readers)
     EXTRA,
     MANIFEST,
     NAME,

@@ -8,14 +8,16 @@ once per interval (one host-device sync per log interval).
 
 from __future__ import annotations
 
+import os
+import resource
 from typing import Any
 
+import psutil
 import torch
 
-from hydra_ddp.console import Console
 from hydra_ddp.dist import DistEnv
-from hydra_ddp.metrics import memory_stats
 from hydra_ddp.tracking import Tracker, names
+from hydra_ddp.tracking.console import Console
 
 
 class StepStats:
@@ -92,3 +94,26 @@ class StepStats:
 
     def close(self) -> None:
         self.progress.close()
+
+
+_MB = 1024 * 1024
+_process: psutil.Process | None = None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Current and peak resident memory of this process (and of its GPU, on CUDA, where the
+    peak is since the previous call), in MiB."""
+    global _process
+    if _process is None or _process.pid != os.getpid():  # one per process; a fork gets its own
+        _process = psutil.Process()
+    stats = {
+        "rss_mb": _process.memory_info().rss / _MB,
+        # ru_maxrss is in KiB on Linux.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if device.type == "cuda":
+        stats["cuda_mem_mb"] = torch.cuda.memory_allocated(device) / _MB
+        stats["cuda_peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / _MB
+        # Per interval: the next call reports the peak since this one.
+        torch.cuda.reset_peak_memory_stats(device)
+    return stats

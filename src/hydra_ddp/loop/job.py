@@ -32,41 +32,43 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hydra_ddp import checkpoint, epoch_rows, jsonfile, provenance, redact, tracking
+from hydra_ddp import checkpoint, tracking
 from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.checkpoint.dcp import DCPCheckpointer, load_sharded
 from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
-from hydra_ddp.console import Console
-from hydra_ddp.data import DataSource, EvalData, TrainData, check_source
-from hydra_ddp.dcp import DCPCheckpointer, load_sharded
-from hydra_ddp.ddp import wrap_model
+from hydra_ddp.data import DataSource, EvalData, TrainData, check_source, epoch_rows
 from hydra_ddp.dist import (
     DistEnv,
     all_gather_floats,
     all_gather_objects,
     all_reduce_sum,
+    jsonfile,
     process_group,
+    provenance,
     use_device,
 )
-from hydra_ddp.ema import EMA
-from hydra_ddp.errors import translated
-from hydra_ddp.evaluation import Evaluator
-from hydra_ddp.fsdp import state_bytes
-from hydra_ddp.monitor import Monitor, monitor_key
-from hydra_ddp.objective import Objective, rows, to_device
-from hydra_ddp.optim import Optimizers
-from hydra_ddp.preemption import (
+from hydra_ddp.dist.ddp import wrap_model
+from hydra_ddp.dist.fsdp import state_bytes
+from hydra_ddp.dist.preemption import (
     Preempted,
     StopOnSignal,
     exit_with_parent,
     signal_name,
     stop_message,
 )
-from hydra_ddp.profiling import step_profiler
-from hydra_ddp.stats import StepStats
+from hydra_ddp.errors import translated
+from hydra_ddp.loop.ema import EMA
+from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.monitor import Monitor, monitor_key
+from hydra_ddp.loop.objective import Objective, rows, to_device
+from hydra_ddp.loop.profiling import step_profiler
+from hydra_ddp.optim import Optimizers
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for, default_step, scaler_for
-from hydra_ddp.tracking import RunInfo, make_tracker
+from hydra_ddp.tracking import RunInfo, make_tracker, redact
+from hydra_ddp.tracking.console import Console
+from hydra_ddp.tracking.stats import StepStats
 
 log = logging.getLogger(__name__)
 

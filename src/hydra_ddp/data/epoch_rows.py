@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
-from hydra_ddp.sampling import (
+from hydra_ddp.data.sampling import (
     ShardedSampler,
     StridedSampler,
     partition_files,

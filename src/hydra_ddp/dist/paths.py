@@ -19,7 +19,11 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hydra_ddp import claim, jsonfile, redact
+from hydra_ddp.dist import claim
+
+from hydra_ddp.dist import jsonfile
+
+from hydra_ddp.tracking import redact
 from hydra_ddp.dist import launcher_rank, under_launcher
 from hydra_ddp.errors import UserError
 

@@ -23,10 +23,9 @@ from typing import Any, Mapping
 
 import torch
 
-from hydra_ddp import jsonfile
-from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.dist import DistEnv, all_gather_objects, jsonfile
 from hydra_ddp.errors import UserError
-from hydra_ddp.objective import forward, to_device
+from hydra_ddp.loop.objective import forward, to_device
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hydra_ddp import dcp_files, safe_state
+from hydra_ddp.checkpoint import dcp_files, safe_state
 from hydra_ddp.dist import DistEnv, all_gather_objects, barrier
 from hydra_ddp.errors import UserError, check_archive, file_too_large, first_line, over_size_limit
 

@@ -25,7 +25,7 @@ def wrap_model(
     compile_units: bool = False,
 ) -> tuple[torch.nn.Module, CommHookState | None]:
     """Move the model to this rank's device and wrap it as the ddp/ config says: in DDP, or
-    sharded by fully_shard (ddp=fsdp2, hydra_ddp/fsdp.py; `also` are sharded the same way and
+    sharded by fully_shard (ddp=fsdp2, hydra_ddp/dist/fsdp.py; `also` are sharded the same way and
     `compile_units` compiles each unit first). Also return the comm hook's checkpointable
     state (PowerSGD's), if it has one.
 
@@ -33,7 +33,7 @@ def wrap_model(
     would name a GPU that does not exist.
     """
     if cfg.wrapper == Wrapper.fsdp2:
-        from hydra_ddp import fsdp
+        from hydra_ddp.dist import fsdp
 
         return fsdp.wrap(model, env, cfg, also, compile_units), None
     model = model.to(env.device)

@@ -17,19 +17,20 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hydra_ddp import checkpoint, jsonfile
+from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
-from hydra_ddp.console import Console
 from hydra_ddp.data import EvalData
-from hydra_ddp.dist import DistEnv, process_group, use_device
+from hydra_ddp.dist import DistEnv, jsonfile, process_group, use_device
 from hydra_ddp.errors import UserError, translated_evaluation
-from hydra_ddp.metrics import Metric, evaluate
-from hydra_ddp.monitor import Monitor
-from hydra_ddp.predict import predict
+from hydra_ddp.loop.monitor import Monitor
+from hydra_ddp.loop.predict import predict
+from hydra_ddp.loop.scoring import evaluate
+from hydra_ddp.metrics import Metric
 from hydra_ddp.step import autocast_for
 from hydra_ddp.tracking import RunInfo, Tracker
+from hydra_ddp.tracking.console import Console
 
 log = logging.getLogger(__name__)
 

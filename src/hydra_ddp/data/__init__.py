@@ -45,15 +45,15 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from hydra_ddp.components import check
 from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
-from hydra_ddp.dist import DistEnv
-from hydra_ddp.errors import UserError, check_regular
-from hydra_ddp.sampling import (
+from hydra_ddp.data.sampling import (
     ShardedSampler,
     StridedSampler,
     partition_files,
     partition_rows,
     samples_per_epoch,
 )
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import UserError, check_regular
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,12 @@
+"""The training loop and what runs inside it.
+
+- `job`: one rank's job: build the parts, resume, train, evaluate, checkpoint, summarise.
+- `objective`: how a batch reaches the model and how the loss sees the output.
+- `scoring`: the loss and every metric over a split, exact across ranks.
+- `evaluation`: validation during training (the monitor, the best checkpoint, early stopping)
+  and the evaluation of a saved checkpoint; `predict`: one prediction per row of a split.
+- `monitor`, `ema`, `profiling`: the monitored metric, the weights' moving average, the profiler.
+
+What a user edits is outside this package: the step (`hydra_ddp.step`), callbacks
+(`hydra_ddp.callbacks`) and components (`conf/`). Editing here changes the loop for every run.
+"""
