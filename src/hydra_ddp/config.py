@@ -199,14 +199,6 @@ class SamplerConfig:
 # --------------------------------------------------------------------------------------------
 
 
-class LoggerBackend(Enum):
-    """Where stats go besides the per-rank JSON-lines files (tracking.tracker.SINKS)."""
-
-    wandb = "wandb"
-    tensorboard = "tensorboard"  # one event-file folder per rank, <output dir>/tensorboard
-    none = "none"  # per-rank JSON-lines files only
-
-
 class Layout(Enum):
     """The three layouts W&B documents for distributed training."""
 
@@ -232,7 +224,9 @@ class WandbConsole(Enum):
 
 @dataclass
 class LoggerConfig:
-    backend: LoggerBackend = LoggerBackend.wandb
+    # Where stats go besides the per-rank JSON-lines files: a key of tracking.tracker.SINKS
+    # (wandb; tensorboard, one event-file folder per rank), or none (the files only).
+    backend: str = "wandb"
     layout: Layout = Layout.gather
     mode: WandbMode = WandbMode.auto
     console: WandbConsole = WandbConsole.off

@@ -12,7 +12,7 @@ fanned out to sinks.
                          wandb_login.py, wandb_ids.py and wandb_errors.py do the rest
 
 A user adds a backend as one module with a `Sink` subclass, one YAML in conf/logger/ and one line
-in tracker.SINKS (plus its name in config.LoggerBackend); the rest is not meant to be edited.
+in tracker.SINKS; the rest is not meant to be edited.
 """
 
 from hydra_ddp.tracking.files import set_aside
