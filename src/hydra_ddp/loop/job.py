@@ -217,10 +217,17 @@ def _run(job: Job) -> dict[str, Any]:
     monitor = Monitor(tcfg, monitor_key(cfg))
     pos = Position()
     held = state.Parts(
-        model=parts.model, optimizers=parts.optimizers, scaler=scaler, ema=ema,
-        monitor=monitor, callbacks=job.callbacks, position=PositionState(pos, _counting(job)),
-        comm_hook=hook_state, device=env.device, sharded=sharded,
-    )  # fmt: skip
+        model=parts.model,
+        optimizers=parts.optimizers,
+        scaler=scaler,
+        ema=ema,
+        monitor=monitor,
+        callbacks=job.callbacks,
+        position=PositionState(pos, _counting(job)),
+        comm_hook=hook_state,
+        device=env.device,
+        sharded=sharded,
+    )
     # ddp=fsdp2: sharded checkpoints, every rank writing its own shards (dcp.py).
     checkpointer = (DCPCheckpointer if sharded else Checkpointer)(
         run.output_dir, env, held, interval=tcfg.ckpt_interval, keep=tcfg.keep_ckpts,
@@ -249,36 +256,66 @@ def _run(job: Job) -> dict[str, Any]:
         return finish(loop, start_step, wall)
 
 
-def _loop(job: Job, held: state.Parts, step_model: torch.nn.Module, checkpointer: Checkpointer,
-          tracker: Tracker, scope: contextlib.ExitStack) -> Loop:  # fmt: skip
+def _loop(
+    job: Job,
+    held: state.Parts,
+    step_model: torch.nn.Module,
+    checkpointer: Checkpointer,
+    tracker: Tracker,
+    scope: contextlib.ExitStack,
+) -> Loop:
     """The loop's parts, around the model, the checkpoint members and the tracker."""
     cfg, env, run, parts = job.cfg, job.env, job.run, job.parts
     tcfg, pos, ema = cfg.trainer, held.position.pos, held.ema
     autocast = autocast_for(tcfg.precision, env.device)
     evaluator = Evaluator(
-        env=env, splits=job.evals, model=parts.model if ema is None else ema.module,
-        loss_fn=parts.objective, metrics=parts.metrics, autocast=autocast,
-        limit=tcfg.limit_eval_batches, interval=tcfg.eval_interval,
-        total_steps=job.total_steps, monitor=held.monitor, checkpointer=checkpointer,
-        tracker=tracker, console=job.console,
-    )  # fmt: skip
+        env=env,
+        splits=job.evals,
+        model=parts.model if ema is None else ema.module,
+        loss_fn=parts.objective,
+        metrics=parts.metrics,
+        autocast=autocast,
+        limit=tcfg.limit_eval_batches,
+        interval=tcfg.eval_interval,
+        total_steps=job.total_steps,
+        monitor=held.monitor,
+        checkpointer=checkpointer,
+        tracker=tracker,
+        console=job.console,
+    )
     stats = StepStats(
-        env=env, tracker=tracker, console=job.console, log_interval=tcfg.log_interval,
-        total_steps=job.total_steps, start_step=pos.step, unit=parts.source.unit,
+        env=env,
+        tracker=tracker,
+        console=job.console,
+        log_interval=tcfg.log_interval,
+        total_steps=job.total_steps,
+        start_step=pos.step,
+        unit=parts.source.unit,
         items_per_row=parts.source.items_per_row,
-    )  # fmt: skip
+    )
     tools = StepTools(held.scaler, autocast, tcfg.grad_clip,
                       tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model,
                       optimizers=parts.optimizers.optimizers)  # fmt: skip
     return Loop(
-        env=env, tcfg=tcfg, job=job, pos=pos, raw_model=parts.model, step_model=step_model,
-        tools=tools, ema=ema, checkpointer=checkpointer, evaluator=evaluator, stats=stats,
-        tracker=tracker, health=NonFiniteCheck(env, tcfg.nan_policy),
+        env=env,
+        tcfg=tcfg,
+        job=job,
+        pos=pos,
+        raw_model=parts.model,
+        step_model=step_model,
+        tools=tools,
+        ema=ema,
+        checkpointer=checkpointer,
+        evaluator=evaluator,
+        stats=stats,
+        tracker=tracker,
+        health=NonFiniteCheck(env, tcfg.nan_policy),
         stopper=StopOnSignal(env, cfg.dist.timeout_s),
         profiler=scope.enter_context(step_profiler(tcfg, env, run.output_dir)),
-        ctx=Context(env.rank, env.world_size, parts.model, run.output_dir,
-                    _sink=tracker.log_values),
-    )  # fmt: skip
+        ctx=Context(
+            env.rank, env.world_size, parts.model, run.output_dir, _sink=tracker.log_values
+        ),
+    )
 
 
 def _counting(job: Job) -> Counting:
