@@ -191,6 +191,10 @@ def _ema_count(parts: Parts) -> Stateful | None:
     return EMACount(parts.ema) if parts.ema is not None and parts.sharded else None
 
 
+def _schedules(parts: Parts) -> Stateful | None:
+    return SchedulerState(parts.optimizers) if parts.optimizers is not None else None
+
+
 def _opt(parts: Parts) -> Stateful | None:
     if parts.optimizers is None:
         return None
@@ -200,7 +204,7 @@ def _opt(parts: Parts) -> Stateful | None:
 # The table: the load order is this order (the schedules before the optimizers).
 MEMBERS: list[Member] = [
     Member("model", lambda p: ModelState(p.model, p.sharded), required=True, sharded=True),
-    Member("scheduler", lambda p: p.optimizers and SchedulerState(p.optimizers), required=True),
+    Member("scheduler", _schedules, required=True),
     Member("optimizer", _opt, required=True, sharded=True),
     Member("scaler", lambda p: p.scaler, required=True),
     Member("ema", _ema, sharded=True),
