@@ -293,9 +293,14 @@ def _loop(
         unit=parts.source.unit,
         items_per_row=parts.source.items_per_row,
     )
-    tools = StepTools(held.scaler, autocast, tcfg.grad_clip,
-                      tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model,
-                      optimizers=parts.optimizers.optimizers)  # fmt: skip
+    tools = StepTools(
+        scaler=held.scaler,
+        autocast=autocast,
+        max_norm=tcfg.grad_clip,
+        skip_non_finite=tcfg.nan_policy == NanPolicy.skip,
+        raw_model=parts.model,
+        optimizers=parts.optimizers.optimizers,
+    )
     return Loop(
         env=env,
         tcfg=tcfg,
