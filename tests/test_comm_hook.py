@@ -20,16 +20,15 @@ POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_ra
 
 def _restore_hook(env, cfg, run, path: str) -> dict:
     """A rank: a fresh DDP wrap with the PowerSGD hook, restored from `path`; its state."""
-    from hydra_ddp.checkpoint import Checkpointer
+    from hydra_ddp.checkpoint import Checkpointer, state
     from hydra_ddp.dist.ddp import wrap_model
     from hydra_ddp.loop.job import prepare
 
     job_ = prepare(cfg, env, run)
     _, hook = wrap_model(job_.parts.model, env, cfg.ddp)
     before = hook.state_dict()["iter"]
-    Checkpointer(
-        run.output_dir, env, 0, 1, 1, {"model": job_.parts.model}, {"comm_hook": hook}
-    ).restore(Path(path), ["step"])
+    parts = state.Parts(model=job_.parts.model, comm_hook=hook)
+    Checkpointer(run.output_dir, env, parts).restore(Path(path))
     return {"before": before, **safe_state.to_cpu(hook.state_dict())}
 
 
