@@ -37,7 +37,7 @@ from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer, load_sharded
 from hydra_ddp.components import build
-from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
+from hydra_ddp.config import NanPolicy, TrainConfig, TrainerConfig, Wrapper
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source, epoch_rows
 from hydra_ddp.dist import (
     DistEnv,
@@ -157,7 +157,7 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
         source, cfg.sampler, env, tcfg.batch_size, cfg.sampler_seed, tcfg.num_workers
     )
     evals = {
-        s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size, tcfg.num_workers)
+        s: EvalData(source, s, train_data.policy, env, tcfg.batch_size, tcfg.num_workers)
         for s in ("val", "test")
     }
     steps_per_epoch = _epoch_length(train_data.steps_per_epoch, tcfg)
@@ -519,9 +519,7 @@ def _log_plan(job: Job) -> None:
         job.steps_per_epoch / tcfg.grad_accum,
         job.total_steps,
     )
-    # Strided: every rank holds the split and takes 1/world of it; sharded: its own part.
-    strided = job.cfg.sampler.policy == SamplerPolicy.strided
-    per_rank = data.rows_held // env.world_size if strided else data.rows_held
+    per_rank = data.rows_per_rank  # strided: 1/world of the split; sharded: its own part
     if per_rank < tcfg.batch_size:
         log.warning(
             "trainer.batch_size=%d is more than the %d training rows each rank gets: every "
@@ -619,7 +617,7 @@ def _summary(
             )
         ],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],
-        "sampler": cfg.sampler.policy.value,
+        "sampler": job.train_data.policy.name,
         "objective": val[monitor_key(cfg)],  # trainer.monitor
     }
     # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
