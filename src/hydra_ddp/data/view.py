@@ -41,31 +41,27 @@ class TrainData:
         num_workers: int = 0,
     ):
         self.source, self.env, self.num_workers = source, env, num_workers
+        self.batch_size = batch_size
         self.policy = built(sampler, seed)
         check_sampling(source, self.policy, env.world_size, batch_size)
         self._epoch: int | None = None
-        self._load(0)
-        self.sampler = self.policy.sampler(
-            len(self.dataset), self._parts, env.rank, env.world_size, batch_size
-        )
+        self._view(0)
         if len(self.sampler) == 0:
             raise UserError(
                 f"trainer.batch_size={batch_size} with sampler.drop_last=true leaves "
                 "no full batch per rank: lower trainer.batch_size"
             )
-        self.loader = self._loader()
 
-    def _load(self, epoch: int) -> None:
-        """Load (and check) the rows the policy gives this rank in `epoch`."""
-        n, world = self.source.num_rows("train"), self.env.world_size
-        self._parts = self.policy.parts(n, _file_rows(self.source), world, epoch)
-        mine = None if self._parts is None else self._parts[self.env.rank]
-        self.dataset = self.source.load("train", mine)
+    def _view(self, epoch: int) -> None:
+        """The one place this rank's view is made: the rows the policy gives it in `epoch`,
+        loaded and checked, the policy's batches of them, and the loader."""
+        n, world, rank = self.source.num_rows("train"), self.env.world_size, self.env.rank
+        parts = self.policy.parts(n, _file_rows(self.source), world, epoch)
+        self.dataset = self.source.load("train", None if parts is None else parts[rank])
         check_loaded(self.dataset, self.source.spec, "train")
+        self.sampler = self.policy.sampler(len(self.dataset), parts, rank, world, self.batch_size)
+        self.loader = loader(self.source, self.dataset, self.sampler, self.env, self.num_workers)
         self._epoch = epoch
-
-    def _loader(self) -> DataLoader:
-        return loader(self.source, self.dataset, self.sampler, self.env, self.num_workers)
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -91,13 +87,7 @@ class TrainData:
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator:
         """Batches of `epoch`, skipping the first `start_batch` (resuming mid-epoch)."""
         if self.policy.reloads_each_epoch and self._epoch != epoch:
-            self._load(epoch)
-            # Same count on every rank: the sampler is made again for the new part.
-            self.sampler = self.policy.sampler(
-                len(self.dataset), self._parts, self.env.rank, self.env.world_size,
-                self.sampler.batch_size,
-            )  # fmt: skip
-            self.loader = self._loader()
+            self._view(epoch)
         self.sampler.load_state_dict({"epoch": epoch, "start_batch": start_batch})
         return iter(self.loader)
 
