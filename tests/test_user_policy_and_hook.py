@@ -140,7 +140,7 @@ def test_a_user_comm_hook_trains_two_ranks_and_runs_on_both(tmp_path: Path) -> N
             "dist.nproc_per_node=2",
             *FAST,
             "ddp=counting",
-            "trainer.max_steps=8",
+            "trainer.max_steps=6",
             "trainer.log_interval=2",
             env=env,
             timeout=240,
