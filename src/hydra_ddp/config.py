@@ -11,7 +11,8 @@ are `Enum`s because hydra-core 1.3 pins omegaconf below 2.4, which rejects `typi
 What a user swaps in (data, model, optim, scheduler, loss, metrics, the sampler policy and the
 DDP comm hook `ddp.comm_hook`) is not typed here: each is `_target_` plus keyword arguments in
 its own `conf/<group>/<name>.yaml`, built by `hydra_ddp.components.build`, and its defaults
-live in that YAML; a bad argument fails in the launching process, naming the key.
+live in that YAML; a bad argument fails in one line naming the key (the sampler's in the
+launching process, the comm hook's when each rank wraps the model).
 """
 
 from __future__ import annotations

@@ -49,7 +49,11 @@ _CHUNK_INDICES = 1 << 16
 
 
 class EpochSampler(Sampler[np.ndarray]):
-    """Shared epoch / resume / batching logic; subclasses define the per-epoch sample sequence."""
+    """Batches of row indices for one rank, epoch by epoch, resumable mid-epoch: what a sampler
+    policy's `sampler()` returns. A subclass sets `num_samples` (this rank's rows per epoch, the
+    same batch count on every rank) and defines `_order(epoch)` (a permutation, or None) and
+    `_rows(sample_ids, order)` (this rank's i-th samples -> indices into the rows it loaded);
+    epochs, batching, `drop_last` and the resume position are done here."""
 
     num_samples: int
     epoch: int
