@@ -27,7 +27,6 @@ from omegaconf import MISSING, OmegaConf
 from hydra_ddp.errors import UserError
 from hydra_ddp.logger_config import (  # noqa: F401  (the logger/ group, imported from here too)
     Layout,
-    LoggerBackend,
     LoggerConfig,
     WandbConsole,
     WandbMode,

@@ -16,14 +16,6 @@ def _require(ok: bool, key: str, allowed: str, value: object) -> None:
         raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
 
 
-class LoggerBackend(Enum):
-    """Where stats go besides the per-rank JSON-lines files (tracking.tracker.SINKS)."""
-
-    wandb = "wandb"
-    tensorboard = "tensorboard"  # one event-file folder per rank, <output dir>/tensorboard
-    none = "none"  # per-rank JSON-lines files only
-
-
 class Layout(Enum):
     """The three layouts W&B documents for distributed training."""
 
@@ -49,7 +41,9 @@ class WandbConsole(Enum):
 
 @dataclass
 class LoggerConfig:
-    backend: LoggerBackend = LoggerBackend.wandb
+    # Where stats go besides the per-rank JSON-lines files: a key of tracking.tracker.SINKS
+    # (wandb; tensorboard, one event-file folder per rank), or none (the files only).
+    backend: str = "wandb"
     layout: Layout = Layout.gather
     mode: WandbMode = WandbMode.auto
     console: WandbConsole = WandbConsole.off
