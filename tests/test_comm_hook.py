@@ -62,3 +62,28 @@ def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
 def test_powersgd_start_iter_below_two_is_refused_at_compose() -> None:
     with pytest.raises(UserError, match=r"ddp\.powersgd_start_iter=1 is not allowed: .* >= 2"):
         typed("ddp=powersgd", "ddp.powersgd_start_iter=1")
+
+
+def test_a_comm_hook_name_that_is_not_built_in_is_refused_at_compose() -> None:
+    with pytest.raises(
+        UserError, match=r"ddp\.comm_hook='fp8' is not allowed: .*powersgd.*_target_"
+    ):
+        typed("ddp.comm_hook=fp8")
+
+
+def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
+    from hydra_ddp.dist import comm_hooks
+
+    with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built a "
+                       r"Counter without hook\(state, bucket\)") as e:  # fmt: skip
+        comm_hooks.built({"_target_": "collections.Counter"}, 2, 10, "cpu")
+    assert "\n" not in str(e.value)
+    with pytest.raises(
+        UserError, match=r"ddp\.comm_hook \(.*PowerSGD\): ddp\.comm_hook\.start_iter"
+    ):
+        comm_hooks.built(
+            {"_target_": "hydra_ddp.dist.comm_hooks.PowerSGD", "rank": 1, "start_iter": 1},
+            2,
+            10,
+            "cpu",
+        )

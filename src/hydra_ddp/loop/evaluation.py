@@ -162,7 +162,7 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     use_device(env)
     path = checkpoint_file(request)
     source = build(cfg.data, "data")
-    split = EvalData(source, request.split, cfg.sampler.policy, env, cfg.trainer.batch_size)
+    split = EvalData(source, request.split, cfg.sampler, env, cfg.trainer.batch_size)
     model = build(cfg.model, "model", **source.spec)
     state = checkpoint.load(path)
     weights = state["model"]

@@ -249,7 +249,7 @@ def _summary(
             )
         ],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],
-        "sampler": cfg.sampler.policy.value,
+        "sampler": job.train_data.policy.name,
         "objective": val[monitor_key(cfg)],  # trainer.monitor
     }
     # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.

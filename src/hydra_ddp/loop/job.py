@@ -28,7 +28,7 @@ from hydra_ddp.checkpoint.dcp import DCPCheckpointer, load_sharded
 from hydra_ddp.checkpoint.files import check_folder
 from hydra_ddp.checkpoint.reading import file_or_newest
 from hydra_ddp.components import build
-from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, Wrapper
+from hydra_ddp.config import NanPolicy, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source, epoch_rows
 from hydra_ddp.dist import (
     DistEnv,
@@ -135,10 +135,10 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
         source, cfg.sampler, env, tcfg.batch_size, cfg.sampler_seed, tcfg.num_workers
     )
     evals = {
-        s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size, tcfg.num_workers)
+        s: EvalData(source, s, train_data.policy, env, tcfg.batch_size, tcfg.num_workers)
         for s in ("val", "test")
     }
-    per_epoch = epoch_length(train_data.steps_per_epoch, tcfg)  # micro-batches
+    per_epoch = epoch_length(train_data.micro_batches_per_epoch, tcfg)  # micro-batches
     # trainer.epochs counts passes over the data: its micro-batches, whatever grad_accum is;
     # the last step takes what is left (a smaller step) when they do not divide.
     total_micro = tcfg.epochs * per_epoch if tcfg.max_steps <= 0 else None
@@ -384,9 +384,7 @@ def _log_plan(job: Job) -> None:
         job.micro_batches_per_epoch / tcfg.grad_accum,
         job.total_steps,
     )
-    # Strided: every rank holds the split and takes 1/world of it; sharded: its own part.
-    strided = job.cfg.sampler.policy == SamplerPolicy.strided
-    per_rank = data.rows_held // env.world_size if strided else data.rows_held
+    per_rank = data.rows_per_rank  # strided: 1/world of the split; sharded: its own part
     if per_rank < tcfg.batch_size:
         log.warning(
             "trainer.batch_size=%d is more than the %d training rows each rank gets: every "

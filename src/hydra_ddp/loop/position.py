@@ -51,7 +51,7 @@ def batches(data: TrainData, start: Position, tcfg: TrainerConfig) -> Iterator[t
     """(epoch, batch_in_epoch, batch) from `start` on, forever (the sampler reshuffles for each
     epoch); batch_in_epoch counts from 1. trainer.overfit_batches: the first N batches of epoch
     0, every epoch; trainer.limit_train_batches: each epoch ends after N batches."""
-    length = epoch_length(data.steps_per_epoch, tcfg)
+    length = epoch_length(data.micro_batches_per_epoch, tcfg)
     fixed = list(itertools.islice(data.epoch(0), length)) if tcfg.overfit_batches else None
     epoch, done = start.epoch, start.batch_in_epoch
     while True:
