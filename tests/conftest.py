@@ -4,8 +4,8 @@ Every run happens in `tmp_path` (Hydra's outputs/ and multirun/ land there), wit
 under it and forced offline, and with a timeout so a hang fails the test instead of CI.
 
 Real launches are few and each checks many things (see the module docstrings); most tests run
-the same code in process instead: tests/inproc.py composes the config as the entry does and runs
-the training loop on one rank here, tests/ranks.py runs a function on several real gloo ranks in
+the same code in process instead: helpers/inproc.py composes the config as the entry does and runs
+the training loop on one rank here, helpers/ranks.py runs a function on several real gloo ranks in
 worker processes kept for the session.
 """
 
@@ -56,7 +56,7 @@ def user_env(tmp: Path, **extra: Optional[str]) -> dict[str, str]:
 
 
 def wandb_env(tmp: Path, **extra: Optional[str]) -> dict[str, Optional[str]]:
-    """user_env's W&B isolation, as the variables of an in-process run (tests/ranks.py)."""
+    """user_env's W&B isolation, as the variables of an in-process run (helpers/ranks.py)."""
     return {
         "NETRC": str(tmp / "no-netrc"),
         "WANDB_CONFIG_DIR": str(tmp / "wandb-config"),
@@ -153,7 +153,7 @@ def synthetic(tmp_path: Path):
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_workers():
-    """The worker processes of tests/ranks.py, stopped at the end of the session."""
+    """The worker processes of helpers/ranks.py, stopped at the end of the session."""
     yield
     if "ranks" in sys.modules:
         sys.modules["ranks"].shutdown()

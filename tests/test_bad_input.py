@@ -3,7 +3,7 @@
 Every case of the table runs, in process, what `python -m hydra_ddp.train ...` runs up to the
 point where the case fails: the config composed with Hydra's compose API (a composition error is
 Hydra's own), typed with every check (`to_typed`), the launcher variables read, then `preflight`
-when the job would start 2 workers and the workers' `train` on 2 real gloo ranks (tests/ranks.py),
+when the job would start 2 workers and the workers' `train` on 2 real gloo ranks (helpers/ranks.py),
 or `train` on one rank here. Each must fail with a `UserError` of one line holding the expected
 text. A scratch dir holds an earlier run's outputs, and each case checks they were left exactly as
 they were and that the malicious checkpoint was never unpickled.
@@ -32,11 +32,11 @@ from typing import Optional
 
 import numpy as np
 import pytest
-import ranks
 import torch
 from conftest import REPO, TESTS, make_synthetic, python_train, torchrun, user_env
+from helpers import ranks
+from helpers.inproc import FAST, compose, entry, entry_on_a_rank, train_here
 from hydra.errors import ConfigCompositionException
-from inproc import FAST, compose, entry, entry_on_a_rank, train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp.errors import UserError
@@ -329,7 +329,7 @@ CASES = [
     # Distributed setup: the first two fail in the 2 workers, after the process group is up.
     Case(
         "unused_params_without_find_unused",
-        ["model._target_=unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
+        ["model._target_=helpers.unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
         ["got no gradient", "ddp=unused_params"],
         exit_code=2,
     ),
@@ -493,7 +493,11 @@ def test_torchrun_worker_error_is_ours_in_one_line(tmp_path: Path) -> None:
     ChildFailedError report, which we cannot suppress: none of its frames may be ours."""
     env = user_env(tmp_path, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(TESTS)]))
     proc = torchrun(
-        tmp_path, *SMALL, "model._target_=unused_model.MLPWithUnusedHead", env=env, timeout=150
+        tmp_path,
+        *SMALL,
+        "model._target_=helpers.unused_model.MLPWithUnusedHead",
+        env=env,
+        timeout=150,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0

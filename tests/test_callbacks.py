@@ -1,5 +1,5 @@
 """Callbacks (`callbacks.NAME._target_`), through the real loop: in process on one rank, and on
-two gloo ranks of tests/ranks.py. Each hook fires as documented (on_epoch_end once per epoch,
+two gloo ranks of helpers/ranks.py. Each hook fires as documented (on_epoch_end once per epoch,
 also with grad_accum > 1, limit_train_batches and a resume in the middle of an epoch), their
 state rides in the checkpoint, ctx.log reaches every rank's stats file, and a failing or
 hook-less callback stops the run with one line naming it."""
@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
-from inproc import FAST, train_here, train_ranks
+from helpers.inproc import FAST, train_here, train_ranks
 
 from hydra_ddp.errors import UserError
 
-COUNT = ["+callbacks.count._target_=user_callbacks.Count"]
+COUNT = ["+callbacks.count._target_=helpers.user_callbacks.Count"]
 
 
 def _counts(job: Path, rank: int = 0) -> dict:
@@ -61,16 +61,16 @@ def test_epoch_end_once_per_epoch_with_limit_and_across_a_resume(tmp_path: Path)
 
 
 def test_a_failing_callback_stops_with_one_line_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"callbacks\.boom \(user_callbacks\.Boom\) failed in "
-                       r"on_step_end at step 3: ValueError: boom at three"):  # fmt: skip
-        train_here(tmp_path, *FAST, "+callbacks.boom._target_=user_callbacks.Boom")
+    with pytest.raises(UserError, match=r"callbacks\.boom \(helpers\.user_callbacks\.Boom\) "
+                       r"failed in on_step_end at step 3: ValueError: boom at three"):  # fmt: skip
+        train_here(tmp_path, *FAST, "+callbacks.boom._target_=helpers.user_callbacks.Boom")
 
 
 def test_a_callback_without_hooks_or_with_a_typo_is_refused_before_training(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(UserError, match=r"callbacks\.none \(NoHooks\) has none of"):
-        train_here(tmp_path, *FAST, "+callbacks.none._target_=user_callbacks.NoHooks")
+        train_here(tmp_path, *FAST, "+callbacks.none._target_=helpers.user_callbacks.NoHooks")
     with pytest.raises(UserError, match=r"callbacks\.count\.evry is not an argument"):
         train_here(tmp_path, *FAST, *COUNT, "+callbacks.count.evry=2")
     assert not (tmp_path / "checkpoints").exists()

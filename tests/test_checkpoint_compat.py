@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from inproc import FAST, train_ranks
+from helpers.inproc import FAST, train_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint_v1"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inproc import FAST, job, train_rank
+from helpers.inproc import FAST, job, train_rank
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
@@ -59,7 +59,7 @@ def _train_with(env, cfg, run, values: dict[str, Any] | None, required: bool = F
 
 
 def _ranks(tmp_path: Path, *overrides: str, values=None, required=False, **kw) -> Any:
-    import ranks
+    from helpers import ranks
 
     cfg, run = job(tmp_path, *COMMON, *overrides)
     return ranks.run(_train_with, cfg, run, values, required, group=False, timeout=240, **kw)
@@ -84,7 +84,7 @@ def test_a_registered_member_is_saved_and_restored_on_2_ranks(tmp_path: Path) ->
 
 
 def test_a_member_missing_from_the_checkpoint_starts_fresh_or_is_refused(tmp_path: Path) -> None:
-    from inproc import train_ranks
+    from helpers.inproc import train_ranks
 
     train_ranks(tmp_path, *COMMON, "trainer.max_steps=2")  # no Notes registered
     with pytest.raises(UserError, match=r"holds no note state, which this job needs"):

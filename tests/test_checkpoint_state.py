@@ -10,16 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import state_callbacks
 import torch
 from conftest import ok, run
-from inproc import FAST, compose, train_here, train_ranks
+from helpers import state_callbacks
+from helpers.inproc import FAST, compose, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp.checkpoint import safe_state
 from hydra_ddp.errors import UserError
 
-JOB = [*FAST, "trainer.ckpt_interval=2", "+callbacks.stats._target_=state_callbacks.NumpyState"]
+JOB = [
+    *FAST,
+    "trainer.ckpt_interval=2",
+    "+callbacks.stats._target_=helpers.state_callbacks.NumpyState",
+]
 
 
 def test_numpy_state_is_saved_plain_and_resumed(tmp_path: Path) -> None:
@@ -44,13 +48,13 @@ def test_numpy_state_is_saved_plain_and_resumed(tmp_path: Path) -> None:
 
 def test_state_no_plain_type_can_hold_is_refused_at_the_first_save(tmp_path: Path) -> None:
     job = [*FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2",
-           "+callbacks.odd._target_=state_callbacks.OpaqueState"]  # fmt: skip
+           "+callbacks.odd._target_=helpers.state_callbacks.OpaqueState"]  # fmt: skip
     with pytest.raises(UserError) as caught:
         train_here(tmp_path, *job)
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(
-        "callbacks.odd: state_dict()['thing'] holds a state_callbacks.Opaque, which "
+        "callbacks.odd: state_dict()['thing'] holds a helpers.state_callbacks.Opaque, which "
         "torch.load(weights_only=True) cannot read back"
     ), message
     assert not list((tmp_path / "checkpoints").glob("*.pt")), "no unloadable file written"
@@ -80,7 +84,7 @@ def test_the_refusal_stops_every_rank_at_the_same_save(tmp_path: Path) -> None:
     """Rank 0 alone holds the state it saves; the refusal reaches every rank through the
     gather of the save, so none waits for a rank that has left."""
     job = [*FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2",
-           "+callbacks.odd._target_=state_callbacks.OpaqueState"]  # fmt: skip
+           "+callbacks.odd._target_=helpers.state_callbacks.OpaqueState"]  # fmt: skip
     errors = train_ranks(tmp_path, *job, return_exceptions=True, timeout=120)
     assert [type(e) for e in errors] == [UserError, UserError], errors
     assert str(errors[0]) == str(errors[1])

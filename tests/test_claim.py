@@ -77,14 +77,14 @@ def test_dead_holders_and_earlier_attempts_are_taken_over(tmp_path: Path, monkey
 
 
 def _lone_rank_with_bad_master(env, cfg, run):
-    from inproc import train
+    from helpers.inproc import train
 
     return train(cfg, env, run)
 
 
 def test_an_unresolvable_master_addr_fails_at_once_naming_the_host(tmp_path: Path) -> None:
-    import ranks
-    from inproc import FAST, job
+    from helpers import ranks
+    from helpers.inproc import FAST, job
 
     from hydra_ddp.errors import UserError
 
@@ -151,7 +151,7 @@ def test_workers_of_a_killed_launcher_stop_and_keep_the_dir_until_they_have(
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hydra_ddp.train", "logger=none", "trainer.progress=false",
            f"hydra.run.dir={run_dir}", "dist.nproc_per_node=2", "trainer.max_steps=30",
-           "trainer.log_interval=1", "model._target_=slow_model.SlowMLP",
+           "trainer.log_interval=1", "model._target_=helpers.slow_model.SlowMLP",
            "+model.sleep_s=8"]  # fmt: skip
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -205,7 +205,7 @@ def test_a_second_submitit_sweep_into_the_same_dir_is_refused_and_writes_nothing
            "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", "logger=none",
            "trainer.progress=false", f"hydra.sweep.dir={sweep}", "trainer.max_steps=3"]  # fmt: skip
     winner = subprocess.Popen(
-        [*cmd, "+callbacks.gate._target_=gate_callbacks.WaitForFile",
+        [*cmd, "+callbacks.gate._target_=helpers.gate_callbacks.WaitForFile",
          f"+callbacks.gate.path={gate}"],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,

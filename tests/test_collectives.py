@@ -1,4 +1,4 @@
-"""What the ranks must agree on, on 2 real gloo ranks in process (tests/ranks.py): exact
+"""What the ranks must agree on, on 2 real gloo ranks in process (helpers/ranks.py): exact
 distributed evaluation, the stop on a signal, the monitor's early-stop decision. And the helper
 itself: a rank's exception reaches the test, a hang fails it within the timeout.
 
@@ -14,9 +14,9 @@ import signal
 import time
 
 import pytest
-import ranks
 import torch
 import torch.distributed as dist
+from helpers import ranks
 
 from hydra_ddp.config import MonitorMode, TrainerConfig
 from hydra_ddp.dist import DistEnv

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inproc import FAST, job, train_ranks, typed
+from helpers.inproc import FAST, job, train_ranks, typed
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import safe_state
@@ -33,7 +33,7 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
 
 
 def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
-    import ranks
+    from helpers import ranks
 
     train_ranks(tmp_path, *POWERSGD, "trainer.max_steps=6")
     path = checkpoint.latest(tmp_path)

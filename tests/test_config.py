@@ -26,7 +26,7 @@ GROUPS = {
     g.name: sorted(p.stem for p in g.glob("*.yaml"))
     for g in CONF.iterdir()
     # hparams_search, experiment and debug are command-line-only groups of the whole config
-    # (tests/test_sweeps.py, tests/test_presets.py, tests/test_debug.py).
+    # (tests/test_sweeps.py, tests/test_presets.py, tests/test_debug_presets.py).
     if g.is_dir() and g.name not in ("hydra", "hparams_search", "experiment", "debug")
 }
 TYPED = {"ddp": C.DDPConfig, "logger": C.LoggerConfig}

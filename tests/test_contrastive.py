@@ -12,9 +12,9 @@ import math
 from pathlib import Path
 
 import pytest
-import ranks
 import torch
-from inproc import FAST, train_ranks
+from helpers import ranks
+from helpers.inproc import FAST, train_ranks
 
 from hydra_ddp.dist import DistEnv, all_gather_with_grad
 from hydra_ddp.errors import UserError
@@ -88,7 +88,7 @@ def test_contrastive_example_on_two_ranks(tmp_path: Path) -> None:
     # rows), so the last batches differ; every rank stops with the shapes, not a gloo abort.
     results = train_ranks(tmp_path / "bad", *FAST, "experiment=contrastive",
                           "trainer.max_steps=2", f"trainer.batch_size={batch}",
-                          "loss._target_=contrastive_user.gathers_always",
+                          "loss._target_=helpers.contrastive_user.gathers_always",
                           return_exceptions=True)  # fmt: skip
     for r in results:
         assert isinstance(r, UserError), r

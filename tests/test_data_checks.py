@@ -3,7 +3,7 @@
 Each case writes a small synthetic data set with scripts/make_synthetic.py, breaks one shard
 the way real data goes wrong (a shard of other width, float64, a label past the class count,
 NaN in training or validation rows) and runs the training loop on it, in process: on one rank
-here, or on 2 real gloo ranks (tests/ranks.py). The header checks (shape, dtype) run in
+here, or on 2 real gloo ranks (helpers/ranks.py). The header checks (shape, dtype) run in
 SyntheticArrays' constructor, so with several ranks they fail on every rank before the process
 group starts; the value checks (finite, label range) run on the rows each rank loads
 (`data.check_loaded`). What the entry makes of such a UserError (exit 2, one `error:` line) is
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from inproc import FAST, train_here, train_ranks
+from helpers.inproc import FAST, train_here, train_ranks
 
 from hydra_ddp.data import Origin, Rows, TokenWindows, check_loaded
 from hydra_ddp.errors import UserError

@@ -4,7 +4,7 @@ secrets. Real torchrun, real gloo, real signals and SIGKILLs; nothing is mocked.
 Three real torchrun jobs stay in the default suite, each as a user meets the fault: a worker
 SIGKILLed and restarted by torchrun (--max-restarts), SIGTERM to the agent (what SLURM sends),
 and the agent SIGKILLed. Everything else runs in process: the reference run, resuming a stopped
-job, the NaN policies, a missing or silent peer, on real gloo ranks (tests/ranks.py).
+job, the NaN policies, a missing or silent peer, on real gloo ranks (helpers/ranks.py).
 
 The kill tests compare against one uninterrupted 2-rank run of the same config (40 steps,
 14 steps per epoch, checkpoints every 10 steps, dropout on so restoring every rank's RNG state
@@ -30,7 +30,6 @@ from typing import Callable, Optional
 import numpy as np
 import psutil
 import pytest
-import ranks
 import torch
 from conftest import (
     job_dirs,
@@ -41,7 +40,8 @@ from conftest import (
     torchrun,
     user_env,
 )
-from inproc import FAST, entry_on_a_rank, train_here, train_ranks
+from helpers import ranks
+from helpers.inproc import FAST, entry_on_a_rank, train_here, train_ranks
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
@@ -374,7 +374,7 @@ def test_workers_stop_when_the_torchrun_agent_is_killed(tmp_path: Path) -> None:
 SLOW_STEP_S = 3.0
 SLOW = [
     *FAST,
-    "model._target_=slow_model.SlowMLP",
+    "model._target_=helpers.slow_model.SlowMLP",
     f"+model.sleep_s={SLOW_STEP_S}",
     "trainer.max_steps=50",
     "trainer.log_interval=1",
@@ -495,7 +495,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> 
 
 
 def _lone_rank(tmp_path: Path, rank: int, port: int, timeout_s: int) -> tuple[Exception, float]:
-    """One rank of 2, started alone (in a process of tests/ranks.py) against
+    """One rank of 2, started alone (in a process of helpers/ranks.py) against
     MASTER_PORT=port with dist.timeout_s=timeout_s: how it failed, and how long it took."""
     env = {
         "RANK": str(rank),
@@ -719,7 +719,8 @@ def test_the_final_line_names_the_rank_that_failed_first(
         [
             sys.executable, "-m", "hydra_ddp.train", *FAST, "dist.nproc_per_node=2",
             "trainer.max_steps=30", "trainer.log_interval=1", "trainer.num_workers=1",
-            "+callbacks.fail._target_=failing_callbacks.FailOnRank", f"+callbacks.fail.how={how}",
+            "+callbacks.fail._target_=helpers.failing_callbacks.FailOnRank",
+            f"+callbacks.fail.how={how}",
             f"hydra.run.dir={tmp_path / 'job'}",
         ],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,

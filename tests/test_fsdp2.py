@@ -1,6 +1,6 @@
 """ddp=fsdp2: the model sharded with fully_shard, and its sharded checkpoints (dcp.py).
 
-On real gloo ranks in process (tests/ranks.py): FSDP2 against DDP on the same seed (losses and
+On real gloo ranks in process (helpers/ranks.py): FSDP2 against DDP on the same seed (losses and
 final parameters equal, about half the state per rank), the sharded checkpoints (resume on 2,
 then 1, then 2 ranks equal to an uninterrupted run; integrity, fallback, rotation, export,
 init_from both ways), and every bad input in one line before any step. Real torchrun jobs
@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 from conftest import ok, only_job_dir, run, summary, torchrun, user_env
-from inproc import FAST, train_here, train_ranks, typed
+from helpers.inproc import FAST, train_here, train_ranks, typed
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import dcp

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from inproc import FAST, train_ranks
+from helpers.inproc import FAST, train_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # A constant rate: the logged lr is the configured one.

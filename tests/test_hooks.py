@@ -1,4 +1,4 @@
-"""The hooks that see a step's tensors, through the real loop on two gloo ranks (tests/ranks.py)
+"""The hooks that see a step's tensors, through the real loop on two gloo ranks (helpers/ranks.py)
 with user code outside the package, by config alone: a callback logs every layer's gradient
 norm from on_before_optimizer_step (the gradients as averaged over the ranks, before clipping),
 on_step_end's ctx carries the step's micro-batches, outputs and losses, and an epoch-stepped
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inproc import FAST, train_here, train_ranks
+from helpers.inproc import FAST, train_here, train_ranks
 
 from hydra_ddp.step import StepTools
 
@@ -37,8 +37,8 @@ def test_two_ranks_log_layer_grad_norms_see_step_tensors_and_step_lr_by_epoch(
 ) -> None:
     # limit_train_batches=4 with grad_accum=2: 2 steps per epoch, 3 epochs are 6 steps.
     summaries = train_ranks(
-        tmp_path, *FAST, "+callbacks.grads._target_=user_hooks.LayerGradNorms",
-        "+callbacks.contents._target_=user_hooks.StepContents", "scheduler=epoch_step",
+        tmp_path, *FAST, "+callbacks.grads._target_=helpers.user_hooks.LayerGradNorms",
+        "+callbacks.contents._target_=helpers.user_hooks.StepContents", "scheduler=epoch_step",
         "trainer.limit_train_batches=4", "trainer.grad_accum=2", "trainer.epochs=3",
         "trainer.log_interval=1", f"trainer.grad_clip={CLIP}",
     )  # fmt: skip
@@ -73,7 +73,7 @@ def test_a_step_with_two_optimizers_calls_the_hook_before_each_naming_it(tmp_pat
     # experiment=gan's step: tools.step(discriminator), then tools.step(generator).
     train_here(
         tmp_path, *FAST, "experiment=gan", "trainer.max_steps=2", "trainer.log_interval=1",
-        "+callbacks.grads._target_=user_hooks.LayerGradNorms",
+        "+callbacks.grads._target_=helpers.user_hooks.LayerGradNorms",
     )  # fmt: skip
     calls = json.loads((tmp_path / "grad_calls_rank0.json").read_text())
     assert calls == [[s, o] for s in (1, 2) for o in ("discriminator", "generator")]

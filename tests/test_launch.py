@@ -3,7 +3,7 @@
     a. torchrun --nproc_per_node=2 -m hydra_ddp.train ...           (tests/test_train.py's default
                                                                       job)
     b. python -m hydra_ddp.train dist.nproc_per_node=2 ...          (the job starts its workers;
-                                                                      tests/test_extend.py)
+                                                                      tests/test_components_outside_the_package.py)
     c. python -m hydra_ddp.train -m dist.nproc_per_node=2 a=1,2 ...  (a sweep of DDP jobs, here)
     d. two torchrun agents ("nodes") meeting through c10d rendezvous on localhost (slow)
     e. hydra/launcher=submitit_local with 2 tasks (the SLURM code path without SLURM; slow)
@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import ranks
-import wandb_records  # noqa: E402  (a test helper next to conftest.py)
 from conftest import (
     FAST,
     REPO,
@@ -41,6 +39,10 @@ from conftest import (
     summary,
     torchrun,
     user_env,
+)
+from helpers import (
+    ranks,
+    wandb_records,  # noqa: E402  (a test helper next to conftest.py)
 )
 
 TINY = [*FAST, "trainer.max_steps=20"]

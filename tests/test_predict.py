@@ -15,9 +15,9 @@ from pathlib import Path
 
 import conftest
 import pytest
-import ranks
 import torch
-from inproc import FAST, compose, isolated, train_here
+from helpers import ranks
+from helpers.inproc import FAST, compose, isolated, train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
@@ -31,10 +31,10 @@ from hydra_ddp.tracking import RunInfo
 
 MLP_JOBS = {
     "tensor": [],
-    "tuple": ["model._target_=predict_models.TupleOut", "loss._target_=predict_models.scores_loss",
-              "metrics=none"],
-    "dict": ["model._target_=predict_models.DictOut", "loss._target_=predict_models.scores_loss",
-             "metrics=none"],
+    "tuple": ["model._target_=helpers.predict_models.TupleOut",
+              "loss._target_=helpers.predict_models.scores_loss", "metrics=none"],
+    "dict": ["model._target_=helpers.predict_models.DictOut",
+             "loss._target_=helpers.predict_models.scores_loss", "metrics=none"],
 }  # fmt: skip
 
 
@@ -154,7 +154,7 @@ def test_an_error_while_predicting_names_the_rank_and_the_cause(mlp_runs, caplog
     # A model that fails on one rank only: that rank names itself and the cause; the other
     # says it lost contact during prediction, and suggests no restart (that resumes training).
     results = ranks.run(_eval_rank, mlp_runs["tensor"],
-                        ["predict=true", "model._target_=predict_models.FailsOnRank1"],
+                        ["predict=true", "model._target_=helpers.predict_models.FailsOnRank1"],
                         world_size=2, group=False, timeout=120, return_exceptions=True)  # fmt: skip
     lines = [str(r).splitlines()[0] for r in results]
     assert lines[1].startswith("rank 1 failed while evaluating split test: ValueError: boom")
@@ -167,7 +167,7 @@ def test_a_self_launched_eval_names_the_rank_that_failed(mlp_runs, tmp_path: Pat
     """The launcher's last line names the rank whose own error came first (rank 1's), not the
     rank that only lost contact with it, and suggests no restart."""
     proc = conftest.run([sys.executable, "-m", "hydra_ddp.eval", f"run={mlp_runs['tensor']}",
-                "dist.nproc_per_node=2", "model._target_=predict_models.FailsOnRank1"],
+                "dist.nproc_per_node=2", "model._target_=helpers.predict_models.FailsOnRank1"],
                tmp_path, env=_with_tests_on_path(tmp_path))  # fmt: skip
     assert proc.returncode != 0, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]

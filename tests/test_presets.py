@@ -1,7 +1,7 @@
 """Named experiments (conf/experiment/) and the configs an installed console script finds.
 
 An experiment composes with the data set's loss and metrics, the command line still wins over
-it, and it runs on two real gloo ranks (tests/ranks.py). The installed `hydra-ddp-train` (a
+it, and it runs on two real gloo ranks (helpers/ranks.py). The installed `hydra-ddp-train` (a
 regular, non-editable install into a fresh venv) runs from any folder; an editable one reads
 conf/ of its checkout, edits included.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST, REPO, ok, only_job_dir, run, summary, user_env
+from helpers.inproc import train_ranks
 from hydra import compose, initialize_config_dir
-from inproc import train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
@@ -44,7 +44,7 @@ EXPERIMENTS = {
         {"mse", "r2"},
     ),
     # The "your project" examples (hydra_ddp/examples/; trained on 2 ranks by
-    # test_your_project.py too): their own data, model or loss replace the group's.
+    # test_own_data_models_and_steps.py too): their own data, model or loss replace the group's.
     "images": ({"data": None, "model": "cnn", "metrics": "classification"}, {"acc"}),
     "dict_lm": ({"data": None, "model": None, "loss": "model_output", "metrics": "none"}, set()),
     "dict_lm_transformers": ({"data": None, "model": None, "loss": "model_output"}, set()),
@@ -102,8 +102,8 @@ def test_experiment_keeps_the_data_sets_task_and_the_command_line_wins() -> None
     assert choices()["experiment"] is None and choices()["model"] == "mlp"
 
 
-# The "your project" examples train on 2 ranks in test_your_project.py too (dict batches, the
-# GAN, per-item data): their runs here are slow ones.
+# The "your project" examples train on 2 ranks in test_own_data_models_and_steps.py too (dict
+# batches, the GAN, per-item data): their runs here are slow ones.
 EXAMPLES = {
     "images", "dict_lm", "dict_lm_transformers", "siamese", "gradient_penalty", "gan",
     "contrastive",  # trained on 2 ranks by test_contrastive.py

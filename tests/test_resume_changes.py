@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from inproc import FAST, train_here, train_ranks
+from helpers.inproc import FAST, train_here, train_ranks
 
 from hydra_ddp.data import Strided, epoch_rows
 
-ROWS = 256  # user_data.Blobs rows in the training split
+ROWS = 256  # helpers.user_data.Blobs rows in the training split
 
 
 def _job(reads: Path, batch: int, *extra: str) -> list[str]:
     log = f",log_dir:'{reads}'"
     return [
         *FAST, "data=torch",
-        f"data.train={{_target_:user_data.Blobs,rows:{ROWS},seed:0{log}}}",
-        "data.val={_target_:user_data.Blobs,rows:32,seed:1}",
-        "data.test={_target_:user_data.Blobs,rows:32,seed:2}",
+        f"data.train={{_target_:helpers.user_data.Blobs,rows:{ROWS},seed:0{log}}}",
+        "data.val={_target_:helpers.user_data.Blobs,rows:32,seed:1}",
+        "data.test={_target_:helpers.user_data.Blobs,rows:32,seed:2}",
         "+data.spec={in_features:8,out_features:4}", f"trainer.batch_size={batch}",
         "trainer.ckpt_interval=1", "trainer.log_interval=1", *extra,
     ]  # fmt: skip

@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import ranks
+from helpers import ranks
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from hydra_ddp.data import sampling
@@ -241,7 +241,7 @@ def test_strided_same_seed_reproducible_and_rank_consistent() -> None:
 
 
 def _orders(env, configs: list[tuple[int, ...]]) -> tuple[int, list[list[int]]]:
-    """In a process of tests/ranks.py: this interpreter's str hash and the samplers' orders."""
+    """In a process of helpers/ranks.py: this interpreter's str hash and the samplers' orders."""
     out = [StridedSampler(n, r, w, b, seed=s).indices(e).tolist() for n, r, w, b, s, e in configs]
     out.append(ShardedSampler(50, 40, 2, 8, seed=9).indices(3).tolist())
     return hash("hydra-ddp"), out
@@ -564,7 +564,7 @@ def test_sharded_end_to_end_with_partitions() -> None:
 
 
 def test_a_policy_argument_out_of_range_is_refused_naming_its_key() -> None:
-    from inproc import typed
+    from helpers.inproc import typed
 
     from hydra_ddp.data import Digits, check_sampling
     from hydra_ddp.errors import UserError

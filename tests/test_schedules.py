@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from inproc import FAST, train_here
+from helpers.inproc import FAST, train_here
 
 from hydra_ddp.errors import UserError
 from hydra_ddp.optim import Optimizers

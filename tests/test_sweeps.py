@@ -17,8 +17,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import wandb_records
 from conftest import FAST, REPO, TESTS, job_dirs, ok, python_train, summary, user_env
+from helpers import wandb_records
 from omegaconf import OmegaConf
 
 from hydra_ddp.dist import paths, sweeps
@@ -186,14 +186,14 @@ SECRETS = (*(f"hunter{n}" for n in (2, 3)), "tok-unswept-" + "77")
 @pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes
 def test_a_swept_password_is_in_no_name_report_journal_log_or_wandb_file(tmp_path: Path) -> None:
     """A real sweep of `+model.password=hunter<2>,hunter<3>` with an unswept `+model.api_token`, W&B
-    offline: the models get the real values (tests/secret_model.py checks), the jobs run and
+    offline: the models get the real values (helpers/secret_model.py checks), the jobs run and
     are told apart by their numbers, and no name or content of the sweep dir holds a value,
     except the jobs' and the sweep's own config records (.hydra/, multirun.yaml), which
     evaluation and resume rebuild the job from."""
     env = user_env(tmp_path, WANDB_MODE="offline",
                    PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO / "src")]))  # fmt: skip
     proc = ok(python_train(
-        tmp_path, "-m", "model._target_=secret_model.Guarded",
+        tmp_path, "-m", "model._target_=helpers.secret_model.Guarded",
         f"+model.password={SECRETS[0]},{SECRETS[1]}", f"+model.api_token={SECRETS[2]}",
         "logger=wandb", "trainer.progress=false",
         "trainer.max_steps=2", env=env, timeout=240,
@@ -222,7 +222,7 @@ def test_a_swept_password_is_in_no_name_report_journal_log_or_wandb_file(tmp_pat
     table = [ln for ln in out.splitlines() if names[0] in ln and " ok " in ln]
     assert table and "model.password=<redacted>" in table[0]
     # Nor on the console: Hydra's launcher line for each job goes through redact.LogFilter.
-    assert "#1 : model._target_=secret_model.Guarded +model.password=<redacted>" in out
+    assert "#1 : model._target_=helpers.secret_model.Guarded +model.password=<redacted>" in out
     assert not any(s in out for s in SECRETS), out[-3000:]
 
 
@@ -322,7 +322,7 @@ def test_optuna_direction_must_match_monitor_mode(
     """`-m hparams_search=digits_optuna trainer.monitor_mode=min`: the sweep report's callback,
     which Hydra calls before the first job, stops the sweep (exit 2) with one line."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    from inproc import compose
+    from helpers.inproc import compose
 
     monkeypatch.chdir(tmp_path)
     cfg = compose(

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from inproc import FAST, train_here, train_ranks
+from helpers.inproc import FAST, train_here, train_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hydra_ddp.errors import UserError
@@ -39,7 +39,7 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         out, *TEXT, "logger=tensorboard", "trainer.progress=false",
         f"trainer.max_steps={STEPS}", f"trainer.log_interval={EVERY}",
         "+optim.param_groups=[{params: 'pos.*', lr: 0.01}]",
-        "+callbacks.log._target_=user_log_callbacks.LogEveryRank",
+        "+callbacks.log._target_=helpers.user_log_callbacks.LogEveryRank",
     )  # fmt: skip
     return out
 
@@ -126,11 +126,14 @@ def test_ctx_log_refusal_names_the_callback(tmp_path: Path, key: str, value: str
     with pytest.raises(UserError) as caught:
         train_here(
             tmp_path / "job", *FAST, "trainer.max_steps=3",
-            "+callbacks.bad._target_=user_log_callbacks.LogValue", f"+callbacks.bad.key={key}",
+            "+callbacks.bad._target_=helpers.user_log_callbacks.LogValue",
+            f"+callbacks.bad.key={key}",
             f"+callbacks.bad.value={value}",
         )  # fmt: skip
     line = str(caught.value)
-    assert "\n" not in line and line.startswith("callbacks.bad (user_log_callbacks.LogValue)")
+    assert "\n" not in line and line.startswith(
+        "callbacks.bad (helpers.user_log_callbacks.LogValue)"
+    )
     assert f"ctx.log {'key' if key == 'loss' else 'value'} '{key}'" in line, line
 
 

@@ -1,9 +1,9 @@
-"""hydra_ddp.tracking end to end: real gloo ranks (tests/ranks.py), real offline W&B runs.
+"""hydra_ddp.tracking end to end: real gloo ranks (helpers/ranks.py), real offline W&B runs.
 
-Every W&B setting a test needs goes into the environment of its call only (tests/ranks.py
+Every W&B setting a test needs goes into the environment of its call only (helpers/ranks.py
 puts the environment back afterwards and starts W&B afresh); W&B's config, cache and netrc are
 pointed into tmp_path so nothing on this machine (a real login included) changes the outcome,
-and W&B never goes online. The rank functions are in tests/_tracking_worker.py.
+and W&B never goes online. The rank functions are in helpers/_tracking_worker.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-import ranks
-import wandb_records
-from _tracking_worker import STEPS, resume_attempt, run_job, sequential
 from conftest import REPO, wandb_env
-from inproc import job, train_ranks
+from helpers import ranks, wandb_records
+from helpers._tracking_worker import STEPS, resume_attempt, run_job, sequential
+from helpers.inproc import job, train_ranks
 
 from hydra_ddp.config import WandbMode
 from hydra_ddp.dist import DistEnv
@@ -316,13 +315,13 @@ def _closed_port() -> int:
 
 def _train_alone(env: DistEnv, cfg, run) -> dict:
     """The loop as `python -m hydra_ddp.train` runs it alone: one process, no process group."""
-    from inproc import train
+    from helpers.inproc import train
 
     return train(cfg, DistEnv(), run)
 
 
 def _fails_alone(tmp_path: Path, env: dict, *overrides: str) -> tuple[str, ranks.Results]:
-    """A one-process job in a process of tests/ranks.py that must fail with a one-line
+    """A one-process job in a process of helpers/ranks.py that must fail with a one-line
     UserError: that line, and what the process printed and logged."""
     cfg, run = job(tmp_path / "job", *overrides)
     done = ranks.run(
@@ -417,7 +416,7 @@ def test_resumed_tracker_continues_its_run_and_never_resends_a_step(tmp_path: Pa
     out = tmp_path / "out"
 
     def attempt(name: str, first: int, last: int, resumed: Optional[int]) -> None:
-        """One attempt: one call of tests/ranks.py, which starts W&B afresh (a new process)."""
+        """One attempt: one call of helpers/ranks.py, which starts W&B afresh (a new process)."""
         ranks.run(
             resume_attempt,
             out,
@@ -518,7 +517,7 @@ def test_resumed_from_an_older_checkpoint_skips_the_steps_wandb_has(tmp_path: Pa
 
 
 def _train_rank(env: DistEnv, cfg, run) -> dict:
-    from inproc import train
+    from helpers.inproc import train
 
     return train(cfg, env, run)
 
@@ -603,7 +602,7 @@ def test_every_ranks_ctx_log_and_every_groups_lr_reach_wandb(tmp_path: Path, lay
     out = tmp_path / "job"
     _job(
         tmp_path, out, "trainer.max_steps=5", "trainer.log_interval=2", f"logger.layout={layout}",
-        "+callbacks.log._target_=user_log_callbacks.LogEveryRank",
+        "+callbacks.log._target_=helpers.user_log_callbacks.LogEveryRank",
         "+optim.param_groups=[{params: 'net.0.*', lr: 0.01}]",
     )  # fmt: skip
     runs = {wandb_records.run_info(p)["job_type"]: p for p in _runs(out)}

@@ -1,6 +1,6 @@
 """The training loop: the README's main command end to end (one real torchrun job, checked every
-way at once), and everything else on real gloo ranks in process (tests/ranks.py) or on one rank
-in this process (tests/inproc.py)."""
+way at once), and everything else on real gloo ranks in process (helpers/ranks.py) or on one rank
+in this process (helpers/inproc.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import wandb_records
 from conftest import ok, only_job_dir, summary, torchrun, user_env, wandb_env
-from inproc import FAST, train_here, train_ranks
+from helpers import wandb_records
+from helpers.inproc import FAST, train_here, train_ranks
 
 from hydra_ddp.errors import UserError
 from hydra_ddp.models import CNN

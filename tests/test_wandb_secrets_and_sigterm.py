@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import ranks
-import wandb_records
 from conftest import ok, run, user_env
-from inproc import job
+from helpers import ranks, wandb_records
+from helpers.inproc import job
 
 SECRET = "tok_" + "5ecret" * 4  # built here: not a literal in any file a run might copy
 
@@ -27,7 +26,7 @@ def _runs(out: Path) -> list[Path]:
 def test_a_secret_on_the_command_line_reaches_no_file_log_or_console(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "hydra_ddp.train", "model._target_=user_callbacks.TokenMLP",
+        sys.executable, "-m", "hydra_ddp.train", "model._target_=helpers.user_callbacks.TokenMLP",
         "~model.hidden", "~model.depth", "~model.dropout", f"+model.api_token={SECRET}",
         "logger.mode=offline", "trainer.max_steps=3", f"hydra.run.dir={out}",
     ]  # fmt: skip
@@ -42,7 +41,7 @@ def test_a_secret_on_the_command_line_reaches_no_file_log_or_console(tmp_path: P
     (record,) = _runs(out)
     config = wandb_records.run_info(record)["config"]
     assert config["model"]["api_token"] == "<redacted>"
-    assert config["model"]["_target_"] == "user_callbacks.TokenMLP"  # the rest is untouched
+    assert config["model"]["_target_"] == "helpers.user_callbacks.TokenMLP"  # the rest is untouched
     # The command line W&B records (the run's args, inside the record) is the redacted one.
     assert b"+model.api_token=<redacted>" in record.read_bytes()
 
@@ -55,7 +54,7 @@ def _with_tests() -> str:
 
 
 def _train(env, cfg, run_info):
-    from inproc import train
+    from helpers.inproc import train
 
     return train(cfg, env, run_info)
 
@@ -63,7 +62,10 @@ def _train(env, cfg, run_info):
 def test_a_sigterm_stopped_run_finishes_non_zero_and_fresh_ids_are_new(tmp_path: Path) -> None:
     out = tmp_path / "run"
     wandb_env = {"WANDB_MODE": "offline", "WANDB_DIR": None}
-    stop_at_3 = ["+callbacks.stop._target_=user_callbacks.Terminate", "+callbacks.stop.at=3"]
+    stop_at_3 = [
+        "+callbacks.stop._target_=helpers.user_callbacks.Terminate",
+        "+callbacks.stop.at=3",
+    ]
     cfg, info = job(out, "logger.mode=offline", "trainer.progress=false", *stop_at_3)
     done = ranks.run(_train, cfg, info, world_size=1, group=False, env=wandb_env,
                      return_exceptions=True)  # fmt: skip

@@ -127,7 +127,8 @@ class _MixesDevices:
 def test_a_metric_that_mixes_devices_is_named_in_one_line() -> None:
     model = MLP(in_features=4, out_features=3, hidden=8, depth=1, dropout=0.0).to("meta")
     batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
-    with pytest.raises(UserError, match=r"metrics\.bad \(test_device\._MixesDevices\) mixes "):
+    bad = r"metrics\.bad \(test_device_placement\._MixesDevices\) mixes "
+    with pytest.raises(UserError, match=bad):
         score(model, batches, torch.device("meta"), CrossEntropy(0.0), {"bad": _MixesDevices()},
               contextlib.nullcontext())  # fmt: skip
 

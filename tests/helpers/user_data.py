@@ -1,7 +1,8 @@
 """A user's per-item dataset, outside the package (tests/ is on sys.path): what
-`data=torch data.train={_target_:user_data.Blobs,...}` points at in test_your_project.py. Each
-item is read one at a time, with a per-item transform; `reads` records which rows were
-touched (to check that sampler=sharded touches only a rank's own rows)."""
+`data=torch data.train={_target_:helpers.user_data.Blobs,...}` points at in
+test_own_data_models_and_steps.py. Each item is read one at a time, with a per-item transform;
+`reads` records which rows were touched (to check that sampler=sharded touches only a rank's own
+rows)."""
 
 from __future__ import annotations
 

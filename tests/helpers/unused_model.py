@@ -1,8 +1,8 @@
 """A test-only model with a parameter that never takes part in the loss.
 
-Used as `model=mlp model._target_=unused_model.MLPWithUnusedHead` (tests/ on PYTHONPATH): the
-MLP config's arguments build it, and `spare` gets no gradient in any step, which DDP refuses
-unless ddp.find_unused_parameters=true (ddp=unused_params).
+Used as `model=mlp model._target_=helpers.unused_model.MLPWithUnusedHead` (tests/ on
+PYTHONPATH): the MLP config's arguments build it, and `spare` gets no gradient in any step,
+which DDP refuses unless ddp.find_unused_parameters=true (ddp=unused_params).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from inproc import FAST, compose, train_here, train_ranks, typed
+from helpers.inproc import FAST, compose, train_here, train_ranks, typed
 from omegaconf import OmegaConf
 
 from hydra_ddp.components import build
@@ -70,12 +70,12 @@ def test_merged_arguments_of_a_replaced_model_say_how_to_start_clean() -> None:
 
 
 def test_the_unused_parameter_error_names_the_parameters(tmp_path: Path) -> None:
-    results = train_ranks(tmp_path, *FAST, "model._target_=unused_model.MLPWithUnusedHead",
+    results = train_ranks(tmp_path, *FAST, "model._target_=helpers.unused_model.MLPWithUnusedHead",
                           "trainer.max_steps=3", return_exceptions=True)  # fmt: skip
     for r in results:
         assert isinstance(r, UserError), r
         assert "got no gradient in a step (spare.weight, spare.bias)" in str(r)
         assert "ddp=unused_params" in str(r)
     # One rank (no DDP wrapper): nothing to refuse, it trains.
-    assert train_here(tmp_path / "one", *FAST, "model._target_=unused_model.MLPWithUnusedHead",
-                      "trainer.max_steps=2")["steps"] == 2  # fmt: skip
+    unused = "model._target_=helpers.unused_model.MLPWithUnusedHead"
+    assert train_here(tmp_path / "one", *FAST, unused, "trainer.max_steps=2")["steps"] == 2

@@ -1,4 +1,4 @@
-"""A researcher's own project, through the real loop on two gloo ranks (tests/ranks.py): a
+"""A researcher's own project, through the real loop on two gloo ranks (helpers/ranks.py): a
 per-item Dataset from outside the package by config alone (strided and sharded), dict batches
 and a model that returns its own loss, a GAN with two optimizers and its own step, fine-tuning
 from a checkpoint (a changed head with init_strict=false), evaluating and predicting with
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run, user_env
-from inproc import FAST, compose, train_here, train_ranks
+from helpers.inproc import FAST, compose, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
@@ -26,7 +26,7 @@ TESTS = Path(__file__).resolve().parent
 
 def _blobs(split: str, rows: int, seed: int, log_dir: Path | None = None) -> str:
     log = f",log_dir:'{log_dir}'" if log_dir else ""
-    return f"data.{split}={{_target_:user_data.Blobs,rows:{rows},seed:{seed}{log}}}"
+    return f"data.{split}={{_target_:helpers.user_data.Blobs,rows:{rows},seed:{seed}{log}}}"
 
 
 def _blob_job(log_dir: Path | None = None) -> list[str]:
@@ -56,8 +56,8 @@ def test_a_per_item_dataset_trains_on_two_ranks_by_config_alone(
 
 def test_an_object_that_is_no_data_source_is_named_with_both_contracts(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"a per-item dataset: give one per split through"):
-        train_here(tmp_path, *FAST, "~data", "+data._target_=user_data.Blobs", "+data.rows=8",
-                   "+data.seed=0")  # fmt: skip
+        train_here(tmp_path, *FAST, "~data", "+data._target_=helpers.user_data.Blobs",
+                   "+data.rows=8", "+data.seed=0")  # fmt: skip
 
 
 def test_dict_batches_and_a_model_that_returns_its_own_loss(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """A user's callbacks for the hooks that see a step's tensors (tests/ is on sys.path):
-`+callbacks.grads._target_=user_hooks.LayerGradNorms` in test_hooks.py."""
+`+callbacks.grads._target_=helpers.user_hooks.LayerGradNorms` in test_hooks.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A user's callbacks, outside the package (tests/ is on sys.path): what `+callbacks.NAME.
-_target_=user_callbacks.Count` points at in test_callbacks.py."""
+_target_=helpers.user_callbacks.Count` points at in test_callbacks.py."""
 
 from __future__ import annotations
 

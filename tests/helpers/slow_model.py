@@ -1,6 +1,7 @@
 """A test-only model whose forward sleeps: the slow steps of a large model, on a CPU.
 
-Used as `model=mlp model._target_=slow_model.SlowMLP +model.sleep_s=3` (tests/ on PYTHONPATH).
+Used as `model=mlp model._target_=helpers.slow_model.SlowMLP +model.sleep_s=3` (tests/ on
+PYTHONPATH).
 """
 
 from __future__ import annotations

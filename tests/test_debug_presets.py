@@ -1,6 +1,6 @@
 """The debug/ presets (lightning-hydra-template's convention): debug=fast, overfit, limit,
 profile, anomaly, each composed as on the command line and run in process, on 2 real gloo ranks
-(tests/ranks.py) where the preset is about every rank, on one rank here otherwise."""
+(helpers/ranks.py) where the preset is about every rank, on one rank here otherwise."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import summary
-from inproc import isolated, job, train, train_here, train_ranks
+from helpers.inproc import isolated, job, train, train_here, train_ranks
 
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.loop.scoring import evaluate
@@ -97,7 +97,7 @@ def test_debug_anomaly_names_the_backward_op_that_made_a_nan(tmp_path: Path, cap
     and the loop turns anomaly mode off again when the job ends, even on that error."""
     caplog.set_level(logging.INFO)
     overrides = ["debug=anomaly", "trainer.max_steps=3", "logger=none"]
-    cfg, run = job(tmp_path / "job", *overrides, "model._target_=test_debug.NaNInBackward")
+    cfg, run = job(tmp_path / "job", *overrides, "model._target_=test_debug_presets.NaNInBackward")
     assert cfg.trainer.detect_anomaly
     assert not torch.is_anomaly_enabled()
     with isolated():

@@ -1,5 +1,6 @@
 """Callbacks that make one rank fail mid-run, each the way a user's job meets it (tests/ on
-PYTHONPATH): `+callbacks.fail._target_=failing_callbacks.FailOnRank +callbacks.fail.how=...`.
+PYTHONPATH):
+`+callbacks.fail._target_=helpers.failing_callbacks.FailOnRank +callbacks.fail.how=...`.
 
     raise        the callback raises (a bug in the user's code)
     loader       the rank's DataLoader workers are SIGKILLed (the kernel's OOM killer)

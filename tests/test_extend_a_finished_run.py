@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from inproc import FAST, train_here
+from helpers.inproc import FAST, train_here
 
 from hydra_ddp import checkpoint
 
-COUNT = ["+callbacks.count._target_=user_callbacks.Count", "trainer.eval_interval=5"]
+COUNT = ["+callbacks.count._target_=helpers.user_callbacks.Count", "trainer.eval_interval=5"]
 
 
 def test_the_final_checkpoint_holds_the_last_evaluations_callback_state(tmp_path: Path) -> None:

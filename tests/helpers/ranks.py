@@ -99,8 +99,8 @@ def _worker(rank: int, world_size: int, inbox: Any, outbox: Any) -> None:
 
 def _run_task(rank: int, world_size: int, task: _Task) -> tuple[str, Any, str]:
     import torch.distributed as dist
-    from inproc import isolated
 
+    from helpers.inproc import isolated
     from hydra_ddp.dist import DistEnv
 
     scratch = Path(task.scratch)

@@ -1,4 +1,4 @@
-"""Best checkpoint and early stopping on 2 real gloo ranks in process (tests/ranks.py); EMA of
+"""Best checkpoint and early stopping on 2 real gloo ranks in process (helpers/ranks.py); EMA of
 weights, same-seed runs and torch.compile through the real entry point with 2 self-launched
 ranks (slow)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FAST, ok, python_train, summary
-from inproc import train_ranks
+from helpers.inproc import train_ranks
 
 from hydra_ddp import checkpoint
 

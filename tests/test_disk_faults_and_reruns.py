@@ -5,7 +5,7 @@ Each case was reproduced on the previous main, as its docstring says, and fails 
 * `checkpoints` that is a file: a silent fresh start, then FileExistsError at the first save;
 * re-running a finished run trained 0 steps and exited as if it had trained.
 
-The runs are the training loop on one rank in this process (tests/inproc.py); what the entry
+The runs are the training loop on one rank in this process (helpers/inproc.py); what the entry
 makes of the UserErrors (exit 2, one `error:` line) is checked end to end in
 tests/test_bad_input.py, which also runs the refused resume that must keep the earlier run's
 `.hydra/` record through the real CLI.
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import FAST, ok, python_train, user_env
-from inproc import train_here
+from helpers.inproc import train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint

@@ -1,5 +1,5 @@
 """A callback that holds a job at its first step until a file appears (tests/ on PYTHONPATH):
-`+callbacks.gate._target_=gate_callbacks.WaitForFile +callbacks.gate.path=<file>`, so a test
+`+callbacks.gate._target_=helpers.gate_callbacks.WaitForFile +callbacks.gate.path=<file>`, so a test
 can do something while the job is surely running, then let it finish."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The entry point's pieces, in process: compose the config as `python -m hydra_ddp.train` does
 (Hydra's compose API on the same config dir, resolvers and schema), type and preflight it, and
-run the training loop on one rank here or on several with tests/ranks.py.
+run the training loop on one rank here or on several with helpers/ranks.py.
 
 `train` (hydra_ddp.loop.job) is re-exported here for the tests that run a job; tests of a module's
 own parts (test_step.py, test_config.py, ...) import that module directly.
@@ -98,7 +98,7 @@ def train_here(output_dir: Path, *overrides: str, env: Optional[DistEnv] = None)
 def entry(output_dir: Path, *overrides: str) -> None:
     """What `python -m hydra_ddp.train overrides...` runs (`hydra_ddp.train.hydra_entry`) in
     `output_dir`, in process: compose, type, then `preflight` and the workers' `train` on
-    gloo ranks of tests/ranks.py for a self-launched job (dist.nproc_per_node > 1), else
+    gloo ranks of helpers/ranks.py for a self-launched job (dist.nproc_per_node > 1), else
     `train` here with the launcher's variables read as the entry reads them."""
     dict_cfg = compose(*overrides)
     cfg = to_typed(dict_cfg)
@@ -112,14 +112,14 @@ def entry(output_dir: Path, *overrides: str) -> None:
 
 
 def entry_on_a_rank(env: DistEnv, output_dir: Path, overrides: list[str]) -> None:
-    """`entry` as a function of tests/ranks.py: in a process of its own, with the launcher
+    """`entry` as a function of helpers/ranks.py: in a process of its own, with the launcher
     variables the call sets (a process group that hangs or ends its process is not the test
     process's)."""
     entry(output_dir, *overrides)
 
 
 def train_rank(env: DistEnv, cfg: TrainConfig, run: RunInfo) -> dict[str, Any]:
-    """A rank of tests/ranks.py running the loop (with group=False: it starts its own)."""
+    """A rank of helpers/ranks.py running the loop (with group=False: it starts its own)."""
     return train(cfg, env, run)
 
 
@@ -183,9 +183,9 @@ def train_ranks(
     timeout: float = 240.0,
     return_exceptions: bool = False,
 ) -> Any:
-    """`train` on `world_size` gloo ranks of tests/ranks.py: each rank's summary (or
+    """`train` on `world_size` gloo ranks of helpers/ranks.py: each rank's summary (or
     exception), with `.logs` and `.outputs` of each rank."""
-    import ranks
+    from helpers import ranks
 
     cfg, run = job(output_dir, *overrides)
     return ranks.run(

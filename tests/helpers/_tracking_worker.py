@@ -1,5 +1,5 @@
 """Stand-in training jobs for tests/test_tracking.py: functions run on the gloo ranks of
-tests/ranks.py (or on one process), each building a tracker as the training loop does.
+helpers/ranks.py (or on one process), each building a tracker as the training loop does.
 
 They log synthetic stats in which rank 1 is the straggler (slower steps, less data wait), so the
 tests can check the cross-rank aggregates. This module imports nothing of W&B itself: with
