@@ -267,6 +267,7 @@ def main() -> None:
             sys.stderr.write("stopped on SIGINT while starting, before any step was trained\n")
         code = INTERRUPTED
     claim.release_all()
+    claim.release_sweep()  # a sweep that ended before its report (on_multirun_end)
     if under_launcher():
         # Everything is written and the process group is gone, but at interpreter teardown a
         # rank can still abort ("terminate called without an active exception": a c10d/gloo
