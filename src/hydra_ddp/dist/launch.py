@@ -22,6 +22,7 @@ from hydra_ddp.dist import claim, env_from_environ
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop.job import train
 from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
+from hydra_ddp.dist.torchrun import AGENT_LOGS, drop_stop_notes
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ def spawn(
     agent_log.addFilter(_drop_traceback)
     # Its notes on a stop ("Received 2 death signal", "Closing process ... via signal"): the
     # line below says it once.
-    for name in _AGENT_LOGS:
-        logging.getLogger(name).addFilter(_drop_stop_notes)
+    for name in AGENT_LOGS:
+        logging.getLogger(name).addFilter(drop_stop_notes)
     try:
         with interrupt.held_for_workers():  # no KeyboardInterrupt traceback from the workers
             results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
@@ -96,8 +97,8 @@ def spawn(
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
     finally:
         agent_log.removeFilter(_drop_traceback)
-        for name in _AGENT_LOGS:
-            logging.getLogger(name).removeFilter(_drop_stop_notes)
+        for name in AGENT_LOGS:
+            logging.getLogger(name).removeFilter(drop_stop_notes)
         if saved is None:
             os.environ.pop(_NO_SHARED_STORE, None)
         else:
@@ -141,17 +142,6 @@ def _launch_config(cfg: TrainConfig) -> Any:
 def _drop_traceback(record: logging.LogRecord) -> bool:
     record.exc_info, record.exc_text = None, None
     return True
-
-
-_AGENT_LOGS = (
-    "torch.distributed.elastic.agent.server.api",
-    "torch.distributed.elastic.multiprocessing.api",
-)
-_STOP_NOTES = ("Received %s death signal", "Closing process %s via signal")
-
-
-def _drop_stop_notes(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_STOP_NOTES)
 
 
 def worker(
