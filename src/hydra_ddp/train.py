@@ -178,12 +178,13 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
         # same way.
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up): one line, not a traceback. Under
-        # the self-launch this is the launching process before its workers start.
+        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
+        # once: one line, not a traceback. Under the self-launch this is the launching process
+        # before its workers start.
         if multirun and ("SUBMITIT_EXECUTOR" in os.environ or RAY_JOB_ENV in os.environ):
             raise
         interrupt.ignore_more()
-        line = launch.stopped_line("stopped on SIGINT while starting", output_dir)
+        line = launch.stopped_line("stopped on SIGINT", output_dir)
         (log.warning if launcher_rank() == 0 else log.info)("%s", line)
         sys.exit(INTERRUPTED)
     except Exception as e:

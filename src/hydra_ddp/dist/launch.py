@@ -161,10 +161,10 @@ def worker(
             (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up): the launcher says it once, so
-        # this goes to the rank's log file only.
+        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
+        # once: the launcher says it once, so this goes to the rank's log file only.
         interrupt.ignore_more()
-        log.info("stopped on SIGINT while starting", extra={_FILE_ONLY: True})
+        log.info("stopped on SIGINT", extra={_FILE_ONLY: True})
         sys.exit(interrupt.EXIT_CODE)
     except Exception as e:
         # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
