@@ -30,6 +30,7 @@ HELD_ENV = "HYDRA_DDP_SIGINT_HELD"
 EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
+_MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
 
 
 def launched() -> bool:
@@ -68,7 +69,7 @@ def quiet_while_starting() -> None:
     if not launched():
         return
     sys.excepthook = _quiet_exit
-    if HELD_ENV in os.environ and threading.current_thread() is threading.main_thread():
+    if HELD_ENV in os.environ and _MASKS and threading.current_thread() is threading.main_thread():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
@@ -78,7 +79,7 @@ def held_for_workers() -> Iterator[None]:
     blocked (a signal mask survives fork and exec) until `quiet_while_starting` runs in them.
     The agent still gets Ctrl-C: a thread of ours that leaves SIGINT unblocked takes the
     signal for the process, and Python runs the agent's handler in the main thread as ever."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or not _MASKS:
         yield
         return
     done = threading.Event()
