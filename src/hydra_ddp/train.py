@@ -262,10 +262,11 @@ def main() -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
-        # While Hydra composes the config, before hydra_entry runs.
+        # Outside hydra_entry: while Hydra composes the config, or a sweep's launching process
+        # (its jobs are stopped by their own launcher).
         interrupt.ignore_more()
         if launcher_rank() == 0:
-            sys.stderr.write("stopped on SIGINT while starting, before any step was trained\n")
+            sys.stderr.write("stopped on SIGINT\n")
         code = INTERRUPTED
     claim.release_all()
     claim.release_sweep()  # a sweep that ended before its report (on_multirun_end)
