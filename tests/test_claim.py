@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hydra_ddp.dist import claim
+from hydra_ddp.dist.paths import SWEPT_KEYS_FILE
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +196,10 @@ def test_a_second_submitit_sweep_into_the_same_dir_is_refused_and_writes_nothing
 ) -> None:
     """Previously: the loser's rank 0 refused, its rank 1 waited 300 s and then wrote a port
     error into the *winner's* train_rank1.log; the winner's .claim stayed after it finished
-    (its `job` field null: submitit's local job id was not read, nor the claim given back)."""
+    (its `job` field null: submitit's local job id was not read, nor the claim given back).
+    Then: each of the loser's tasks refused, but only after submitit had started them (~40 s),
+    inside submitit's UncompletedJobError traceback. Now the loser's launching process refuses
+    in one line before it submits anything: the sweep dir is claimed for the whole sweep."""
     from conftest import REPO, user_env
 
     env = user_env(tmp_path)
@@ -218,22 +222,30 @@ def test_a_second_submitit_sweep_into_the_same_dir_is_refused_and_writes_nothing
             time.sleep(0.2)
         claim_text = (job / claim.NAME).read_text()
         assert "SUBMITIT_LOCAL_JOB_ID=" in claim_text, claim_text
-        rank1_log = (job / "train_rank1.log").read_bytes()  # the winner's rank 1 waits at step 1
+        assert str(winner.pid) in (sweep / claim.NAME).read_text()  # the sweep's own claim
+        # The sweep's own files, the winner's submitit jobs, its rank 1's log (waiting at step 1).
+        names = ("multirun.yaml", SWEPT_KEYS_FILE, "sweep_jobs.jsonl")
+        kept = [sweep / n for n in names] + [job / "train_rank1.log"]
+        before = {p: p.read_bytes() for p in kept}
+        submitted = sorted((sweep / ".submitit").iterdir())
         started = time.monotonic()
         loser = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                                timeout=300)  # fmt: skip
         took = time.monotonic() - started
-        assert loser.returncode != 0
-        # Both of the loser's tasks refused in one line, rank 1 without waiting for a store.
-        errs = sorted(sweep.glob(".submitit/*/*_log.err"))
-        refusals = [p for p in errs if "is in use by another job" in p.read_text()]
-        assert len(refusals) == 2, [p.read_text()[-500:] for p in errs]
-        assert took < 200, took  # not the 300 s of a rank 1 waiting for its rank 0
-        assert (job / "train_rank1.log").read_bytes() == rank1_log  # the loser's rank 1 kept out
-        for log in job.glob("train_rank*.log"):
-            assert "in use by another job" not in log.read_text()
+        assert loser.returncode == 2, loser.stderr[-3000:]
+        said = [ln for ln in (loser.stdout + loser.stderr).splitlines() if ln.strip()]
+        assert len(said) == 1, said  # no traceback, no submitit start-up
+        assert said[0].startswith(f"error: {sweep} is in use by another job (pid {winner.pid}")
+        assert "choose another hydra.sweep.dir" in said[0], said
+        # The launching process's start-up (torch, Hydra) only: the ~40 s of submitit's is gone.
+        assert took < 30, took
+        assert {p: p.read_bytes() for p in kept} == before  # nothing written into them
+        assert sorted((sweep / ".submitit").iterdir()) == submitted  # nothing submitted
+        for f in [*sweep.rglob("*.log"), *sweep.rglob("*.err"), *sweep.rglob("*.out")]:
+            assert "in use by another job" not in f.read_text(), f
     finally:
         gate.touch()
     assert winner.wait(timeout=240) == 0
     assert (job / "summary.json").exists()
     assert not (job / claim.NAME).exists(), "the winner's claim outlived it"
+    assert not (sweep / claim.NAME).exists(), "the winner's sweep claim outlived it"

@@ -11,6 +11,11 @@ torch's elastic agent (launch.py). The training itself is loop.py's `train`.
 
 from __future__ import annotations
 
+# isort: split
+# First, before torch: a Ctrl-C while a launched worker imports exits quietly (interrupt.py).
+import hydra_ddp.interrupt  # noqa: F401
+
+# isort: split
 import atexit
 import dataclasses
 import logging
@@ -25,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_ddp import interrupt
 from hydra_ddp.components import build
 from hydra_ddp.config import (
     TrainConfig,
@@ -44,6 +50,7 @@ from hydra_ddp.dist import (
 from hydra_ddp.dist.paths import override_value, register_resolvers
 from hydra_ddp.dist.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
+from hydra_ddp.interrupt import EXIT_CODE as INTERRUPTED
 from hydra_ddp.loop.job import build_components, train
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.tracking import RunInfo, redact, resolve_mode
@@ -171,6 +178,16 @@ def hydra_entry(dict_cfg: DictConfig) -> float:
         # In one process, a sweep ends here too: the jobs after this one would be stopped the
         # same way.
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
+        # once: one line, not a traceback. Under the self-launch this is the launching process
+        # before its workers start.
+        if multirun and ("SUBMITIT_EXECUTOR" in os.environ or RAY_JOB_ENV in os.environ):
+            raise
+        interrupt.ignore_more()
+        line = launch.stopped_line("stopped on SIGINT", output_dir)
+        (log.warning if launcher_rank() == 0 else log.info)("%s", line)
+        sys.exit(INTERRUPTED)
     except Exception as e:
         e = config_error(e) or e
         code = exit_code(e, log)
@@ -245,7 +262,15 @@ def main() -> None:
         code = 1 if sweeps.sweep_failed() else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        # Outside hydra_entry: while Hydra composes the config, or a sweep's launching process
+        # (its jobs are stopped by their own launcher).
+        interrupt.ignore_more()
+        if launcher_rank() == 0:
+            sys.stderr.write("stopped on SIGINT\n")
+        code = INTERRUPTED
     claim.release_all()
+    claim.release_sweep()  # a sweep that ended before its report (on_multirun_end)
     if under_launcher():
         # Everything is written and the process group is gone, but at interpreter teardown a
         # rank can still abort ("terminate called without an active exception": a c10d/gloo

@@ -32,6 +32,9 @@ HEARTBEAT_S = 30.0
 STALE_S = 4 * HEARTBEAT_S
 _held: dict[Path, threading.Event] = {}
 _locks: list[int] = []  # open descriptors of the claim files this process holds a lock on
+# The sweep dirs this process launches sweeps into: held apart from the job claims, which a job
+# run in this process (the basic launcher) gives back as it ends.
+_sweeps: dict[Path, tuple[threading.Event, int]] = {}
 
 
 def _job_id() -> str | None:
@@ -67,8 +70,9 @@ def _alive(holder: dict[str, Any], path: Path) -> bool:
         return False
 
 
-def claim(run_dir: str | Path) -> None:
-    """Claim `run_dir` for this process (exit 2 with one line if a live job holds it)."""
+def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
+    """Claim `run_dir` for this process (exit 2 with one line if a live job holds it; `key`:
+    the setting that chooses another dir)."""
     run_dir = Path(run_dir)
     path = run_dir / NAME
     if run_dir in _held:
@@ -88,8 +92,7 @@ def claim(run_dir: str | Path) -> None:
                     f"error: {run_dir} is in use by another job ({_describe(holder)}, since "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
                     f"){still if busy and not _alive(holder, path) else ''}: wait for it to end, "
-                    "or choose another "
-                    f"hydra.run.dir; if that job is gone, delete {path}\n"
+                    f"or choose another {key}; if that job is gone, delete {path}\n"
                 )
                 raise SystemExit(2) from None
             # Hydra has not set up logging yet (this runs as it resolves the log file's name).
@@ -201,16 +204,41 @@ def _heartbeat(path: Path, stop: threading.Event) -> None:
             return
 
 
+def claim_sweep(sweep_dir: str | Path) -> None:
+    """The process that launches a multirun: claim `sweep_dir` for the whole sweep, before
+    anything is written there or any job is submitted. A second sweep into the dir of a live
+    one is so refused at once, in one line (exit 2), instead of after each of its jobs has
+    started (submitit's start-up) and found its job dir taken."""
+    sweep_dir = Path(sweep_dir)
+    if sweep_dir in _sweeps:
+        return
+    claim(sweep_dir, key="hydra.sweep.dir")
+    # Moved apart from the job claims; claim() appended its lock's descriptor last.
+    _sweeps[sweep_dir] = (_held.pop(sweep_dir), _locks.pop())
+
+
+def release_sweep() -> None:
+    """Give back the sweep dirs this process claimed (the end of the multirun)."""
+    for sweep_dir, (stop, fd) in list(_sweeps.items()):
+        _give_back(sweep_dir, stop)
+        os.close(fd)
+        _sweeps.pop(sweep_dir, None)
+
+
+def _give_back(run_dir: Path, stop: threading.Event) -> None:
+    stop.set()
+    path = run_dir / NAME
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
 def release_all() -> None:
-    """Give back this process's claims (the end of the job)."""
+    """Give back this process's job claims (the end of the job)."""
     for run_dir, stop in list(_held.items()):
-        stop.set()
-        path = run_dir / NAME
-        try:
-            if json.loads(path.read_text()).get("pid") == os.getpid():
-                path.unlink()
-        except (OSError, ValueError):
-            pass
+        _give_back(run_dir, stop)
         _held.pop(run_dir, None)
     while _locks:
         os.close(_locks.pop())

@@ -16,17 +16,19 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from hydra_ddp import checkpoint
+from hydra_ddp import checkpoint, interrupt
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import claim, env_from_environ
-from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop.job import train
+from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
+from hydra_ddp.dist.torchrun import AGENT_LOGS, drop_stop_notes
 
 log = logging.getLogger(__name__)
 
 _LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_FILE_ONLY = "hydra_ddp_file_only"  # a worker's log record kept off the console
 
 
 def spawn(
@@ -69,27 +71,34 @@ def spawn(
     # the worker's own error (already in its log, and reported below).
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_drop_traceback)
+    # Its notes on a stop ("Received 2 death signal", "Closing process ... via signal"): the
+    # line below says it once.
+    for name in AGENT_LOGS:
+        logging.getLogger(name).addFilter(drop_stop_notes)
     try:
-        results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
+        with interrupt.held_for_workers():  # no KeyboardInterrupt traceback from the workers
+            results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
     except SignalException as e:
         # The agent got the signal and passed it on; the workers saved a checkpoint first.
-        raise Preempted(e.sigval, _stopped(f"stopped on {signal_name(e.sigval)}", run)) from None
+        how = f"stopped on {signal_name(e.sigval)}"
+        raise Preempted(e.sigval, stopped_line(how, run.output_dir)) from None
     except KeyboardInterrupt:
         # Ctrl-C while the agent starts up (before it handles signals): its workers, if any,
         # got it too and are stopped by the agent on its way out.
-        raise Preempted(signal.SIGINT, _stopped("stopped on SIGINT", run)) from None
+        raise Preempted(signal.SIGINT, stopped_line("stopped on SIGINT", run.output_dir)) from None
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         stops = {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
         if codes <= stops:  # the workers themselves were signalled and stopped cleanly
             signum = max(codes) - 128
-            raise Preempted(
-                signum, _stopped(f"the workers stopped on {signal_name(signum)}", run)
-            ) from None
+            how = f"the workers stopped on {signal_name(signum)}"
+            raise Preempted(signum, stopped_line(how, run.output_dir)) from None
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
     finally:
         agent_log.removeFilter(_drop_traceback)
+        for name in AGENT_LOGS:
+            logging.getLogger(name).removeFilter(drop_stop_notes)
         if saved is None:
             os.environ.pop(_NO_SHARED_STORE, None)
         else:
@@ -97,18 +106,18 @@ def spawn(
     return results[0]
 
 
-def _stopped(how: str, run: Any) -> str:
-    """The launcher's line for a stopped worker group: how to resume, only if there is a
-    checkpoint to resume from (a stop during start-up, or one the launcher's grace cut short,
-    leaves none)."""
-    newest = checkpoint.latest(Path(run.output_dir))
+def stopped_line(how: str, output_dir: Any) -> str:
+    """The one line for a job stopped by a signal outside the loop: how to resume, only if
+    there is a checkpoint to resume from (a stop during start-up, or one the launcher's grace
+    cut short, leaves none)."""
+    newest = checkpoint.latest(Path(output_dir))
     if newest is None:
         return (
-            f"{how} before any checkpoint was written: nothing to resume, re-running the same "
+            f"{how}, before any checkpoint was written: nothing to resume, re-running the same "
             "command starts again from step 0"
         )
     return (
-        f"{how}: re-run the same command with {run_dir_override(run.output_dir)} to resume "
+        f"{how}: re-run the same command with {run_dir_override(output_dir)} to resume "
         f"from its newest checkpoint ({newest.name})"
     )
 
@@ -139,6 +148,7 @@ def worker(
     target: Callable[..., Any], cfg: TrainConfig, run: Any, args: tuple, log_stem: str
 ) -> Any:
     """One worker started by `spawn`: log setup, then what torchrun's ranks run."""
+    interrupt.quiet_while_starting()  # done on import already, unless __main__ skipped it
     rank = int(os.environ.get("RANK", 0))
     _setup_worker_logging(Path(run.output_dir), rank, log_stem)
     claim.join(run.output_dir)  # the dir stays this job's while this worker may write there
@@ -151,9 +161,11 @@ def worker(
             (log.warning if rank == 0 else log.info)("%s", e)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up): the launcher says it once.
-        log.info("stopped on SIGINT while starting")
-        sys.exit(128 + signal.SIGINT)
+        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
+        # once: the launcher says it once, so this goes to the rank's log file only.
+        interrupt.ignore_more()
+        log.info("stopped on SIGINT", extra={_FILE_ONLY: True})
+        sys.exit(interrupt.EXIT_CODE)
     except Exception as e:
         # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
@@ -171,6 +183,7 @@ def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:
     console = logging.StreamHandler(sys.stderr)
     # Only rank 0 talks on the console; every rank keeps its full log in its own file.
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    console.addFilter(lambda r: not getattr(r, _FILE_ONLY, False))
     file = logging.FileHandler(output_dir / f"{stem}_rank{rank}.log")
     for handler in (console, file):
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))

@@ -23,7 +23,7 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.dist import jsonfile, launcher_rank
+from hydra_ddp.dist import claim, jsonfile, launcher_rank
 from hydra_ddp.dist.paths import SWEPT_KEYS_FILE, split_override, swept_keys
 from hydra_ddp.tracking import redact
 
@@ -75,6 +75,8 @@ class SweepReport(Callback):
         _check_sweeper_direction(config)
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        # Before anything is written or submitted: a live sweep's dir is refused in one line.
+        claim.claim_sweep(sweep_dir)
         keys = swept_keys(
             OmegaConf.to_container(config.hydra.overrides.task),
             OmegaConf.select(config, "hydra.sweeper.params", default=None),
@@ -121,6 +123,12 @@ class SweepReport(Callback):
             _journal(config, event="end", **returned)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            self._report(config)
+        finally:
+            claim.release_sweep()  # the sweep is over: its dir is free for the next
+
+    def _report(self, config: DictConfig) -> None:
         global _sweep_failed
         # Hydra turns an exception here into a warning: a report that could not be made must
         # not pass for a sweep without failures.

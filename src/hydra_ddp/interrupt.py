@@ -1,0 +1,99 @@
+"""Ctrl-C while a launched worker starts: a clean exit 130, not a traceback from every worker.
+
+A worker that torchrun or the self-launch (dist/launch.py) starts spends seconds importing
+torch and building its job before the loop's signal handlers (dist/preemption.py) take over.
+The terminal sends Ctrl-C to every process of the job, so each worker used to die in that time
+with a KeyboardInterrupt traceback (often inside `import torch`), and the launcher's own line
+was lost among them. Importing this module (train.py does it first, before torch) makes a
+KeyboardInterrupt that ends a launched process exit 130 silently: the launcher says the one
+line (launch.py for a self-launched job, train.py's rank 0 under torchrun).
+
+The self-launch closes the remaining gap, the interpreter's own start-up before this import:
+its agent starts the workers with SIGINT blocked (`held_for_workers`), and a worker unblocks it
+here, once the quiet exit is in place; a Ctrl-C in between waits, pending, and lands here.
+
+Standard library only: it must be importable before torch is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from types import TracebackType
+from typing import Iterator
+
+# Set by `held_for_workers` in the agent's environment: its workers start with SIGINT blocked.
+HELD_ENV = "HYDRA_DDP_SIGINT_HELD"
+EXIT_CODE = 128 + signal.SIGINT
+
+_previous_hook = sys.excepthook
+_MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
+
+
+def launched() -> bool:
+    """This process is a worker of torchrun or of the self-launch (or a child of one)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or HELD_ENV in os.environ:
+        return True
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
+
+
+def ignore_more() -> None:
+    """After the first Ctrl-C: the same one comes again (from the terminal and forwarded by the
+    agent), and must not interrupt the exit with a second traceback."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _quiet_exit(kind: type[BaseException], value: BaseException, tb: TracebackType | None):
+    if not issubclass(kind, KeyboardInterrupt):
+        return _previous_hook(kind, value, tb)
+    ignore_more()
+    # Under torchrun nobody else says it (its agent prints only its own traceback); under the
+    # self-launch the launching process does.
+    if os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        sys.stderr.write("stopped on SIGINT while starting, before any step was trained\n")
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(EXIT_CODE)
+
+
+def quiet_while_starting() -> None:
+    """In a launched worker: an uncaught KeyboardInterrupt exits 130 without a traceback, and
+    a SIGINT held back by the agent (`held_for_workers`) is let through. Idempotent."""
+    if not launched():
+        return
+    sys.excepthook = _quiet_exit
+    if HELD_ENV in os.environ and _MASKS and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def held_for_workers() -> Iterator[None]:
+    """Around the agent's run in the launching process: the workers it starts inherit SIGINT
+    blocked (a signal mask survives fork and exec) until `quiet_while_starting` runs in them.
+    The agent still gets Ctrl-C: a thread of ours that leaves SIGINT unblocked takes the
+    signal for the process, and Python runs the agent's handler in the main thread as ever."""
+    if threading.current_thread() is not threading.main_thread() or not _MASKS:
+        yield
+        return
+    done = threading.Event()
+    # Started before the block, so its own mask keeps SIGINT open.
+    catcher = threading.Thread(target=done.wait, name="sigint-catcher", daemon=True)
+    catcher.start()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.environ[HELD_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(HELD_ENV, None)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        done.set()
+
+
+quiet_while_starting()

@@ -1,0 +1,124 @@
+"""Ctrl-C while a job's workers start: one line, exit 130, no traceback from the workers.
+
+Previously the terminal's SIGINT (sent to every process of the job) hit each worker while it
+imported torch or built its model, before the loop's handlers: every worker printed its
+KeyboardInterrupt traceback, and the launcher could advise resuming from a checkpoint that did
+not exist. Real launches, interrupted at two points of start-up: the workers' own start (the
+interpreter importing torch) and the model's constructor (helpers/slow_start_model.py sleeps
+there, as a large model's build does).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import FAST, REPO, user_env
+
+SLOW_START = [
+    *FAST,
+    "model._target_=helpers.slow_start_model.SlowStartMLP",
+    "+model.start_s=120",  # far longer than the test waits: a stop must cut it short
+]
+
+
+def _start(cmd: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    out = tmp_path / "console.log"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    return proc, out
+
+
+def _wait(proc: subprocess.Popen, out: Path, ready, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill(proc)
+            pytest.fail(f"never {what}:\n{out.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _ctrl_c(proc: subprocess.Popen, out: Path, within_s: float = 90) -> tuple[int, str, float]:
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the job
+    try:
+        rc = proc.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        pytest.fail(f"still running {within_s} s after Ctrl-C:\n{out.read_text()[-3000:]}")
+    return rc, out.read_text(), time.monotonic() - sent
+
+
+def _workers_started(tmp_path: Path) -> bool:
+    """Both self-launched workers are past their imports: their log files exist."""
+    return len(list((tmp_path / "job").glob("train_rank*.log"))) == 2
+
+
+@pytest.mark.slow  # real self-launched jobs, two of them
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("when", ["importing", "building the model"])
+def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, when: str) -> None:
+    job = tmp_path / "job"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", *SLOW_START, "dist.nproc_per_node=2",
+           f"hydra.run.dir={job}"]  # fmt: skip
+    proc, out = _start(cmd, tmp_path)
+    _wait(proc, out, lambda: "starting 2 workers" in out.read_text(), "started the workers")
+    if when == "importing":
+        time.sleep(0.5)  # the workers' interpreters are importing torch
+        assert not _workers_started(tmp_path), "the workers started too fast to test this"
+    else:
+        _wait(proc, out, lambda: _workers_started(tmp_path), "started both workers")
+        time.sleep(1)  # in the model's constructor (it sleeps 120 s)
+    rc, text, took = _ctrl_c(proc, out)
+    assert rc == 128 + signal.SIGINT, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
+    assert "Exception ignored" not in text, text[-4000:]
+    stops = [line for line in text.splitlines() if "SIGINT" in line]
+    assert len(stops) == 1, text[-3000:]  # nor the agent's "Received 2 death signal" notes
+    assert stops[0].endswith(
+        "stopped on SIGINT, before any checkpoint was written: nothing to resume, re-running "
+        "the same command starts again from step 0"
+    ), stops
+    assert not (job / "checkpoints").exists() or not any((job / "checkpoints").iterdir())
+    assert took < 60, took  # the model's 120 s build was cut short
+
+
+@pytest.mark.slow  # a real torchrun job
+@pytest.mark.timeout(600)
+def test_ctrl_c_while_torchrun_workers_build_the_model_is_one_line(tmp_path: Path) -> None:
+    """The workers say it once (rank 0); torchrun's agent still prints its own SignalException
+    traceback and exits 1 (torch's; see docs/when_things_go_wrong.md)."""
+    job = tmp_path / "job"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "hydra_ddp.train", *SLOW_START, f"hydra.run.dir={job}"]  # fmt: skip
+    proc, out = _start(cmd, tmp_path)
+    _wait(proc, out, lambda: (job / ".hydra" / "config.yaml").is_file(), "composed its config")
+    time.sleep(2)  # in the model's constructor (it sleeps 120 s)
+    rc, text, took = _ctrl_c(proc, out)
+    assert rc == 1, text[-3000:]  # torchrun's
+    ours = text.split("Traceback (most recent call last):")
+    assert len(ours) == 2 and "SignalException" in ours[1], text[-4000:]  # torchrun's only
+    assert "KeyboardInterrupt" not in text and "Exception ignored" not in text, text[-4000:]
+    stops = [line for line in ours[0].splitlines() if "stopped on SIGINT" in line]
+    assert len(stops) == 1, text[-3000:]
+    assert "stopped on SIGINT, before any checkpoint was written: nothing to resume" in stops[0]
+    assert took < 60, took

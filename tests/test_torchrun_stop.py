@@ -1,0 +1,82 @@
+"""`python -m hydra_ddp.dist.torchrun`: torchrun whose stop on a signal exits 128 + the signal.
+
+Plain torchrun, on SIGTERM to its agent (a scheduler's stop) or Ctrl-C, forwards the signal,
+waits for its workers' checkpoint, then exits 1 with its own SignalException traceback (see
+docs/when_things_go_wrong.md). The wrapper runs the same torchrun and exits as its workers do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import FAST, REPO, user_env
+
+from hydra_ddp import checkpoint
+
+SLOW_STEPS = [
+    *FAST,
+    "model._target_=slow_model.SlowMLP",
+    "+model.sleep_s=1",
+    "trainer.max_steps=60",
+    "trainer.log_interval=1",
+    "trainer.ckpt_interval=0",  # only the stop's checkpoint
+]
+
+
+def _steps_logged(job: Path) -> int:
+    path = job / "stats" / "rank0.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()[:-1]  # the last may be half-written
+    return max((json.loads(ln).get("step", 0) for ln in lines), default=0)
+
+
+@pytest.mark.slow  # real torchrun jobs, two of them
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["SIGTERM to the agent", "Ctrl-C"])
+def test_a_stopped_torchrun_exits_like_its_workers_with_a_checkpoint(
+    tmp_path: Path, how: str
+) -> None:
+    job = tmp_path / "job"
+    cmd = [sys.executable, "-m", "hydra_ddp.dist.torchrun", "--standalone",
+           "--nproc_per_node=2", "-m", "hydra_ddp.train", *SLOW_STEPS,
+           f"hydra.run.dir={job}"]  # fmt: skip
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
+    out = tmp_path / "console.log"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while _steps_logged(job) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.1)
+        signum = signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT
+        if signum == signal.SIGTERM:
+            proc.send_signal(signum)  # the agent only, as a scheduler's stop
+        else:
+            os.killpg(proc.pid, signum)  # the terminal: every process of the job
+        rc = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+            for p in procs:
+                p.kill()
+    text = out.read_text()
+    assert rc == 128 + signum, text[-3000:]
+    assert "Traceback" not in text and "SignalException" not in text, text[-4000:]
+    assert "death signal" not in text and "closing signal" not in text, text[-3000:]
+    newest = checkpoint.latest(job)
+    assert newest is not None, text[-3000:]
+    step = checkpoint.load(newest)["step"]
+    name = signal.Signals(signum).name
+    assert f"stopped on {name} at step {step} of 60 with a checkpoint" in text, text[-3000:]
