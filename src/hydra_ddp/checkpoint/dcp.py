@@ -126,10 +126,19 @@ class DCPCheckpointer(Checkpointer):
         folder = checkpoint_dir(self.output_dir)
         final = folder / (_dcp_name(name) or f"step_{position['step']:08d}{SUFFIX}")
         tmp = folder / f".{final.name}.tmp"
-        ranks = all_gather_objects(self._rng(), self.env)
+        extra, refused = None, None
+        if self.env.is_main:
+            try:  # rank 0 alone holds this state: its refusal must stop every rank, here
+                extra = self._extra(position)
+            except UserError as e:
+                refused = str(e)
+        ranks = all_gather_objects((self._rng(), refused), self.env)
+        refused = next((why for _, why in ranks if why), None)
+        if refused is not None:
+            raise UserError(refused)
         if self.env.is_main:
             self._start_folder(folder, tmp)
-            self._write_extra(tmp / EXTRA, position, ranks)
+            self._write_extra(tmp / EXTRA, {**extra, "rng": [rng for rng, _ in ranks]})
         barrier(self.env)  # the fresh tmp folder exists before any rank writes into it
         state = self._tensors()
         try:
@@ -196,13 +205,17 @@ class DCPCheckpointer(Checkpointer):
         except OSError as e:
             raise _write_failed(e, tmp) from e
 
-    def _write_extra(self, path: Path, position: dict[str, int], ranks: list) -> None:
+    def _extra(self, position: dict[str, int]) -> dict[str, Any]:
+        """Rank 0: extra.pt's state but the RNG, made loadable with weights_only as DDP's
+        checkpoints (safe_state.checked: a UserError for what cannot be)."""
         state = {k: obj.state_dict() for k, obj in self.stateful.items() if k not in _SHARDED}
         state["scheduler"] = self.stateful["optimizer"].scheduler_state()
         if "ema" in self.stateful:
             state["ema_n_averaged"] = self.stateful["ema"].n_averaged
-        state.update(self.meta, **position, world_size=self.env.world_size, rng=ranks)
-        state = safe_state.checked(state)  # loadable with weights_only, as DDP's checkpoints
+        state.update(self.meta, **position, world_size=self.env.world_size)
+        return safe_state.checked(state)
+
+    def _write_extra(self, path: Path, state: dict[str, Any]) -> None:
         try:
             with open(path, "wb") as f:
                 torch.save(state, f)
