@@ -62,16 +62,17 @@ def test_low_precision_params_train_with_fp32_state(
 ) -> None:
     """The forward and backward compute in bf16/fp16 (the gathered parameters), the gradients
     are reduced in fp32, and what the optimizer steps and the checkpoint keeps stays fp32.
-    Tolerance: a bf16 value keeps 8 bits of mantissa (a relative error of up to 2^-8 = 0.4 %
-    per weight and activation), fp16 11; the fp32 master weights take every update, so the
-    errors do not compound over 10 steps: the losses stay within 1 % (bf16) and 0.2 % (fp16)
-    of the fp32 run's, yet differ from them (the policy did apply)."""
+    Tolerance: a bf16 value keeps 8 bits of mantissa (a relative rounding of up to 2^-8 =
+    0.4 % per weight and activation), fp16 11 (0.05 %); the loss averages many such roundings,
+    and the fp32 master weights take every update, so nothing compounds over 10 steps. Bound:
+    one rounding's worth, 0.5 % (bf16) and 0.05 % (fp16) of the fp32 run's loss (measured:
+    0.017 % and 0.0008 %); the losses still differ from fp32's (the policy did apply)."""
     job = tmp_path / "job"
     done = train_ranks(job, *GPT, f"ddp.param_dtype={dtype}", "ddp.reduce_dtype=fp32")
     assert f"param_dtype={dtype} reduce_dtype=fp32" in done.logs[0]
     low, full = _losses(job), _losses(fp32)
     assert sorted(low) == sorted(full) == list(range(1, 11))
-    rel = 1e-2 if dtype == "bf16" else 2e-3
+    rel = 5e-3 if dtype == "bf16" else 5e-4
     for step in full:
         assert low[step] == pytest.approx(full[step], rel=rel), (step, low[step], full[step])
     assert low != full, "the losses equal fp32's: the parameters were not cast"
