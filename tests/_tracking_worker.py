@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hydra_ddp.config import Layout, LoggerBackend, LoggerConfig, WandbMode
+from hydra_ddp.config import Layout, LoggerConfig, WandbMode
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.tracking import RunInfo, make_tracker
 
@@ -51,7 +51,7 @@ def run_job(
     """One job on this rank: build a tracker, log `steps` intervals, evaluate, close (as failed
     with fail=True). Returns whether W&B was imported in this process."""
     cfg = LoggerConfig(
-        backend=LoggerBackend(backend),
+        backend=backend,
         layout=Layout(layout),
         mode=WandbMode(mode),
         project="hydra-ddp-tests",

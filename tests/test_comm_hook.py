@@ -20,16 +20,15 @@ POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_ra
 
 def _restore_hook(env, cfg, run, path: str) -> dict:
     """A rank: a fresh DDP wrap with the PowerSGD hook, restored from `path`; its state."""
-    from hydra_ddp.checkpoint import Checkpointer
+    from hydra_ddp.checkpoint import Checkpointer, state
     from hydra_ddp.dist.ddp import wrap_model
     from hydra_ddp.loop.job import prepare
 
     job_ = prepare(cfg, env, run)
     _, hook = wrap_model(job_.parts.model, env, cfg.ddp)
     before = hook.state_dict()["iter"]
-    Checkpointer(
-        run.output_dir, env, 0, 1, 1, {"model": job_.parts.model}, {"comm_hook": hook}
-    ).restore(Path(path), ["step"])
+    parts = state.Parts(model=job_.parts.model, comm_hook=hook)
+    Checkpointer(run.output_dir, env, parts).restore(Path(path))
     return {"before": before, **safe_state.to_cpu(hook.state_dict())}
 
 
@@ -63,3 +62,28 @@ def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
 def test_powersgd_start_iter_below_two_is_refused_at_compose() -> None:
     with pytest.raises(UserError, match=r"ddp\.powersgd_start_iter=1 is not allowed: .* >= 2"):
         typed("ddp=powersgd", "ddp.powersgd_start_iter=1")
+
+
+def test_a_comm_hook_name_that_is_not_built_in_is_refused_at_compose() -> None:
+    with pytest.raises(
+        UserError, match=r"ddp\.comm_hook='fp8' is not allowed: .*powersgd.*_target_"
+    ):
+        typed("ddp.comm_hook=fp8")
+
+
+def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
+    from hydra_ddp.dist import comm_hooks
+
+    with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built a "
+                       r"Counter without hook\(state, bucket\)") as e:  # fmt: skip
+        comm_hooks.built({"_target_": "collections.Counter"}, 2, 10, "cpu")
+    assert "\n" not in str(e.value)
+    with pytest.raises(
+        UserError, match=r"ddp\.comm_hook \(.*PowerSGD\): ddp\.comm_hook\.start_iter"
+    ):
+        comm_hooks.built(
+            {"_target_": "hydra_ddp.dist.comm_hooks.PowerSGD", "rank": 1, "start_iter": 1},
+            2,
+            10,
+            "cpu",
+        )

@@ -29,8 +29,8 @@ GROUPS = {
     # (tests/test_sweeps.py, tests/test_presets.py, tests/test_debug.py).
     if g.is_dir() and g.name not in ("hydra", "hparams_search", "experiment", "debug")
 }
-TYPED = {"ddp": C.DDPConfig, "sampler": C.SamplerConfig, "logger": C.LoggerConfig}
-COMPONENTS = ("data", "model", "optim", "scheduler", "loss")
+TYPED = {"ddp": C.DDPConfig, "logger": C.LoggerConfig}
+COMPONENTS = ("data", "model", "optim", "scheduler", "loss", "sampler")
 
 C.register_configs()
 register_resolvers()
@@ -127,9 +127,9 @@ def test_defaults() -> None:
     assert cfg.data["_target_"] == "hydra_ddp.data.Digits"
     assert cfg.model["_target_"] == "hydra_ddp.models.MLP"
     assert cfg.optim["_target_"] == "torch.optim.AdamW"
-    assert cfg.sampler.policy == C.SamplerPolicy.strided
-    assert cfg.ddp.enabled and cfg.ddp.comm_hook == C.CommHook.none
-    assert cfg.logger.backend == C.LoggerBackend.wandb and cfg.logger.layout == C.Layout.gather
+    assert cfg.sampler["_target_"] == "hydra_ddp.data.policies.Strided"
+    assert cfg.ddp.enabled and cfg.ddp.comm_hook == "none"
+    assert cfg.logger.backend == "wandb" and cfg.logger.layout == C.Layout.gather
     assert cfg.trainer.resume == "auto" and cfg.trainer.epochs == 40
 
 
@@ -137,9 +137,15 @@ def test_presets_set_what_they_say() -> None:
     assert typed("ddp=unused_params").ddp.find_unused_parameters
     assert typed("ddp=static_graph").ddp.static_graph
     assert typed("ddp=none").ddp.enabled is False
-    assert typed("ddp=bf16_compress").ddp.comm_hook == C.CommHook.bf16_compress
-    assert typed("ddp=powersgd").ddp.comm_hook == C.CommHook.powersgd
-    assert typed("sampler=sharded").sampler.policy == C.SamplerPolicy.sharded
+    bf16 = typed("ddp=bf16_compress").ddp.comm_hook
+    assert bf16["_target_"] == "hydra_ddp.dist.comm_hooks.BF16Compress"
+    powersgd = typed("ddp=powersgd", "ddp.powersgd_rank=3").ddp.comm_hook
+    assert powersgd == {
+        "_target_": "hydra_ddp.dist.comm_hooks.PowerSGD",
+        "rank": 3,
+        "start_iter": 10,
+    }
+    assert typed("sampler=sharded").sampler["_target_"] == "hydra_ddp.data.policies.Sharded"
     assert typed("optim=sgd").optim["_target_"] == "torch.optim.SGD"
     assert typed("model=gpt", "data=text").model["n_layer"] == 4
 
@@ -149,11 +155,12 @@ def test_command_line_overrides_are_typed() -> None:
         "trainer.batch_size=128",
         "trainer.precision=bf16",
         "dist.backend=gloo",
+        "sampler=sharded",
         "sampler.shard_by=files",
         "ddp.bucket_cap_mb=50.5",
     )
     assert cfg.trainer.batch_size == 128 and cfg.trainer.precision == C.Precision.bf16
-    assert cfg.dist.backend == C.Backend.gloo and cfg.sampler.shard_by == C.ShardBy.files
+    assert cfg.dist.backend == C.Backend.gloo and cfg.sampler["shard_by"] == "files"
     assert cfg.ddp.bucket_cap_mb == 50.5
 
 

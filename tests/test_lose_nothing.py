@@ -256,7 +256,7 @@ def test_a_sweep_jobs_failure_record_goes_when_it_succeeds(tmp_path: Path) -> No
 
 
 def test_non_finite_metrics_are_written_as_null() -> None:
-    from hydra_ddp.loop.job import _json_safe
+    from hydra_ddp.loop.fit import json_safe as _json_safe
 
     safe = _json_safe({"val_loss": float("nan"), "val_acc": 0.5, "test_loss": float("inf")})
     assert json.loads(json.dumps(safe, allow_nan=False)) == {

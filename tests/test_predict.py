@@ -83,7 +83,7 @@ def _by_hand(run: Path) -> tuple[torch.nn.Module, list]:
     source = build(cfg.data, "data")
     model = build(cfg.model, "model", **source.spec)
     model.load_state_dict(checkpoint.load(checkpoint.latest(run))["model"])
-    split = EvalData(source, "test", cfg.sampler.policy, DistEnv(), 1)
+    split = EvalData(source, "test", cfg.sampler, DistEnv(), 1)
     return model.eval(), list(split)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from inproc import FAST, train_here, train_ranks
 
-from hydra_ddp.data import epoch_rows
+from hydra_ddp.data import Strided, epoch_rows
 
 ROWS = 256  # user_data.Blobs rows in the training split
 
@@ -142,8 +142,10 @@ def test_run_json_records_code_versions_and_each_resume(tmp_path: Path) -> None:
     assert {"hydra-core", "omegaconf", "wandb", "numpy"} <= set(first["versions"])
     git = first["git"]
     assert len(git["commit"]) == 40 and isinstance(git["dirty"], bool)
+    # Dirty by changes to tracked files: their patch is beside run.json; by untracked files
+    # alone: they are listed (tests/test_provenance.py checks both in a repo of its own).
     if git["dirty"]:
-        assert (tmp_path / git["diff"]).is_file()
+        assert (tmp_path / git["diff"]).is_file() if "diff" in git else git["untracked"]
     assert first["command"] and first["hosts"]
 
 
@@ -155,3 +157,54 @@ def test_a_changed_learning_rate_on_resume_is_applied_and_said(tmp_path: Path, c
     assert said and "applied to all parameter groups" in said[0]
     state = torch.load(tmp_path / "checkpoints" / "step_00000006.pt", weights_only=True)
     assert {g["initial_lr"] for g in state["optimizer"]["param_groups"]} == {0.02}
+
+
+class Reversed(Strided):
+    """A user's policy: Strided's positions read from the end; declares its settings."""
+
+    def __init__(self, drop_last: bool):
+        super().__init__(shuffle=False, seed=0, drop_last=drop_last)
+
+    def sampler(self, rows_held, parts, rank, world, batch_size):
+        strided = super().sampler(rows_held, parts, rank, world, batch_size)
+        strided._rows = lambda ids, order, f=strided._rows: rows_held - 1 - f(ids, order)
+        return strided
+
+    def settings(self):
+        return {"_target_": f"{__name__}.Reversed", "drop_last": self.drop_last}
+
+
+class Undeclared(Reversed):
+    def settings(self):
+        return None
+
+
+def test_a_user_policy_that_declares_its_settings_is_counted_on_resume() -> None:
+    """Its recorded settings rebuild it: from strided to reversed mid-epoch, the rows read
+    twice and skipped are counted as for the built-in policies."""
+    reversed_ = epoch_rows.settings(Reversed(False), 0)
+    assert reversed_ == {"_target_": f"{__name__}.Reversed", "drop_last": False}
+    plain = epoch_rows.settings(Strided(False, 0, False), 0)
+    assert epoch_rows.changed(plain, reversed_, 2, 2)
+    assert not epoch_rows.changed(reversed_, dict(reversed_), 2, 2)
+    old, new = epoch_rows.Setup(plain, 2, 8), epoch_rows.Setup(reversed_, 2, 8)
+    # 2 of 4 batches of 64 rows read forwards (rows 0..31), the rest backwards (rows 0..31
+    # again): 32 read twice, and rows 32..63 skipped.
+    assert epoch_rows.twice_and_skipped(old, new, 64, [64], 0, 2, 2) == (32, 32)
+
+
+def test_a_user_policy_without_settings_says_a_resume_cannot_be_counted(caplog) -> None:
+    undeclared = epoch_rows.settings(Undeclared(False), 0)
+    assert undeclared == {"policy": f"{__name__}.Undeclared", "undeclared": True}
+    assert epoch_rows.changed(undeclared, dict(undeclared), 2, 2)  # it cannot be told
+
+    class Source:
+        def num_rows(self, split):
+            return 64
+
+    setup = epoch_rows.Setup(undeclared, 2, 8)
+    with caplog.at_level(logging.INFO):
+        epoch_rows.say_reordered(Path("ck.pt"), setup, setup, Source(), 0, 2, 2, 0)
+    (line,) = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert "declares no settings()" in line and f"{__name__}.Undeclared" in line
+    assert "\n" not in line

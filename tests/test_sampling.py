@@ -561,3 +561,25 @@ def test_sharded_end_to_end_with_partitions() -> None:
             s.set_epoch(epoch)
             lens.add(len(list(itertools.islice(iter(s), 1000))))
         assert len(lens) == 1
+
+
+def test_a_policy_argument_out_of_range_is_refused_naming_its_key() -> None:
+    from inproc import typed
+
+    from hydra_ddp.data import Digits, check_sampling
+    from hydra_ddp.errors import UserError
+
+    cfg = typed("sampler=sharded", "sampler.shard_by=pages")
+    source = Digits(0.15, 0.15, 0)
+    with pytest.raises(
+        UserError, match=r"sampler\.shard_by='pages' is not allowed: .*rows or files"
+    ):
+        check_sampling(source, cfg.sampler, 2, 64)
+
+
+def test_a_target_that_is_no_policy_is_refused_in_one_line() -> None:
+    from hydra_ddp.data.policies import built
+    from hydra_ddp.errors import UserError
+
+    with pytest.raises(UserError, match=r"sampler\._target_ built a Counter, not a sampler policy"):
+        built({"_target_": "collections.Counter"}, 0)

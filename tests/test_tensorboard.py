@@ -132,3 +132,18 @@ def test_ctx_log_refusal_names_the_callback(tmp_path: Path, key: str, value: str
     line = str(caught.value)
     assert "\n" not in line and line.startswith("callbacks.bad (user_log_callbacks.LogValue)")
     assert f"ctx.log {'key' if key == 'loss' else 'value'} '{key}'" in line, line
+
+
+def test_a_sink_is_chosen_by_its_name_in_sinks_and_a_typo_is_one_line(tmp_path: Path) -> None:
+    """A sink is one module, one YAML and one line in tracker.SINKS: `logger.backend` is that
+    line's key, checked before any worker starts (train.preflight) and again by make_tracker."""
+    from hydra_ddp.tracking.tracker import SINKS, check_backend
+
+    assert set(SINKS) == {"wandb", "tensorboard"}
+    for name in (*SINKS, "none"):
+        check_backend(name)
+    with pytest.raises(UserError) as e:
+        check_backend("tensorbord")
+    line = str(e.value)
+    assert line.startswith("logger.backend=tensorbord is not a sink") and "\n" not in line
+    assert "wandb, tensorboard, none" in line and "conf/logger" in line

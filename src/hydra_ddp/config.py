@@ -1,15 +1,18 @@
 """The typed schema of the template's own keys, and the one place their defaults live.
 
-The groups the template owns (trainer, dist, ddp, sampler, logger) are dataclasses: every YAML
-file under `conf/ddp/`, `conf/sampler/` and `conf/logger/` merges into one of them and holds only
-what that choice changes, so a typo'd key or a wrong type fails when Hydra composes the config.
+The groups the template owns (trainer, dist, ddp, logger) are dataclasses: every YAML file
+under `conf/ddp/` and `conf/logger/` (typed in logger_config.py) merges into one of them and
+holds only what that choice changes, so a typo'd key or a wrong type fails when Hydra composes
+the config.
 Cross-field checks live in `__post_init__`, which runs when `OmegaConf.to_object` turns the
 composed config into these objects at the entry point: before any process group exists. Choices
 are `Enum`s because hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
 
-What a user swaps in (data, model, optim, scheduler, loss, metrics) is not typed here: each is
-`_target_` plus keyword arguments in its own `conf/<group>/<name>.yaml`, built by
-`hydra_ddp.components.build`, and its defaults live in that YAML.
+What a user swaps in (data, model, optim, scheduler, loss, metrics, the sampler policy and the
+DDP comm hook `ddp.comm_hook`) is not typed here: each is `_target_` plus keyword arguments in
+its own `conf/<group>/<name>.yaml`, built by `hydra_ddp.components.build`, and its defaults
+live in that YAML; a bad argument fails in one line naming the key (the sampler's in the
+launching process, the comm hook's when each rank wraps the model).
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from hydra_ddp.errors import UserError
+from hydra_ddp.logger_config import (  # noqa: F401  (the logger/ group, imported from here too)
+    Layout,
+    LoggerConfig,
+    WandbConsole,
+    WandbMode,
+)
 
 
 def _require(ok: bool, key: str, allowed: str, value: object) -> None:
@@ -34,13 +43,9 @@ def _require(ok: bool, key: str, allowed: str, value: object) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class CommHook(Enum):
-    """DDP communication hooks from torch.distributed.algorithms.ddp_comm_hooks."""
-
-    none = "none"
-    fp16_compress = "fp16_compress"  # all-reduce gradients in fp16, halving the bytes sent
-    bf16_compress = "bf16_compress"  # same in bf16 (NCCL >= 2.10); wider range than fp16
-    powersgd = "powersgd"  # low-rank gradient compression (Vogels et al., 2019)
+# The comm hooks that ship with the template, by the name ddp.comm_hook may give instead of a
+# `_target_` (hydra_ddp/dist/comm_hooks.py).
+COMM_HOOKS = ("none", "fp16_compress", "bf16_compress", "powersgd")
 
 
 class Wrapper(Enum):
@@ -81,8 +86,11 @@ class DDPConfig:
     static_graph: bool = False
     # Verify parameter shapes across ranks and broadcast rank 0's weights at construction.
     init_sync: bool = True
-    # Gradient compression applied to the all-reduce.
-    comm_hook: CommHook = CommHook.none
+    # The DDP communication hook, a component: `{_target_: my_hooks.Mean, ...}` (a class whose
+    # instances have `hook(state, bucket)` and `state`, or a function (state, bucket) ->
+    # Future), or a built-in by name: none, fp16_compress, bf16_compress, powersgd
+    # (hydra_ddp/dist/comm_hooks.py; conf/ddp/<name>.yaml spell out their _target_).
+    comm_hook: Any = "none"
     # PowerSGD: rank of the low-rank approximation (higher = more accurate, more bytes).
     powersgd_rank: int = 2
     # PowerSGD: plain all-reduce for this many steps before compression starts (>= 2: PowerSGD's
@@ -112,6 +120,13 @@ class DDPConfig:
 
     def __post_init__(self) -> None:
         self._check_wrapper_options()
+        hook = self.comm_hook
+        _require(
+            hook in COMM_HOOKS or (isinstance(hook, dict) and "_target_" in hook),
+            "ddp.comm_hook",
+            f"one of {', '.join(COMM_HOOKS)}, or a component ({{_target_: my_hooks.Hook, ...}})",
+            hook,
+        )
         _require(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
         _require(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
         _require(
@@ -143,6 +158,8 @@ class DDPConfig:
 
 
 def _shown(value: Any) -> Any:
+    if isinstance(value, dict) and "_target_" in value:
+        return value["_target_"]
     return value.value if isinstance(value, Enum) else value
 
 
@@ -157,112 +174,6 @@ _FSDP2_ONLY = (
     "meta_init",
 )  # fmt: skip
 _DDP_DEFAULTS = {f.name: f.default for f in fields(DDPConfig)}
-
-
-# --------------------------------------------------------------------------------------------
-# sampler/: which rows each rank sees
-# --------------------------------------------------------------------------------------------
-
-
-class SamplerPolicy(Enum):
-    # Every rank holds the whole data set and takes indices[rank::world_size] of a shared
-    # per-epoch permutation (DistributedSampler's semantics, without its O(N) index list).
-    strided = "strided"
-    # Every rank loads only its own part of the data and samples only from it.
-    sharded = "sharded"
-
-
-class ShardBy(Enum):
-    rows = "rows"  # contiguous row ranges of the data set
-    files = "files"  # whole shard files (data sets stored as several files)
-
-
-@dataclass
-class SamplerConfig:
-    policy: SamplerPolicy = SamplerPolicy.strided
-    # Reshuffle every epoch (a new permutation per epoch, same on all ranks for strided).
-    shuffle: bool = True
-    # Seed of the shuffle; null: use trainer.seed.
-    seed: Optional[int] = None
-    # strided: drop the tail so every rank gets the same number of distinct rows (otherwise
-    # rows are repeated to pad, as DistributedSampler does). Both: drop a final partial batch.
-    drop_last: bool = False
-    # sharded: how the data set is split between ranks.
-    shard_by: ShardBy = ShardBy.rows
-    # sharded: hand each rank a different part every epoch, so no rank trains on one fixed
-    # subset. With data.in_memory=true this re-reads a part from disk at each epoch start.
-    rotate: bool = False
-
-
-# --------------------------------------------------------------------------------------------
-# logger/
-# --------------------------------------------------------------------------------------------
-
-
-class LoggerBackend(Enum):
-    """Where stats go besides the per-rank JSON-lines files (tracking.tracker.SINKS)."""
-
-    wandb = "wandb"
-    tensorboard = "tensorboard"  # one event-file folder per rank, <output dir>/tensorboard
-    none = "none"  # per-rank JSON-lines files only
-
-
-class Layout(Enum):
-    """The three layouts W&B documents for distributed training."""
-
-    gather = "gather"  # rank 0 gathers every rank's stats into one run, keys rank{r}/<stat>
-    group = "group"  # one run per rank, grouped by job
-    shared = "shared"  # all ranks write one run (W&B shared mode; online only)
-
-
-class WandbMode(Enum):
-    auto = "auto"  # online if logged in or WANDB_API_KEY is set, else offline
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
-
-
-class WandbConsole(Enum):
-    # The job's log is already in <output dir>/train_rank<r>.log; W&B's copy would re-send
-    # every line through its service, which costs the ranks CPU on a busy node.
-    off = "off"
-    wrap = "wrap"  # W&B's "Logs" tab shows rank 0's console (W&B's own default)
-    redirect = "redirect"
-
-
-@dataclass
-class LoggerConfig:
-    backend: LoggerBackend = LoggerBackend.wandb
-    layout: Layout = Layout.gather
-    mode: WandbMode = WandbMode.auto
-    console: WandbConsole = WandbConsole.off
-    project: str = "hydra-ddp"
-    entity: Optional[str] = None
-    name: Optional[str] = None  # null: the job's name (its overrides in a sweep)
-    group: Optional[str] = None  # null: one group per sweep (or per job)
-    tags: List[str] = field(default_factory=list)
-    # Send a training row to W&B at most once per this many seconds (0: every log interval).
-    # The local stats/*.jsonl keep every interval; the last row is always sent. W&B suggests
-    # under 100k points per metric and throttles projects that log faster.
-    min_interval_s: float = 1.0
-    # Seconds W&B may take to reach its server when an online run starts; then the job stops
-    # with one line (W&B's own default: 90 s, then a traceback). WANDB_INIT_TIMEOUT overrides.
-    init_timeout_s: float = 60.0
-    # Seconds the end of a run may wait for W&B's uploads (then the rest is dropped with a
-    # warning, and `wandb sync` can send it later); 0: wait as long as it takes.
-    finish_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        _require(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
-        _require(
-            self.finish_timeout_s >= 0, "logger.finish_timeout_s", ">= 0", self.finish_timeout_s
-        )
-        _require(
-            self.min_interval_s >= 0,
-            "logger.min_interval_s",
-            ">= 0 (0: every interval)",
-            self.min_interval_s,
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,7 +372,8 @@ class DistConfig:
 @dataclass
 class TrainConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    # The sampler policy, a component (conf/sampler/, hydra_ddp/data/policies.py).
+    sampler: Any = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -518,7 +430,8 @@ class TrainConfig:
 
     @property
     def sampler_seed(self) -> int:
-        return self.trainer.seed if self.sampler.seed is None else self.sampler.seed
+        seed = self.sampler.get("seed") if hasattr(self.sampler, "get") else None
+        return self.trainer.seed if seed is None else int(seed)
 
 
 def register_configs() -> None:

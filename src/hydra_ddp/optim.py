@@ -21,11 +21,12 @@ ReduceLROnPlateau, stepped after each validation with that metric's value).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -255,21 +256,30 @@ class Optimizers:
         states = {n: s.state_dict() for n, s in self.schedulers.items()}
         return states["default"] if self.single else states
 
-    def load(self, optimizer_state: dict, scheduler_state: dict, path: Any) -> None:
-        opts = {"default": optimizer_state} if self.single else optimizer_state
-        scheds = {"default": scheduler_state} if self.single else scheduler_state
+    def load_schedules(self, state: dict[str, Any]) -> None:
+        """The schedules' saved state; loaded before the optimizers' (`load_optimizers` then
+        applies a changed learning rate to both)."""
+        scheds = {"default": state} if self.single else state
+        for name, scheduler in self.schedulers.items():
+            scheduler.load_state_dict(scheds[name])
+
+    def load_optimizers(
+        self, state: dict[str, Any], path: Any, load: Callable[[Any, dict], None] | None = None
+    ) -> None:
+        """The optimizers' saved state (as `state_dict` gives it), with this job's settings
+        applied (load_optimizer_state). `load(optimizer, saved)`: how one is loaded (default
+        its load_state_dict; ddp=fsdp2 loads into the shards)."""
+        opts = {"default": state} if self.single else state
         missing = sorted(set(self.optimizers) - set(opts))
-        if missing or self.single != ("param_groups" in optimizer_state):
+        if missing or self.single != ("param_groups" in state):
             raise UserError(
                 f"{path} holds optimizers {sorted(opts) if not self.single else ['default']}, "
                 f"this job has {sorted(self.optimizers)}: resume with the optim it was trained "
                 "with, or start from its weights with trainer.init_from=<checkpoint>"
             )
         for name, optimizer in self.optimizers.items():
-            # The scheduler first: its base learning rates are the optimizer's old ones until
-            # load_optimizer_state applies a changed learning rate to both.
-            self.schedulers[name].load_state_dict(scheds[name])
-            load_optimizer_state(optimizer, self.schedulers[name], opts[name], path)
+            load_one = None if load is None else functools.partial(load, optimizer)
+            load_optimizer_state(optimizer, self.schedulers[name], opts[name], path, load_one)
 
 
 def warmup_cosine(
@@ -312,7 +322,11 @@ _NOT_SETTINGS = {"params", "initial_lr", "lr", "param_names"}
 
 
 def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, scheduler: Any, saved: dict[str, Any], path: Any
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    saved: dict[str, Any],
+    path: Any,
+    load: Callable[[dict], None] | None = None,
 ) -> None:
     """Resume the optimizer from a checkpoint's `saved` state, refusing another optimizer in one
     line and applying (and saying so) any changed hyperparameter of this job's config.
@@ -339,7 +353,7 @@ def load_optimizer_state(
             "optim it was trained with, or start from its weights with "
             "trainer.init_from=<checkpoint> (fresh optimizer and schedule)"
         )
-    optimizer.load_state_dict(saved)
+    (load or optimizer.load_state_dict)(saved)
     changes: dict[str, tuple[Any, Any]] = {}
     for i, (group, want) in enumerate(zip(optimizer.param_groups, configured)):
         for key, value in want.items():

@@ -27,7 +27,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.components import build
 from hydra_ddp.config import (
-    LoggerBackend,
     TrainConfig,
     register_configs,
 )
@@ -48,6 +47,7 @@ from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.loop.job import build_components, train
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.tracking import RunInfo, redact, resolve_mode
+from hydra_ddp.tracking.tracker import check_backend
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need the data and the components but no process group, so a bad job fails
     once, in the launching process, instead of once per worker."""
     monitor_key(cfg)  # trainer.monitor names a metric the job computes
-    if cfg.logger.backend == LoggerBackend.wandb:
+    check_backend(cfg.logger.backend)
+    if cfg.logger.backend == "wandb":
         resolve_mode(cfg.logger.mode)  # logger.mode=online without a login fails here, once
     source = build(cfg.data, "data")
     check_source(source)

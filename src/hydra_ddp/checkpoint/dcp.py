@@ -32,19 +32,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
-from hydra_ddp.checkpoint import (
-    Checkpointer,
-    checkpoint_dir,
-    counted_in,
-    restore_rng,
-    safe_state,
-    write_error,
-)
+from hydra_ddp.checkpoint import safe_state, state
+from hydra_ddp.checkpoint.checkpointer import Checkpointer
 from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.load_full: the folder's readers)
     EXTRA,
     MANIFEST,
@@ -56,13 +48,11 @@ from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.loa
     is_checkpoint,
     load_full,
 )
+from hydra_ddp.checkpoint.files import checkpoint_dir, write_error
 from hydra_ddp.dist import all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
-
-# Members kept in DCP's shards; the rest of the stateful objects go to extra.pt.
-_SHARDED = ("model", "optimizer", "ema")
 
 
 def load_sharded(model: torch.nn.Module, path: Path, env: Any) -> None:
@@ -79,7 +69,7 @@ def load_sharded(model: torch.nn.Module, path: Path, env: Any) -> None:
             dcp.load(state, checkpoint_id=str(path), no_dist=not env.distributed)
             set_model_state_dict(model, state["model"])
         else:
-            from hydra_ddp.checkpoint import load
+            from hydra_ddp.checkpoint.reading import load
 
             full = load(path)["model"] if env.is_main or not env.distributed else {}
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
@@ -114,39 +104,34 @@ class DCPCheckpointer(Checkpointer):
 
     # ---- saving ----
 
-    def maybe_save(self, position: dict[str, int]) -> None:
-        if self.due(position["step"]):
-            self.save(position, background=self.async_save)
+    def maybe_save(self) -> None:
+        if self.due(self.step):
+            self.save(background=self.async_save)
 
-    def save(
-        self, position: dict[str, int], name: str | None = None, background: bool = False
-    ) -> None:
+    def save(self, name: str | None = None, background: bool = False) -> None:
         """Write step_<step>.dcp (or best.dcp for name=best.pt) from every rank."""
         self.wait()
         folder = checkpoint_dir(self.output_dir)
-        final = folder / (_dcp_name(name) or f"step_{position['step']:08d}{SUFFIX}")
+        final = folder / (_dcp_name(name) or f"step_{self.step:08d}{SUFFIX}")
         tmp = folder / f".{final.name}.tmp"
         extra, refused = None, None
         if self.env.is_main:
             try:  # rank 0 alone holds this state: its refusal must stop every rank, here
-                extra = self._extra(position)
+                extra = self._extra()
             except UserError as e:
                 refused = str(e)
-        ranks = all_gather_objects((self._rng(), refused), self.env)
-        refused = next((why for _, why in ranks if why), None)
-        if refused is not None:
-            raise UserError(refused)
+        ranks = state.gather_per_rank(self.members, self.env, refused)  # collective
         if self.env.is_main:
             self._start_folder(folder, tmp)
-            self._write_extra(tmp / EXTRA, {**extra, "rng": [rng for rng, _ in ranks]})
+            self._write_extra(tmp / EXTRA, {**extra, "rng": ranks})
         barrier(self.env)  # the fresh tmp folder exists before any rank writes into it
-        state = self._tensors()
+        shards = self._shards()
         try:
             if background:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+                future = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self._group)
                 self._pending = (future, tmp, final, name)
                 return
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.env.distributed)
+            dcp.save(shards, checkpoint_id=str(tmp), no_dist=not self.env.distributed)
         except (OSError, RuntimeError) as e:
             raise _write_failed(e, final) from e
         self._complete(tmp, final, name)
@@ -205,42 +190,29 @@ class DCPCheckpointer(Checkpointer):
         except OSError as e:
             raise _write_failed(e, tmp) from e
 
-    def _extra(self, position: dict[str, int]) -> dict[str, Any]:
-        """Rank 0: extra.pt's state but the RNG, made loadable with weights_only as DDP's
-        checkpoints (safe_state.checked: a UserError for what cannot be)."""
-        state = {k: obj.state_dict() for k, obj in self.stateful.items() if k not in _SHARDED}
-        state["scheduler"] = self.stateful["optimizer"].scheduler_state()
-        if "ema" in self.stateful:
-            state["ema_n_averaged"] = self.stateful["ema"].n_averaged
-        state.update(self.meta, **position, world_size=self.env.world_size)
-        return safe_state.checked(state)
+    def _extra(self) -> dict[str, Any]:
+        """Rank 0: the global members that are not shards, made loadable with weights_only as
+        DDP's checkpoints (safe_state.checked: a UserError for what cannot be)."""
+        extra = state.global_state(
+            [(m, o) for m, o in self.members if not (m.sharded or m.per_rank)]
+        )
+        extra.update(world_size=self.env.world_size)
+        return safe_state.checked(extra)
 
-    def _write_extra(self, path: Path, state: dict[str, Any]) -> None:
+    def _write_extra(self, path: Path, extra: dict[str, Any]) -> None:
+        """Rank 0: extra.pt, with every rank's per-rank state (`rng`, checked at the gather)."""
         try:
             with open(path, "wb") as f:
-                torch.save(state, f)
+                torch.save(extra, f)
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:
             raise _write_failed(e, path.parent) from e
 
-    def _rng(self) -> dict[str, torch.Tensor]:
-        mine = {"torch": torch.get_rng_state()}
-        if self.env.device.type == "cuda":
-            mine["cuda"] = torch.cuda.get_rng_state(self.env.device)
-        return mine
-
-    def _tensors(self) -> dict[str, Any]:
+    def _shards(self) -> dict[str, Any]:
         """The sharded members as DCP state: each rank's DTensor shards (FQN keys, so a
         checkpoint loads into any number of ranks)."""
-        model, optimizers = self.stateful["model"], self.stateful["optimizer"].optimizers
-        state: dict[str, Any] = {
-            "model": get_model_state_dict(model),
-            "optimizer": {n: get_optimizer_state_dict(model, o) for n, o in optimizers.items()},
-        }
-        if "ema" in self.stateful:
-            state["ema"] = get_model_state_dict(self.stateful["ema"].module)
-        return state
+        return {m.name: obj.state_dict() for m, obj in self.members if m.sharded}
 
     def keep_as_best(self, step: int) -> None:
         """Rank 0: step <step>'s folder is also best.dcp (hard links: no second copy)."""
@@ -249,9 +221,9 @@ class DCPCheckpointer(Checkpointer):
 
     # ---- resuming ----
 
-    def restore(self, path: Path, position_keys: list[str]) -> dict[str, Any]:
-        """Load a checkpoint folder into the model, optimizers (resharded to this job's ranks),
-        EMA and the rest; return the position as Checkpointer.restore does."""
+    def restore(self, path: Path) -> None:
+        """Load a checkpoint folder into every member of this job (model, optimizers and EMA
+        resharded to this job's ranks)."""
         path = Path(path)
         if not is_checkpoint(path):
             raise UserError(
@@ -267,32 +239,19 @@ class DCPCheckpointer(Checkpointer):
                 "another one, or trainer.resume=never"
             )
         extra = _read_extra(path)
-        state = self._tensors()
-        model, optimizers = self.stateful["model"], self.stateful["optimizer"]
+        shards = self._shards()
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not self.env.distributed)  # collective
-            set_model_state_dict(model, state["model"])
-            for name, optimizer in optimizers.optimizers.items():
-                set_optimizer_state_dict(model, optimizer, state["optimizer"][name])
-            if "ema" in self.stateful:
-                set_model_state_dict(self.stateful["ema"].module, state["ema"])
-                self.stateful["ema"].n_averaged = int(extra.get("ema_n_averaged", 1))
-            scheds = extra["scheduler"]
-            for name, scheduler in optimizers.schedulers.items():
-                scheduler.load_state_dict(scheds if optimizers.single else scheds[name])
-            for key, obj in self.stateful.items():
-                if key not in _SHARDED:
-                    obj.load_state_dict(extra[key])
+            # collective
+            dcp.load(shards, checkpoint_id=str(path), no_dist=not self.env.distributed)
         except (KeyError, ValueError, RuntimeError, TypeError) as e:
             raise UserError(
-                f"{path} does not match this job's model/optimizer/scheduler setup "
+                f"{path} does not match this job's model/optimizer setup "
                 f"({type(e).__name__}: {first_line(e)}): resume with the config it was "
                 "trained with (its run's .hydra/config.yaml), or trainer.resume=never"
             ) from e
-        position = {k: int(extra.get(k, 0)) for k in position_keys}
-        position.update(counted_in(extra, self.env))
-        restore_rng(extra.get("rng") or [], self.env)
-        return position
+        # The shards and extra.pt are one checkpoint: each member loads, in the table's order,
+        # from where it was kept.
+        state.load_members(self.members, {**extra, **shards}, self.env, path)
 
 
 def _write_failed(e: BaseException, path: Path) -> UserError:

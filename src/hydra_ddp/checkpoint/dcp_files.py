@@ -1,7 +1,7 @@
 """Reading a sharded checkpoint folder (ddp=fsdp2) without a process group: is it one, is it
 whole (its manifest's sizes and CRC-32s), and its full model and EMA as plain tensors. Apart
-from dcp.py, which writes the folders, so that checkpoint.py can read them without importing
-the writer (which builds on checkpoint.py)."""
+from dcp.py, which writes the folders, so that files.py and reading.py can read them without
+importing the writer (which builds on checkpointer.py)."""
 
 from __future__ import annotations
 

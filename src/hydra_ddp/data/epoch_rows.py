@@ -18,14 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hydra_ddp.config import SamplerConfig, SamplerPolicy, ShardBy
-from hydra_ddp.data.sampling import (
-    ShardedSampler,
-    StridedSampler,
-    partition_files,
-    partition_rows,
-    samples_per_epoch,
-)
+from hydra_ddp.data.policies import BUILT_IN, SamplerPolicy, built, from_settings
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +26,37 @@ log = logging.getLogger(__name__)
 MAX_ROWS_COUNTED = 200_000_000
 
 
-def settings(cfg: SamplerConfig, seed: int) -> dict[str, Any]:
-    """What a checkpoint records of the sampler: the settings that decide an epoch's order."""
-    return {
-        "policy": cfg.policy.value,
-        "shuffle": cfg.shuffle,
-        "seed": seed,
-        "drop_last": cfg.drop_last,
-        "shard_by": cfg.shard_by.value,
-        "rotate": cfg.rotate,
-    }
+def settings(sampler: Any, seed: int) -> dict[str, Any]:
+    """What a checkpoint records of the sampler: the settings that decide an epoch's order.
+    `sampler`: the policy or its config. A policy that declares none is recorded by its class
+    name and `undeclared` (a resume mid-epoch then says it cannot count)."""
+    policy = built(sampler, seed)
+    declared = policy.settings()
+    if declared is None:
+        kind = type(policy)
+        return {"policy": f"{kind.__module__}.{kind.__qualname__}", "undeclared": True}
+    return declared
 
 
 def _relevant(saved: dict[str, Any]) -> dict[str, Any]:
     """The settings the order depends on (the seed only when shuffling; the sharding only
-    under sampler=sharded)."""
+    under sampler=sharded). A policy of yours: everything it declares."""
+    if saved.get("policy") not in BUILT_IN:
+        return saved
     keys = ["policy", "shuffle", "drop_last"] + (["seed"] if saved.get("shuffle") else [])
-    if saved.get("policy") == SamplerPolicy.sharded.value:
+    if saved.get("policy") == "sharded":
         keys += ["shard_by", "rotate"]
     return {k: saved.get(k) for k in keys}
 
 
 def changed(old: dict[str, Any], new: dict[str, Any], old_world: int, new_world: int) -> bool:
     """Whether the rest of the epoch is read by another rule than its start: other settings,
-    or sampler=sharded on another number of ranks (strided keeps its order then)."""
-    sharded = SamplerPolicy.sharded.value in (old.get("policy"), new.get("policy"))
-    return _relevant(old) != _relevant(new) or (sharded and old_world != new_world)
+    or another number of ranks under any policy but strided (which keeps its order then). A
+    policy that declares no settings: always (it cannot be told)."""
+    if old.get("undeclared") or new.get("undeclared"):
+        return True
+    strided = old.get("policy") == new.get("policy") == "strided"
+    return _relevant(old) != _relevant(new) or (not strided and old_world != new_world)
 
 
 @dataclass
@@ -89,17 +87,16 @@ def rows_read(
 def _sampler(
     setup: Setup, num_rows: int, file_rows: list[int], epoch: int, rank: int
 ) -> tuple[Any, np.ndarray | None]:
-    s, world, batch = setup.settings, setup.world_size, setup.batch_size
-    common = dict(shuffle=bool(s["shuffle"]), seed=int(s["seed"]), drop_last=bool(s["drop_last"]))
-    if s["policy"] == SamplerPolicy.strided.value:
-        return StridedSampler(num_rows, rank, world, batch, **common), None
-    if s["shard_by"] == ShardBy.files.value:
-        parts = partition_files(file_rows, world, epoch, bool(s["rotate"]))
-    else:
-        parts = partition_rows(num_rows, world, epoch, bool(s["rotate"]))
+    """Rank `rank`'s sampler in `epoch` under `setup`, and the global row of each row it holds
+    (None: it holds the whole split)."""
+    policy: SamplerPolicy = from_settings(setup.settings)
+    world = setup.world_size
+    parts = policy.parts(num_rows, file_rows, world, epoch)
+    if parts is None:
+        return policy.sampler(num_rows, None, rank, world, setup.batch_size), None
     mine = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parts[rank]] or [[]])
     mine = mine.astype(np.int64)
-    return ShardedSampler(len(mine), samples_per_epoch(parts), rank, batch, **common), mine
+    return policy.sampler(len(mine), parts, rank, world, setup.batch_size), mine
 
 
 def epoch_length(setup: Setup, num_rows: int, file_rows: list[int], limit: int) -> int:
@@ -136,6 +133,15 @@ def say_reordered(
     num_rows = source.num_rows("train")
     # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
     file_rows = source.file_rows("train") if hasattr(source, "file_rows") else [num_rows]
+    undeclared = [s["policy"] for s in (old.settings, new.settings) if s.get("undeclared")]
+    if undeclared and done:
+        log.warning(
+            "%s: the sampler policy %s declares no settings(), so which rows of epoch %d the "
+            "resume reads twice or skips cannot be counted (any may be); return "
+            "{'_target_': ..., **its arguments} from its settings() to count them",
+            path, undeclared[0], epoch,
+        )  # fmt: skip
+        return
     if not 0 < done < epoch_length(old, num_rows, file_rows, limit):
         return  # nothing read yet, or the whole epoch: the next one starts in the new order
     was = ", ".join(

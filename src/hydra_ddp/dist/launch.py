@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra_ddp import checkpoint
-
-from hydra_ddp.dist import claim
 from hydra_ddp.config import TrainConfig
-from hydra_ddp.dist import env_from_environ
+from hydra_ddp.dist import claim, env_from_environ
+from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop.job import train
-from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,9 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from hydra_ddp.dist import claim
-
-from hydra_ddp.dist import jsonfile
-
-from hydra_ddp.tracking import redact
-from hydra_ddp.dist import launcher_rank, under_launcher
+from hydra_ddp.dist import claim, jsonfile, launcher_rank, under_launcher
 from hydra_ddp.errors import UserError
+from hydra_ddp.tracking import redact
 
 # At most this many characters in a job dir's name; longer ones end in a hash of the full name.
 SUBDIR_MAX_CHARS = 80

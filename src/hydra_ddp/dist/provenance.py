@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 
-from hydra_ddp.dist import jsonfile
-
+from hydra_ddp.dist import DistEnv, all_gather_objects, jsonfile
 from hydra_ddp.tracking import redact
-from hydra_ddp.dist import DistEnv, all_gather_objects
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,9 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.dist import jsonfile
-
-from hydra_ddp.tracking import redact
-from hydra_ddp.dist import launcher_rank
+from hydra_ddp.dist import jsonfile, launcher_rank
 from hydra_ddp.dist.paths import SWEPT_KEYS_FILE, split_override, swept_keys
+from hydra_ddp.tracking import redact
 
 log = logging.getLogger(__name__)
 

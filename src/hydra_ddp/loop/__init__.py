@@ -1,6 +1,10 @@
 """The training loop and what runs inside it.
 
-- `job`: one rank's job: build the parts, resume, train, evaluate, checkpoint, summarise.
+- `job`: one rank's job: build the parts and the checkpoint members, resume, hand over to `fit`.
+- `fit`: the training loop (`fit`) and the end of the run (`finish`: last validation,
+  last checkpoint, test, summary).
+- `position`: where the loop is (`Position`, moved only by the loop), the batches from there,
+  and the position as a checkpoint member with its resume arithmetic (`PositionState`).
 - `objective`: how a batch reaches the model and how the loss sees the output.
 - `scoring`: the loss and every metric over a split, exact across ranks.
 - `evaluation`: validation during training (the monitor, the best checkpoint, early stopping)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 class Evaluator:
     def __init__(
         self,
+        *,
         env: DistEnv,
         splits: dict[str, EvalData],
         model: torch.nn.Module,
@@ -66,7 +67,8 @@ class Evaluator:
         return bool(self.interval) and step % self.interval == 0 and step < self.total_steps
 
     @property
-    def should_stop(self) -> bool:
+    def stopped(self) -> bool:
+        """Early stopping has stopped the run (the monitor's patience ran out at a validation)."""
         return self.monitor.stopped_early
 
     def evaluate(self, split: str) -> dict[str, float]:
@@ -75,12 +77,12 @@ class Evaluator:
 
     def validate(self, position: Any) -> dict[str, float]:
         """Collective: validate at `position`; keep its checkpoint as best.pt if the monitor
-        improved; stop early (see `should_stop`) after too many evaluations without."""
+        improved; stop early (see `stopped`) after too many evaluations without."""
         val = self.last = self.evaluate("val")
         self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
         self.console.info_main("step %d | val %s", position.step, _fmt(val))
         if self.monitor.update(position.step, val, self.env):  # collective
-            self.checkpointer.save(asdict(position), name="best.pt")  # collective
+            self.checkpointer.save(name="best.pt")  # collective
         elif self.monitor.should_stop:
             self.monitor.stop(position.step)
         return val
@@ -101,7 +103,7 @@ class Evaluator:
         """Collective, after `final_validation` and its callbacks: save the last checkpoint
         (kept as best.pt too when the last validation improved), and test. Returns (val, test)
         metrics."""
-        self.checkpointer.save(asdict(position))
+        self.checkpointer.save()
         if self._improved:
             self.checkpointer.keep_as_best(position.step)
         test = self.evaluate("test")
@@ -160,7 +162,7 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     use_device(env)
     path = checkpoint_file(request)
     source = build(cfg.data, "data")
-    split = EvalData(source, request.split, cfg.sampler.policy, env, cfg.trainer.batch_size)
+    split = EvalData(source, request.split, cfg.sampler, env, cfg.trainer.batch_size)
     model = build(cfg.model, "model", **source.spec)
     state = checkpoint.load(path)
     weights = state["model"]

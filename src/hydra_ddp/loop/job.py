@@ -1,19 +1,10 @@
-"""One rank's training job: build, resume, loop, evaluate, checkpoint, summarise.
+"""One rank's training job: build the parts, resume, then the loop (fit.py) and its end.
 
 `train(cfg, env, run)` is the whole job of one rank, the same on every rank (torchrun's, the
 self-launched workers', a submitit task's, or the single process of `python -m
-hydra_ddp.train`). `fit` is the loop. It calls each periodic concern explicitly, in order;
-each one decides its own cadence (`due(step)`) and owns its state:
-
-    stopper      preemption.StopOnSignal   a stop signal: checkpoint, then exit
-    default_step step.py                   forward, loss, backward, clip, optimizer step
-    health       step.NonFiniteCheck       trainer.nan_policy, without a sync per step
-    ema          ema.EMA                   trainer.ema_decay
-    profiler     profiling.py              trainer.profile_steps
-    stats        stats.StepStats           per-rank stats, console, W&B (tracking.Tracker)
-    callbacks    callbacks.Callbacks       the user's hooks
-    evaluator    evaluation.Evaluator      validation, monitor, best checkpoint, early stop
-    checkpointer checkpoint.Checkpointer   checkpoints every trainer.ckpt_interval steps
+hydra_ddp.train`). `prepare` builds everything that can fail on bad input before any process
+group; `_run` wraps the model, builds the checkpoint members (checkpoint.state) and the loop,
+resumes, and hands over to `fit.fit` and `fit.finish`.
 
 A call marked `# collective` must be reached by every rank at the same step (it talks to the
 other ranks); putting one under `if env.is_main:` hangs the job.
@@ -22,66 +13,51 @@ other ranks); putting one under `if env.is_main:` hangs the job.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from hydra_ddp import checkpoint, tracking
 from hydra_ddp.callbacks import Callbacks, Context
-from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.checkpoint import Checkpointer, state
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer, load_sharded
+from hydra_ddp.checkpoint.files import check_folder
+from hydra_ddp.checkpoint.reading import file_or_newest
 from hydra_ddp.components import build
-from hydra_ddp.config import NanPolicy, SamplerPolicy, TrainConfig, TrainerConfig, Wrapper
+from hydra_ddp.config import NanPolicy, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, EvalData, TrainData, check_source, epoch_rows
 from hydra_ddp.dist import (
     DistEnv,
-    all_gather_floats,
     all_gather_objects,
-    all_reduce_sum,
     jsonfile,
     process_group,
     provenance,
     use_device,
 )
 from hydra_ddp.dist.ddp import wrap_model
-from hydra_ddp.dist.fsdp import state_bytes
 from hydra_ddp.dist.preemption import (
-    Preempted,
     StopOnSignal,
     exit_with_parent,
-    signal_name,
-    stop_message,
 )
 from hydra_ddp.errors import translated
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.fit import Loop, finish, fit
 from hydra_ddp.loop.monitor import Monitor, monitor_key
-from hydra_ddp.loop.objective import Objective, rows, to_device
+from hydra_ddp.loop.objective import Objective
+from hydra_ddp.loop.position import Counting, Position, PositionState, epoch_length
 from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.optim import Optimizers
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for, default_step, scaler_for
-from hydra_ddp.tracking import RunInfo, make_tracker, redact
+from hydra_ddp.tracking import RunInfo, Tracker, make_tracker, redact
 from hydra_ddp.tracking.console import Console
 from hydra_ddp.tracking.stats import StepStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Position:
-    """Where the loop is: the one copy, saved in checkpoints so a resumed run continues
-    mid-epoch (the sampler is told epoch and batch at each epoch start)."""
-
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of this epoch already trained on
-    samples_seen: int = 0  # by this rank
 
 
 @dataclass
@@ -93,7 +69,9 @@ class Components:
     objective: Objective  # the loss, called as its parameters ask (see objective.py)
     metrics: dict[str, Any]
     optimizers: Optimizers  # one (`default`) or several named, with their schedules
-    step: Callable  # step.default_step, or the user's step._target_ / model.training_step
+    # The function that runs one optimizer step: step.default_step, or the user's
+    # step._target_ / model.training_step.
+    step_fn: Callable
 
 
 def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
@@ -106,9 +84,9 @@ def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
     else:
         model = build(cfg.model, "model", **source.spec).to(device)
     if cfg.step is not None:
-        step = build(cfg.step, "step", _as_function=True)
+        step_fn = build(cfg.step, "step", _as_function=True)
     else:
-        step = getattr(model, "training_step", None) or default_step
+        step_fn = getattr(model, "training_step", None) or default_step
     return Components(
         source=source,
         model=model,
@@ -117,11 +95,11 @@ def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
         optimizers=Optimizers.build(
             cfg.optim, cfg.scheduler, model, total_steps, total_epochs, ["loss", *cfg.metrics]
         ),
-        step=step,
+        step_fn=step_fn,
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """Everything one rank needs, built before the process group starts: bad input fails
     here, once per rank, before any rank waits for another."""
@@ -133,7 +111,7 @@ class Job:
     parts: Components
     train_data: TrainData
     evals: dict[str, EvalData]
-    steps_per_epoch: int  # micro-batches per epoch and rank
+    micro_batches_per_epoch: int  # per rank
     total_steps: int  # optimizer steps
     total_micro: int | None  # micro-batches of trainer.epochs (None: trainer.max_steps)
     callbacks: Callbacks
@@ -157,35 +135,44 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
         source, cfg.sampler, env, tcfg.batch_size, cfg.sampler_seed, tcfg.num_workers
     )
     evals = {
-        s: EvalData(source, s, cfg.sampler.policy, env, tcfg.batch_size, tcfg.num_workers)
+        s: EvalData(source, s, train_data.policy, env, tcfg.batch_size, tcfg.num_workers)
         for s in ("val", "test")
     }
-    steps_per_epoch = _epoch_length(train_data.steps_per_epoch, tcfg)
+    per_epoch = epoch_length(train_data.micro_batches_per_epoch, tcfg)  # micro-batches
     # trainer.epochs counts passes over the data: its micro-batches, whatever grad_accum is;
     # the last step takes what is left (a smaller step) when they do not divide.
-    total_micro = tcfg.epochs * steps_per_epoch if tcfg.max_steps <= 0 else None
+    total_micro = tcfg.epochs * per_epoch if tcfg.max_steps <= 0 else None
     total_steps = tcfg.max_steps if total_micro is None else -(-total_micro // tcfg.grad_accum)
-    total_epochs = _total_epochs(total_steps, tcfg.grad_accum, steps_per_epoch)
+    total_epochs = _total_epochs(total_steps, tcfg.grad_accum, per_epoch)
     parts = build_components(cfg, source, env.device, total_steps, total_epochs)
     callbacks = Callbacks(cfg.callbacks, data=source)
-    checkpoint.check_folder(run.output_dir)
+    check_folder(run.output_dir)
     resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
     if tcfg.resume == "never" and env.is_main:
         checkpoint.set_aside(run.output_dir)
         tracking.set_aside(run.output_dir)  # the stats files and summary.json
     init_sharded = None
     if tcfg.init_from and resume_from is None and cfg.ddp.meta_init:  # no weights to load into yet
-        init_sharded = checkpoint.file_or_newest(
-            tcfg.init_from, "trainer.init_from", "no trainer.init_from"
-        )
+        init_sharded = file_or_newest(tcfg.init_from, "trainer.init_from", "no trainer.init_from")
     elif tcfg.init_from and resume_from is None:
         checkpoint.init_weights(parts.model, tcfg.init_from, tcfg.init_strict)
     elif tcfg.init_from:
         log.info("trainer.init_from=%s not used: resuming %s", tcfg.init_from, resume_from)
     return Job(
-        cfg, env, run, console, parts, train_data, evals, steps_per_epoch, total_steps,
-        total_micro, callbacks, resume_from, init_sharded,
-    )  # fmt: skip
+        cfg=cfg,
+        env=env,
+        run=run,
+        console=console,
+        parts=parts,
+        train_data=train_data,
+        evals=evals,
+        micro_batches_per_epoch=per_epoch,
+        total_steps=total_steps,
+        total_micro=total_micro,
+        callbacks=callbacks,
+        resume_from=resume_from,
+        init_sharded=init_sharded,
+    )
 
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
@@ -198,26 +185,6 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         # sharded DTensors that hold the process group (their device mesh), so they must die
         # in _run, before the group (see dist.process_group).
         return _run(jobs.pop())
-
-
-@dataclass
-class Loop:
-    """The loop's parts (see the module docstring), built by `_run`."""
-
-    env: DistEnv
-    tcfg: TrainerConfig
-    job: Job
-    raw_model: torch.nn.Module
-    step_model: torch.nn.Module  # the DDP wrapper (compiled with trainer.compile)
-    tools: StepTools  # precision, accumulation, clipping (step.py)
-    ema: EMA | None
-    checkpointer: Checkpointer
-    evaluator: Evaluator
-    stats: StepStats
-    health: NonFiniteCheck
-    stopper: StopOnSignal
-    profiler: Any
-    ctx: Context
 
 
 def _run(job: Job) -> dict[str, Any]:
@@ -238,7 +205,7 @@ def _run(job: Job) -> dict[str, Any]:
     if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
         parts.optimizers = Optimizers.build(
             cfg.optim, cfg.scheduler, model, job.total_steps,
-            _total_epochs(job.total_steps, tcfg.grad_accum, job.steps_per_epoch),
+            _total_epochs(job.total_steps, tcfg.grad_accum, job.micro_batches_per_epoch),
             ["loss", *cfg.metrics],
         )  # fmt: skip
     # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
@@ -248,18 +215,25 @@ def _run(job: Job) -> dict[str, Any]:
     step_model = torch.compile(model) if tcfg.compile and not sharded else model
     scaler = scaler_for(tcfg.precision, env.device)
     monitor = Monitor(tcfg, monitor_key(cfg))
-    stateful = dict(
-        model=parts.model, optimizer=parts.optimizers, scaler=scaler, monitor=monitor,
-        callbacks=job.callbacks, **({"ema": ema} if ema else {}),
-    )  # fmt: skip
+    pos = Position()
+    held = state.Parts(
+        model=parts.model,
+        optimizers=parts.optimizers,
+        scaler=scaler,
+        ema=ema,
+        monitor=monitor,
+        callbacks=job.callbacks,
+        position=PositionState(pos, _counting(job)),
+        comm_hook=hook_state,
+        device=env.device,
+        sharded=sharded,
+    )
     # ddp=fsdp2: sharded checkpoints, every rank writing its own shards (dcp.py).
     checkpointer = (DCPCheckpointer if sharded else Checkpointer)(
-        run.output_dir, env, tcfg.ckpt_interval, tcfg.keep_ckpts, job.total_steps, stateful,
-        per_rank={"comm_hook": hook_state} if hook_state else None,
-        meta={"batch_size": tcfg.batch_size},
-        **({"async_save": tcfg.async_ckpt} if sharded else {}),
+        run.output_dir, env, held, interval=tcfg.ckpt_interval, keep=tcfg.keep_ckpts,
+        total_steps=job.total_steps, **({"async_save": tcfg.async_ckpt} if sharded else {}),
     )  # fmt: skip
-    pos, resumed = _resume(job, checkpointer)  # collective
+    resumed = _resume(job, checkpointer)  # collective
     if resumed:
         finished = _finished_summary(run.output_dir, pos.step, job.total_steps, env)  # collective
         if finished is not None:
@@ -275,207 +249,106 @@ def _run(job: Job) -> dict[str, Any]:
         if tcfg.detect_anomaly:
             log.warning("autograd anomaly detection is on (trainer.detect_anomaly): slow")
             scope.enter_context(torch.autograd.detect_anomaly())
-        autocast = autocast_for(tcfg.precision, env.device)
-        tools = StepTools(scaler, autocast, tcfg.grad_clip,
-                          tcfg.nan_policy == NanPolicy.skip, raw_model=parts.model,
-                          optimizers=parts.optimizers.optimizers)  # fmt: skip
-        loop = Loop(
-            env, tcfg, job, parts.model, step_model, tools, ema, checkpointer,
-            Evaluator(
-                env, job.evals, parts.model if ema is None else ema.module, parts.objective,
-                parts.metrics, autocast, tcfg.limit_eval_batches, tcfg.eval_interval,
-                job.total_steps, monitor, checkpointer, tracker, job.console,
-            ),
-            StepStats(
-                env, tracker, job.console, tcfg.log_interval, job.total_steps, pos.step,
-                parts.source.unit, parts.source.items_per_row,
-            ),
-            NonFiniteCheck(env, tcfg.nan_policy),
-            StopOnSignal(env, cfg.dist.timeout_s),
-            scope.enter_context(step_profiler(tcfg, env, run.output_dir)),
-            Context(env.rank, env.world_size, parts.model, run.output_dir,
-                    _sink=tracker.log_values),
-        )  # fmt: skip
+        loop = _loop(job, held, step_model, checkpointer, tracker, scope)
         scope.callback(loop.stopper.restore)  # the signal handlers as they were before
         start_step = pos.step
-        wall = fit(loop, pos)
-        return _finish(loop, pos, start_step, wall)
+        wall = fit(loop)
+        return finish(loop, start_step, wall)
 
 
-def fit(loop: Loop, pos: Position) -> float:
-    """The training loop, from `pos` to trainer.max_steps (or the end of trainer.epochs, or an
-    early stop); returns its wall time. `# collective`: every rank, same step."""
-    tcfg, env, job = loop.tcfg, loop.env, loop.job
-    parts, callbacks = job.parts, job.callbacks
-    batches = _batches(job.train_data, pos, tcfg)
-    epochs_done = _epochs_done(pos, job.steps_per_epoch)
-    callbacks("on_train_start", _at(loop.ctx, pos))
-    t_start = time.perf_counter()
-    loop.step_model.train()
-    loop.stopper.start()
-    loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
-    loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
-    while pos.step < job.total_steps:
-        signum = loop.stopper.agreed()  # collective
-        if signum:
-            _stop(loop, pos, signum)  # collective: checkpoint, then raise Preempted
-        t_step = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(_micro_batches(job, pos))]
-        data_wait = time.perf_counter() - t_step
-        micro_batches = [to_device(b, env.device) for b in micro_batches]
-        losses = parts.step(
-            loop.tools, loop.step_model, micro_batches, parts.objective,
-            parts.optimizers.optimizers,
-        )  # fmt: skip
-        grad_norm = loop.tools.update()
-        outputs, loop.tools.outputs = loop.tools.outputs, []
-        loop.health.observe(pos.step + 1, losses["loss"], grad_norm)
-        parts.optimizers.step_schedules()
-        if loop.ema is not None:
-            loop.ema.update(loop.raw_model)
-        loop.profiler.step()
-        pos.step += 1
-        batch_rows = sum(rows(b) for b in micro_batches)
-        pos.samples_seen += batch_rows
-        loop.stats.add_step(losses, batch_rows, time.perf_counter() - t_step, data_wait)
-
-        step = pos.step
-        if loop.stats.due(step) or loop.evaluator.due(step) or loop.checkpointer.due(step):
-            loop.health.check()  # collective: nothing non-finite is logged, judged or saved
-        if loop.stats.due(step):
-            lrs = parts.optimizers.learning_rates()
-            loop.stats.log(step, grad_norm, lrs, **_data_stats(job, pos))  # collective
-        callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"], batch=micro_batches,
-                                     outputs=outputs, losses=losses))  # fmt: skip
-        _at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
-        del outputs
-        for epoch in range(epochs_done, _epochs_done(pos, job.steps_per_epoch)):
-            callbacks("on_epoch_end", _at(loop.ctx, pos, epoch=epoch))
-            parts.optimizers.end_epoch()  # scheduler.interval=epoch
-            epochs_done = epoch + 1
-        if loop.evaluator.due(step):
-            metrics = loop.evaluator.validate(pos)  # collective (+ best.pt)
-            parts.optimizers.after_validation(metrics)  # scheduler.monitor
-            callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
-            if loop.evaluator.should_stop:
-                break
-        loop.checkpointer.maybe_save(asdict(pos))  # collective
-    if loop.stats.steps:  # an early stop between two log intervals: its last steps' stats
-        loop.health.check()  # collective
-        lrs = parts.optimizers.learning_rates()
-        loop.stats.log(pos.step, grad_norm, lrs, **_data_stats(job, pos))  # collective
-    loop.stats.close()
-    return time.perf_counter() - t_start
-
-
-def _finish(loop: Loop, pos: Position, start_step: int, wall: float) -> dict[str, Any]:
-    """Collective: last validation, last checkpoint, test, summary; the same on every rank."""
-    job, env, run = loop.job, loop.env, loop.job.run
-    if loop.stopper.received:  # came after the last step: the run ends normally
-        log.warning(
-            "got %s after the last step: finishing the final evaluation and checkpoint first",
-            signal_name(loop.stopper.received),
-        )
-    loop.health.check()  # collective
-    validated = not loop.evaluator.should_stop  # else the loop validated this very step
-    val = loop.evaluator.final_validation(pos)  # collective
-    if validated:
-        job.callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", val)))
-    # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
-    # a finished run extended with a larger trainer.max_steps continues their counters.
-    val, test = loop.evaluator.finish(pos)  # collective
-    summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
-    summary.update(loop.evaluator.monitor.summary())
-    tracker = loop.evaluator.tracker
-    tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
-    if env.is_main:
-        jsonfile.write(run.output_dir / "summary.json", _json_safe(summary))
-        # An earlier attempt of this job that failed (a sweep job re-run here) is over.
-        (run.output_dir / "failure.json").unlink(missing_ok=True)
-    job.console.show_summary(summary, run.output_dir)
-    metrics = {**_prefixed("val", val), **_prefixed("test", test)}
-    job.callbacks("on_train_end", _at(loop.ctx, pos, metrics=metrics))
-    # Every rank is past its last collective before rank 0 waits on W&B's uploads.
-    tracker.close_all()  # collective
-    return summary
+def _loop(
+    job: Job,
+    held: state.Parts,
+    step_model: torch.nn.Module,
+    checkpointer: Checkpointer,
+    tracker: Tracker,
+    scope: contextlib.ExitStack,
+) -> Loop:
+    """The loop's parts, around the model, the checkpoint members and the tracker."""
+    cfg, env, run, parts = job.cfg, job.env, job.run, job.parts
+    tcfg, pos, ema = cfg.trainer, held.position.pos, held.ema
+    autocast = autocast_for(tcfg.precision, env.device)
+    evaluator = Evaluator(
+        env=env,
+        splits=job.evals,
+        model=parts.model if ema is None else ema.module,
+        loss_fn=parts.objective,
+        metrics=parts.metrics,
+        autocast=autocast,
+        limit=tcfg.limit_eval_batches,
+        interval=tcfg.eval_interval,
+        total_steps=job.total_steps,
+        monitor=held.monitor,
+        checkpointer=checkpointer,
+        tracker=tracker,
+        console=job.console,
+    )
+    stats = StepStats(
+        env=env,
+        tracker=tracker,
+        console=job.console,
+        log_interval=tcfg.log_interval,
+        total_steps=job.total_steps,
+        start_step=pos.step,
+        unit=parts.source.unit,
+        items_per_row=parts.source.items_per_row,
+    )
+    tools = StepTools(
+        scaler=held.scaler,
+        autocast=autocast,
+        max_norm=tcfg.grad_clip,
+        skip_non_finite=tcfg.nan_policy == NanPolicy.skip,
+        raw_model=parts.model,
+        optimizers=parts.optimizers.optimizers,
+    )
+    return Loop(
+        env=env,
+        tcfg=tcfg,
+        job=job,
+        pos=pos,
+        raw_model=parts.model,
+        step_model=step_model,
+        tools=tools,
+        ema=ema,
+        checkpointer=checkpointer,
+        evaluator=evaluator,
+        stats=stats,
+        tracker=tracker,
+        health=NonFiniteCheck(env, tcfg.nan_policy),
+        stopper=StopOnSignal(env, cfg.dist.timeout_s),
+        profiler=scope.enter_context(step_profiler(tcfg, env, run.output_dir)),
+        ctx=Context(
+            env.rank, env.world_size, parts.model, run.output_dir, _sink=tracker.log_values
+        ),
+    )
 
 
-def _stop(loop: Loop, pos: Position, signum: int) -> None:
-    """Collective: a stop signal reached some rank. Checkpoint, close the W&B run as preempted,
-    let an earlier handler of the signal run (submitit's requeue), and leave."""
-    loop.stats.close()
-    loop.checkpointer.save(asdict(pos))  # collective
-    loop.evaluator.tracker.close(preempted=signum)
-    stopped = Preempted(signum, stop_message(signum, pos.step, loop.job.total_steps, loop.job.run))
-    # Said before the earlier handlers run: submitit's requeues and exits from inside chain().
-    (log.warning if loop.env.is_main else log.info)("%s", stopped)
-    stopped.logged = True
-    loop.stopper.chain()
-    raise stopped
+def _counting(job: Job) -> Counting:
+    cfg, env = job.cfg, job.env
+    return Counting(
+        world_size=env.world_size,
+        batch_size=cfg.trainer.batch_size,
+        sampler=epoch_rows.settings(cfg.sampler, cfg.sampler_seed),
+        micro_batches_per_epoch=job.micro_batches_per_epoch,
+        is_main=env.is_main,
+        source=job.train_data.source,
+        tcfg=cfg.trainer,
+    )
 
 
-def _resume(job: Job, checkpointer: Checkpointer) -> tuple[Position, bool]:
-    """Collective: the position to start from, restored from the checkpoint rank 0 picked (a
-    lagging or node-local file system could show each rank another newest one)."""
+def _resume(job: Job, checkpointer: Checkpointer) -> bool:
+    """Collective: restore the checkpoint rank 0 picked (a lagging or node-local file system
+    could show each rank another newest one) into every checkpoint member, the position with
+    it; False when there is none to resume."""
     env, tcfg = job.env, job.cfg.trainer
-    # Saved in every checkpoint: a resume that changes them can tell what that does to the epoch.
-    checkpointer.meta["sampler"] = epoch_rows.settings(job.cfg.sampler, job.cfg.sampler_seed)
     path = all_gather_objects(job.resume_from if env.is_main else None, env)[0]
     if path is None:
         # Different dropout masks per rank; the weights are already equal (same seed, and
         # DDP broadcasts rank 0's at construction).
         torch.manual_seed(tcfg.seed + env.rank)
-        return Position(), False
-    saved = checkpointer.restore(path, [f.name for f in fields(Position)])
-    world, batch_size = saved.pop("saved_world_size"), saved.pop("saved_batch_size")
-    sampler = saved.pop("saved_sampler")
-    pos = Position(**saved)
-    _continue_epoch(pos, job, path, epoch_rows.Setup(sampler, world, batch_size or tcfg.batch_size))
-    log.info(
-        "resumed from %s at step %d (epoch %d, batch %d)",
-        path,
-        pos.step,
-        pos.epoch,
-        pos.batch_in_epoch,
-    )
-    return pos, True
-
-
-def _continue_epoch(pos: Position, job: Job, path: Path, saved: epoch_rows.Setup) -> None:
-    """Continue the epoch from its first unseen row when the checkpoint counted batches of
-    another size or over another number of ranks. Rows of an epoch are consumed as a prefix of
-    its order (strided: batch k of every rank covers positions [k·B·W, (k+1)·B·W)), so the
-    new position is exact when the rows done divide into new batches; otherwise the rest of
-    the last partial batch is trained again, and the log says how many rows. Other sampler
-    settings: the log says how many rows of the epoch are read twice or skipped (epoch_rows)."""
-    env, tcfg = job.env, job.cfg.trainer
-    world, batch_size, done = saved.world_size, saved.batch_size, pos.batch_in_epoch
-    now = epoch_rows.settings(job.cfg.sampler, job.cfg.sampler_seed)
-    # A checkpoint from before the settings were recorded: taken to have this job's.
-    saved.settings = saved.settings or now
-    reordered = epoch_rows.changed(saved.settings, now, world, env.world_size)
-    if (world, batch_size) != (env.world_size, tcfg.batch_size):
-        rows_done = pos.batch_in_epoch * batch_size * world
-        per_batch = tcfg.batch_size * env.world_size
-        pos.batch_in_epoch = rows_done // per_batch
-        again = rows_done - pos.batch_in_epoch * per_batch
-        if not reordered:
-            log.warning(
-                "%s counted batches of %d rows on %d rank(s), this job %d on %d: epoch %d "
-                "continues at its row %d (batch %d here)%s",
-                path, batch_size, world, tcfg.batch_size, env.world_size, pos.epoch, rows_done,
-                pos.batch_in_epoch,
-                f"; {again} rows of it are trained again (not a whole batch)" if again
-                else ", exactly",
-            )  # fmt: skip
-    if reordered and env.is_main and not tcfg.overfit_batches:
-        here = epoch_rows.Setup(now, env.world_size, tcfg.batch_size)
-        epoch_rows.say_reordered(
-            path, saved, here, job.train_data.source, pos.epoch, done, pos.batch_in_epoch,
-            tcfg.limit_train_batches,
-        )  # fmt: skip
-    if pos.batch_in_epoch >= job.steps_per_epoch:  # ended this epoch
-        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+        return False
+    checkpointer.restore(path)
+    return True
 
 
 def _finished_summary(
@@ -500,14 +373,6 @@ def _finished_summary(
     return found
 
 
-def _micro_batches(job: Job, pos: Position) -> int:
-    """Micro-batches of the next step: trainer.grad_accum, or what is left of the epochs."""
-    accum = job.cfg.trainer.grad_accum
-    if job.total_micro is None:
-        return accum
-    return min(accum, job.total_micro - (pos.epoch * job.steps_per_epoch + pos.batch_in_epoch))
-
-
 def _log_plan(job: Job) -> None:
     data, env, tcfg = job.train_data, job.env, job.cfg.trainer
     log.info(
@@ -516,12 +381,10 @@ def _log_plan(job: Job) -> None:
         data.rows_held,
         env.rank,
         data.bytes_held / 2**20,
-        job.steps_per_epoch / tcfg.grad_accum,
+        job.micro_batches_per_epoch / tcfg.grad_accum,
         job.total_steps,
     )
-    # Strided: every rank holds the split and takes 1/world of it; sharded: its own part.
-    strided = job.cfg.sampler.policy == SamplerPolicy.strided
-    per_rank = data.rows_held // env.world_size if strided else data.rows_held
+    per_rank = data.rows_per_rank  # strided: 1/world of the split; sharded: its own part
     if per_rank < tcfg.batch_size:
         log.warning(
             "trainer.batch_size=%d is more than the %d training rows each rank gets: every "
@@ -538,106 +401,9 @@ def _log_plan(job: Job) -> None:
         )  # fmt: skip
 
 
-def _at(ctx: Context, pos: Position, **fields_: Any) -> Context:
-    """The callbacks' context, moved to `pos` (and `fields_`: loss, metrics, epoch)."""
-    ctx.step, ctx.epoch = pos.step, pos.epoch
-    for name, value in fields_.items():
-        setattr(ctx, name, value)
-    return ctx
-
-
-def _data_stats(job: Job, pos: Position) -> dict[str, int]:
-    return {
-        "samples_seen": pos.samples_seen,
-        "data_rows": job.train_data.rows_held,
-        "data_bytes": job.train_data.bytes_held,
-        "epoch": pos.epoch,
-    }
-
-
-def _epoch_length(batches: int, tcfg: TrainerConfig) -> int:
-    """Batches per epoch and rank, after trainer.overfit_batches / limit_train_batches."""
-    if tcfg.overfit_batches:
-        return min(tcfg.overfit_batches, batches)
-    return min(tcfg.limit_train_batches, batches) if tcfg.limit_train_batches else batches
-
-
-def _total_epochs(total_steps: int, grad_accum: int, steps_per_epoch: int) -> int:
+def _total_epochs(total_steps: int, grad_accum: int, micro_batches_per_epoch: int) -> int:
     """The epochs the run starts (the last maybe in part), for an epoch-stepped schedule."""
-    return -(-total_steps * grad_accum // max(steps_per_epoch, 1))
-
-
-def _epochs_done(pos: Position, length: int) -> int:
-    """Epochs completed at `pos`: the batch iterator moves to the next epoch only when the
-    next batch is drawn, so a position at the end of epoch e has batch_in_epoch == length."""
-    return pos.epoch + (1 if pos.batch_in_epoch >= length else 0)
-
-
-def _batches(data: TrainData, pos: Position, tcfg: TrainerConfig) -> Iterator[Any]:
-    """Training batches from `pos` on, forever, moving `pos` to the next epoch as each ends
-    (the sampler reshuffles for it). trainer.overfit_batches: the first N batches of epoch 0,
-    every epoch; trainer.limit_train_batches: each epoch ends after N batches."""
-    length = _epoch_length(data.steps_per_epoch, tcfg)
-    fixed = list(itertools.islice(data.epoch(0), length)) if tcfg.overfit_batches else None
-    while True:
-        epoch = fixed[pos.batch_in_epoch :] if fixed else data.epoch(pos.epoch, pos.batch_in_epoch)
-        for batch in epoch:
-            if pos.batch_in_epoch >= length:
-                break
-            pos.batch_in_epoch += 1
-            yield batch
-        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-
-
-def _summary(
-    job: Job,
-    pos: Position,
-    start_step: int,
-    wall: float,
-    stats: StepStats,
-    val: dict[str, float],
-    test: dict[str, float],
-) -> dict[str, Any]:
-    """Collective: the job's summary.json, the same on every rank."""
-    cfg, env, unit = job.cfg, job.env, job.parts.source.unit
-    samples = all_reduce_sum([float(stats.total_samples)], env)[0]
-    held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
-    summary: dict[str, Any] = {
-        "world_size": env.world_size,
-        "steps": pos.step,
-        "steps_this_run": pos.step - start_step,
-        "epochs": pos.epoch + (pos.batch_in_epoch / max(job.steps_per_epoch, 1)),
-        "train_loss": all_reduce_sum([stats.last_loss], env)[0] / env.world_size,
-        f"{unit}_per_s": samples / max(wall, 1e-9),
-        "wall_time_s": wall,
-        "rows_held_per_rank": [int(h[0]) for h in held],
-        # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
-        "state_bytes_per_rank": [
-            int(b[0])
-            for b in all_gather_floats(
-                [state_bytes(job.parts.model, job.parts.optimizers.optimizers.values())], env
-            )
-        ],  # fmt: skip
-        "bytes_held_per_rank": [int(h[1]) for h in held],
-        "sampler": cfg.sampler.policy.value,
-        "objective": val[monitor_key(cfg)],  # trainer.monitor
-    }
-    # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
-    for split, metrics in (("val", val), ("test", test)):
-        summary.update({f"{split}_{k}": v for k, v in metrics.items()})
-    return summary
-
-
-def _json_safe(summary: dict[str, Any]) -> dict[str, Any]:
-    """JSON has no NaN or inf: such metrics are written as null, with a warning."""
-    bad = [k for k, v in summary.items() if jsonfile.finite_or_none(v) is None and v is not None]
-    if bad:
-        log.warning("not finite, written as null in summary.json: %s", ", ".join(bad))
-    return {k: jsonfile.finite_or_none(v) for k, v in summary.items()}
-
-
-def _prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
-    return {f"{split}/{k}": v for k, v in metrics.items()}
+    return -(-total_steps * grad_accum // max(micro_batches_per_epoch, 1))
 
 
 def _make_deterministic() -> None:

@@ -10,9 +10,12 @@ fanned out to sinks.
     tensorboard_sink.py  logger=tensorboard
     wandb_sink.py        logger=wandb, its layouts and throttling; wandb_mode.py,
                          wandb_login.py, wandb_ids.py and wandb_errors.py do the rest
+    stats.py             what the loop records between log points (per-rank stats, memory)
+    console.py           what a person sees: rank 0's config tree, progress bar and summary
+    redact.py            what counts as a secret, blanked wherever a config leaves the job
 
 A user adds a backend as one module with a `Sink` subclass, one YAML in conf/logger/ and one line
-in tracker.SINKS (plus its name in config.LoggerBackend); the rest is not meant to be edited.
+in tracker.SINKS; the rest is not meant to be edited.
 """
 
 from hydra_ddp.tracking.files import set_aside

@@ -23,6 +23,7 @@ from hydra_ddp.tracking.console import Console
 class StepStats:
     def __init__(
         self,
+        *,
         env: DistEnv,
         tracker: Tracker,
         console: Console,

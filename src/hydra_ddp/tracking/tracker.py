@@ -7,7 +7,7 @@ at the next log point or at `close`, so training does not stall at every interva
 
 The sinks: the JSON-lines files (files.py) always, plus the one `logger.backend` names. A new
 backend is a module with a `Sink` subclass (tensorboard_sink.py is one, in 50 lines), a YAML in
-conf/logger/, its name in config.LoggerBackend and one line in `SINKS` below.
+conf/logger/ and one line in `SINKS` below.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch.distributed as dist
 
-from hydra_ddp.config import Layout, LoggerBackend, LoggerConfig
+from hydra_ddp.config import Layout, LoggerConfig
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import UserError
 from hydra_ddp.tracking import gather, values
 from hydra_ddp.tracking.files import JsonFiles
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
@@ -29,12 +30,21 @@ logger = logging.getLogger(__name__)
 
 # logger.backend -> its sink, imported only when chosen (logger.backend=none imports no W&B).
 SINKS = {
-    LoggerBackend.wandb: "hydra_ddp.tracking.wandb_sink.WandbSink",
-    LoggerBackend.tensorboard: "hydra_ddp.tracking.tensorboard_sink.TensorBoardSink",
+    "wandb": "hydra_ddp.tracking.wandb_sink.WandbSink",
+    "tensorboard": "hydra_ddp.tracking.tensorboard_sink.TensorBoardSink",
 }
 
 
-def _sink_class(backend: LoggerBackend) -> type:
+def check_backend(backend: str) -> None:
+    """`logger.backend` names a sink (or none): checked before any worker starts."""
+    if backend != "none" and backend not in SINKS:
+        raise UserError(
+            f"logger.backend={backend} is not a sink: pick one of {', '.join([*SINKS, 'none'])} "
+            "(conf/logger/*.yaml), or add yours to hydra_ddp.tracking.tracker.SINKS"
+        )
+
+
+def _sink_class(backend: str) -> type:
     module, _, name = SINKS[backend].rpartition(".")
     return getattr(importlib.import_module(module), name)
 
@@ -220,4 +230,5 @@ def make_tracker(
 
     `resumed_step`: the step of the checkpoint the job resumed from, or None when it started
     from step 0; a resumed job continues its files and the W&B runs recorded in its output dir."""
+    check_backend(cfg.backend)
     return Tracker(cfg, env, run, resumed_step=resumed_step)

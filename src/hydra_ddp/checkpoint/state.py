@@ -1,0 +1,311 @@
+"""What a checkpoint holds: one table, `MEMBERS`, read by both checkpointers.
+
+Every member is an object with `state_dict()` / `load_state_dict(state)` (torch's
+`torch.distributed.checkpoint.stateful.Stateful`), taken from this job's `Parts` by its entry's
+`get`; a member the job lacks (no EMA, no comm hook) gets None and is neither saved nor loaded.
+Resume loads the members in the table's order. An entry says:
+
+    required   a checkpoint without it is refused; else (a feature switched on later) the
+               member starts fresh, with a warning
+    per_rank   every rank's own state, kept in the checkpoint's `rng` list (index: rank);
+               else global, saved by rank 0 (ddp=fsdp2: by every rank when `sharded`)
+    sharded    ddp=fsdp2 keeps it in DCP's shards (each rank its part); else in extra.pt
+    flat       its keys sit at the top level of the checkpoint (the position's step, epoch...),
+               and its load_state_dict is given the whole checkpoint (it reads what is there)
+
+Changing what a checkpoint holds is one entry here; a user's own object is one `register`
+call (`register(Member("counter", lambda parts: COUNTER))`) made on every rank before the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hydra_ddp.checkpoint import safe_state
+from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.errors import UserError, first_line
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True)
+class Parts:
+    """This job's checkpointed objects, as the loop holds them (None: the job has none)."""
+
+    model: torch.nn.Module
+    optimizers: Any = None  # optim.Optimizers: the optimizers and their schedules
+    scaler: Any = None
+    ema: Any = None  # loop.ema.EMA
+    monitor: Any = None
+    callbacks: Any = None
+    position: Any = None  # loop.position.PositionState: the position and its resume arithmetic
+    comm_hook: Any = None  # a DDP comm hook's per-rank state (PowerSGD's error feedback)
+    device: torch.device = torch.device("cpu")
+    sharded: bool = False  # ddp=fsdp2: model, optimizer and EMA are DTensor shards
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str  # its key in the checkpoint
+    get: Callable[[Parts], Stateful | None]
+    required: bool = False
+    per_rank: bool = False
+    sharded: bool = False
+    flat: bool = False
+    # per_rank: also restored from a checkpoint of another world size (rank r's state, if any)
+    any_world: bool = False
+
+
+class ModelState:
+    """The unwrapped model; ddp=fsdp2: its shards, by parameter name (any number of ranks)."""
+
+    def __init__(self, model: torch.nn.Module, sharded: bool) -> None:
+        self.model, self.sharded = model, sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model) if self.sharded else self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.sharded:
+            set_model_state_dict(self.model, state)
+            return
+        from hydra_ddp.checkpoint.reading import load_model_state
+
+        load_model_state(self.model, {"model": state}, loading_from())
+
+
+class SchedulerState:
+    """The optimizers' schedules (one, or a dict by optimizer name)."""
+
+    def __init__(self, optimizers: Any) -> None:
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizers.scheduler_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizers.load_schedules(state)
+
+
+class OptimizerState:
+    """The optimizers (one as it always was, several as a dict by name; ddp=fsdp2: always by
+    name, each rank its shards). Loaded after the schedules, with this job's optim.* settings
+    applied to both (optim.load_optimizer_state), whichever the wrapper."""
+
+    def __init__(self, optimizers: Any, model: torch.nn.Module, sharded: bool) -> None:
+        self.optimizers, self.model, self.sharded = optimizers, model, sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.sharded:
+            return self.optimizers.state_dict()
+        return {
+            name: get_optimizer_state_dict(self.model, optimizer)
+            for name, optimizer in self.optimizers.optimizers.items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.sharded:
+            self.optimizers.load_optimizers(state, loading_from())
+            return
+        if self.optimizers.single and "default" in state:
+            state = state["default"]
+
+        def into_shards(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+            set_optimizer_state_dict(self.model, optimizer, saved)
+
+        self.optimizers.load_optimizers(state, loading_from(), into_shards)
+
+
+class EMAState:
+    """trainer.ema_decay's average: `module.<name>` and `n_averaged` (AveragedModel's layout);
+    ddp=fsdp2: its shards, with the count beside them (EMACount)."""
+
+    def __init__(self, ema: Any, sharded: bool) -> None:
+        self.ema, self.sharded = ema, sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.ema.module) if self.sharded else self.ema.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.sharded:
+            set_model_state_dict(self.ema.module, state)
+        else:
+            self.ema.load_state_dict(state)
+
+
+class EMACount:
+    """ddp=fsdp2: the average's update count, in extra.pt (a plain int is no shard)."""
+
+    def __init__(self, ema: Any) -> None:
+        self.ema = ema
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema_n_averaged": self.ema.n_averaged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ema.n_averaged = int(state.get("ema_n_averaged", 1))
+
+
+class RNGState:
+    """This rank's random number generators (dropout masks, augmentation)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            mine["cuda"] = torch.cuda.get_rng_state(self.device)
+        return mine
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"].cpu())
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"].cpu(), self.device)
+
+
+def _ema(parts: Parts) -> Stateful | None:
+    return EMAState(parts.ema, parts.sharded) if parts.ema is not None else None
+
+
+def _ema_count(parts: Parts) -> Stateful | None:
+    return EMACount(parts.ema) if parts.ema is not None and parts.sharded else None
+
+
+def _schedules(parts: Parts) -> Stateful | None:
+    return SchedulerState(parts.optimizers) if parts.optimizers is not None else None
+
+
+def _opt(parts: Parts) -> Stateful | None:
+    if parts.optimizers is None:
+        return None
+    return OptimizerState(parts.optimizers, parts.model, parts.sharded)
+
+
+# The table: the load order is this order (the schedules before the optimizers).
+MEMBERS: list[Member] = [
+    Member("model", lambda p: ModelState(p.model, p.sharded), required=True, sharded=True),
+    Member("scheduler", _schedules, required=True),
+    Member("optimizer", _opt, required=True, sharded=True),
+    Member("scaler", lambda p: p.scaler, required=True),
+    Member("ema", _ema, sharded=True),
+    Member("ema_n_averaged", _ema_count, flat=True),
+    Member("monitor", lambda p: p.monitor),
+    Member("callbacks", lambda p: p.callbacks),
+    Member("position", lambda p: p.position, required=True, flat=True),
+    Member("rng", lambda p: RNGState(p.device), per_rank=True, flat=True, any_world=True),
+    Member("comm_hook", lambda p: p.comm_hook, per_rank=True),
+]
+
+
+def register(member: Member) -> None:
+    """Add (or replace, by name) a member of every checkpoint this process writes from now on."""
+    MEMBERS[:] = [m for m in MEMBERS if m.name != member.name] + [member]
+
+
+def of(parts: Parts) -> list[tuple[Member, Stateful]]:
+    """This job's members and their objects, in the table's order."""
+    found = ((m, m.get(parts)) for m in MEMBERS)
+    return [(m, obj) for m, obj in found if obj is not None]
+
+
+_LOADING: ContextVar[Path | None] = ContextVar("checkpoint_loading", default=None)
+
+
+def loading_from() -> Path | None:
+    """The checkpoint being restored, for a member's messages (None: none is)."""
+    return _LOADING.get()
+
+
+@contextlib.contextmanager
+def restoring(path: Path) -> Iterator[None]:
+    token = _LOADING.set(Path(path))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+def global_state(members: list[tuple[Member, Stateful]]) -> dict[str, Any]:
+    """The state of `members` (the global ones of a checkpoint), flat ones merged in."""
+    state: dict[str, Any] = {}
+    for member, obj in members:
+        if member.flat:
+            state.update(obj.state_dict())
+        else:
+            state[member.name] = obj.state_dict()
+    return state
+
+
+def gather_per_rank(
+    members: list[tuple[Member, Stateful]], env: DistEnv, refused: str | None = None
+) -> list[Any]:
+    """Collective: every rank's per-rank state, checked loadable, as the list `rng` holds;
+    a state one rank cannot save (or `refused`: why this rank cannot save) is refused on every
+    rank alike."""
+    mine = global_state([(m, obj) for m, obj in members if m.per_rank])
+    try:
+        mine = safe_state.checked(safe_state.to_cpu(mine))
+    except UserError as e:
+        refused = str(e)
+    ranks = all_gather_objects((mine, refused), env)
+    refused = next((why for _, why in ranks if why), None)
+    if refused is not None:
+        raise UserError(refused)
+    return [state for state, _ in ranks]
+
+
+def load_members(
+    members: list[tuple[Member, Stateful]], state: dict[str, Any], env: DistEnv, path: Path
+) -> None:
+    """Load each member from the checkpoint `state` (per-rank ones from `state["rng"]`)."""
+    ranks = state.get("rng") or []
+    same_world = int(state.get("world_size") or env.world_size) == env.world_size
+    mine = ranks[env.rank] if env.rank < len(ranks) else None
+    with restoring(path):
+        for member, obj in members:
+            if member.per_rank:
+                found = mine if (same_world or member.any_world) else None
+                where = f" for rank {env.rank}"
+            else:
+                found, where = state, ""
+            if found is None or (not member.flat and member.name not in found):
+                _missing(member, path, where)
+                continue
+            try:
+                obj.load_state_dict(found if member.flat else found[member.name])
+            except (KeyError, ValueError, RuntimeError, TypeError, IndexError) as e:
+                raise UserError(
+                    f"{path} does not match this job's {member.name} ({type(e).__name__}: "
+                    f"{first_line(e)}): resume with the config it was trained with (its run's "
+                    ".hydra/config.yaml; optim.*, scheduler.* ...), or trainer.resume=never"
+                ) from e
+
+
+def _missing(member: Member, path: Path, where: str) -> None:
+    if member.required:
+        raise UserError(
+            f"{path} holds no {member.name} state{where}, which this job needs: resume with "
+            "the config it was trained with, or trainer.resume=never"
+        )
+    # A checkpoint from before the feature was switched on (or of another world size).
+    log.warning("%s holds no %s state%s: starting it fresh", path, member.name, where)

@@ -1,0 +1,202 @@
+"""Sampler policies: which rows each rank reads, and in which order. Chosen by `sampler._target_`
+like a model or a loss (`sampler=strided`, `sampler=sharded`, or a YAML of yours).
+
+A policy decides, once per epoch and for every rank at once:
+
+* `parts(num_rows, file_rows, world, epoch)`: the global row ranges each rank loads (half-open,
+  in order); None: every rank loads the whole split. `reloads_each_epoch = True` when the parts
+  change with the epoch (they are then loaded again at each epoch start).
+* `sampler(rows_held, parts, rank, world, batch_size)`: this rank's batches of indices into
+  the rows it loaded, as an `EpochSampler` (sampling.py), with the same number of batches on
+  every rank (DDP hangs otherwise).
+
+Optional: `check(...)` refuses a split the policy cannot serve, in one line, before any data is
+loaded; `eval_parts(num_rows, world)` the rows each rank evaluates (default: contiguous parts,
+each rank reading only its own); `settings()` what decides an epoch's order. A checkpoint records
+the settings, and a resume that changes them counts the rows of the epoch read twice or
+skipped (epoch_rows.py). Return None (the default) and such a resume says it cannot count them;
+return `{"_target_": "<your class>", **its arguments}` and it counts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from hydra_ddp.components import build, check
+from hydra_ddp.data.datasets import Ranges
+from hydra_ddp.data.sampling import (
+    EpochSampler,
+    ShardedSampler,
+    StridedSampler,
+    partition_files,
+    partition_rows,
+    samples_per_epoch,
+)
+from hydra_ddp.errors import UserError
+
+
+class SamplerPolicy:
+    """The base of a policy of yours: subclass it (or a built-in one) and override `sampler`,
+    and `parts` if ranks load only some rows. `seed` None: trainer.seed (see `built`)."""
+
+    name = "custom"  # what summary.json's `sampler` says
+    reloads_each_epoch = False
+
+    def __init__(self, shuffle: bool = True, seed: int | None = None, drop_last: bool = False):
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
+
+    def check(self, num_rows: int, file_rows: list[int], world: int, batch_size: int) -> None:
+        """Refuse, with a UserError naming the key and what to do, a split this policy cannot
+        serve on `world` ranks."""
+
+    def parts(
+        self, num_rows: int, file_rows: list[int], world: int, epoch: int
+    ) -> list[Ranges] | None:
+        return None
+
+    def sampler(
+        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+    ) -> EpochSampler:
+        raise NotImplementedError(f"{type(self).__qualname__} must define sampler()")
+
+    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None:
+        """The rows each rank evaluates, every row exactly once over the ranks (None: every
+        rank loads the split and takes positions rank, rank + world, ...)."""
+        return partition_rows(num_rows, world)
+
+    def rows_per_rank(self, rows_held: int, world: int) -> int:
+        """About how many rows a rank trains on per epoch (for the plan's warning)."""
+        return rows_held
+
+    def settings(self) -> dict[str, Any] | None:
+        return None
+
+
+class Strided(SamplerPolicy):
+    """Every rank holds the whole split and takes positions rank, rank + world, ... of a
+    per-epoch permutation shared by all ranks (DistributedSampler's semantics)."""
+
+    name = "strided"
+
+    # No defaults here: conf/sampler/strided.yaml holds them (one place).
+    def __init__(self, shuffle: bool, seed: int | None, drop_last: bool):
+        super().__init__(shuffle, seed, drop_last)
+
+    def check(self, num_rows: int, file_rows: list[int], world: int, batch_size: int) -> None:
+        if self.drop_last and num_rows < world:
+            raise UserError(
+                f"sampler.drop_last=true needs at least one training row per rank: "
+                f"{num_rows} rows for {world} ranks; use fewer processes"
+            )
+
+    def sampler(
+        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+    ) -> EpochSampler:
+        return StridedSampler(
+            rows_held, rank, world, batch_size,
+            shuffle=self.shuffle, seed=int(self.seed or 0), drop_last=self.drop_last,
+        )  # fmt: skip
+
+    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None:
+        return None
+
+    def rows_per_rank(self, rows_held: int, world: int) -> int:
+        return rows_held // world
+
+    def settings(self) -> dict[str, Any] | None:
+        # The layout checkpoints have always recorded (shard_by and rotate unused here).
+        return {
+            "policy": "strided", "shuffle": self.shuffle, "seed": self.seed,
+            "drop_last": self.drop_last, "shard_by": "rows", "rotate": False,
+        }  # fmt: skip
+
+
+class Sharded(SamplerPolicy):
+    """Every rank loads only its own part (contiguous rows, or whole files with
+    shard_by=files) and shuffles it locally; all ranks take min-over-ranks rows per epoch.
+    rotate: a different part for each rank every epoch."""
+
+    name = "sharded"
+
+    def __init__(
+        self,
+        shuffle: bool,
+        seed: int | None,
+        drop_last: bool,
+        shard_by: str,
+        rotate: bool,
+    ):  # no defaults: conf/sampler/sharded.yaml holds them
+        check(shard_by in ("rows", "files"), "shard_by", "rows or files", shard_by)
+        super().__init__(shuffle, seed, drop_last)
+        self.shard_by, self.rotate = str(shard_by), bool(rotate)
+        self.reloads_each_epoch = self.rotate
+
+    def check(self, num_rows: int, file_rows: list[int], world: int, batch_size: int) -> None:
+        if num_rows < world:
+            raise UserError(
+                f"sampler=sharded needs at least one training row per rank: the training "
+                f"split has {num_rows} rows for {world} ranks; use fewer processes or "
+                "sampler=strided"
+            )
+        if self.shard_by == "files" and len(file_rows) < world:
+            raise UserError(
+                f"sampler.shard_by=files needs at least one file per rank: {len(file_rows)} "
+                f"file(s) for {world} ranks; use sampler.shard_by=rows or write more "
+                "shards (scripts/make_synthetic.py --shards)"
+            )
+        if self.drop_last and num_rows // world < batch_size:
+            raise UserError(
+                f"sampler=sharded with drop_last=true: each rank holds about {num_rows // world} "
+                f"rows, fewer than trainer.batch_size={batch_size}; lower trainer.batch_size"
+            )
+
+    def parts(
+        self, num_rows: int, file_rows: list[int], world: int, epoch: int
+    ) -> list[Ranges] | None:
+        if self.shard_by == "files":
+            return partition_files(file_rows, world, epoch, self.rotate)
+        return partition_rows(num_rows, world, epoch, self.rotate)
+
+    def sampler(
+        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+    ) -> EpochSampler:
+        assert parts is not None
+        return ShardedSampler(
+            rows_held, samples_per_epoch(parts), rank, batch_size,
+            shuffle=self.shuffle, seed=int(self.seed or 0), drop_last=self.drop_last,
+        )  # fmt: skip
+
+    def settings(self) -> dict[str, Any] | None:
+        return {
+            "policy": "sharded", "shuffle": self.shuffle, "seed": self.seed,
+            "drop_last": self.drop_last, "shard_by": self.shard_by, "rotate": self.rotate,
+        }  # fmt: skip
+
+
+BUILT_IN = {"strided": Strided, "sharded": Sharded}
+
+
+def built(sampler: Any, seed: int) -> SamplerPolicy:
+    """The policy `sampler` names: a policy object as it is, or the `sampler` config (its
+    `_target_` and arguments) built; a seed of None becomes `seed` (trainer.seed)."""
+    if isinstance(sampler, Mapping):
+        sampler = build(sampler, "sampler")
+    if not callable(getattr(sampler, "sampler", None)):
+        raise UserError(
+            f"sampler._target_ built a {type(sampler).__qualname__}, not a sampler policy: "
+            "subclass hydra_ddp.data.policies.SamplerPolicy (see its docstring)"
+        )
+    if getattr(sampler, "seed", None) is None:
+        sampler.seed = seed
+    return sampler
+
+
+def from_settings(settings: dict[str, Any]) -> SamplerPolicy:
+    """The policy a checkpoint's recorded settings describe (for the resume arithmetic)."""
+    if settings.get("policy") in BUILT_IN:
+        kind = BUILT_IN[settings["policy"]]
+        keys = ["shuffle", "seed", "drop_last"] + (
+            ["shard_by", "rotate"] if kind is Sharded else []
+        )
+        return kind(**{k: settings[k] for k in keys})
+    return build(settings, "sampler")

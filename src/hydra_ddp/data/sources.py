@@ -1,0 +1,230 @@
+"""The data sources that ship with the template, and the contract a source of yours meets
+(`DataSource`; see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from torch.utils.data import Dataset, Subset
+
+from hydra_ddp.components import check
+from hydra_ddp.data.datasets import Origin, Ranges, Rows, TokenWindows
+from hydra_ddp.errors import UserError
+
+
+class DataSource:
+    """One data set (see the module docstring for the contract). Subclass it, or write any
+    class with the same methods, and point `data._target_` at it."""
+
+    # What the model's constructor receives by name, e.g. {"in_features": 64, "out_features": 10}.
+    spec: dict[str, Any] = {}
+    # Throughput is reported as <unit>_per_s, counting items_per_row items per row.
+    unit: str = "samples"
+    items_per_row: int = 1
+
+    def num_rows(self, split: str) -> int:
+        raise NotImplementedError
+
+    def file_rows(self, split: str) -> list[int]:
+        """Rows per file of a split, in order; one 'file' for sources held in one piece."""
+        return [self.num_rows(split)]
+
+    def load(self, split: str, ranges: Ranges | None) -> Dataset:
+        """Read only the rows in `ranges` (half-open, in order); None: the whole split."""
+        raise NotImplementedError
+
+
+class TorchDatasets(DataSource):
+    """One map-style `torch.utils.data.Dataset` per split, each a component of its own:
+
+        data:
+          _target_: hydra_ddp.data.TorchDatasets
+          train: {_target_: my_data.Images, root: /data, split: train, augment: true}
+          val: {_target_: my_data.Images, root: /data, split: val}
+          test: {_target_: my_data.Images, root: /data, split: test}
+          spec: {out_features: 10}       # what the model is told (optional)
+          collate_fn: null               # default: torch's default_collate
+
+    Items are read one `dataset[i]` at a time, in DataLoader workers (`trainer.num_workers`),
+    and batched by `collate_fn`. `sampler=strided` partitions the shared per-epoch permutation
+    as for arrays; `sampler=sharded` gives each rank contiguous rows (a `Subset`) and touches no
+    other row."""
+
+    per_item = True  # TrainData/EvalData batch it with a DataLoader batch sampler
+
+    def __init__(
+        self,
+        train: Any,
+        val: Any,
+        test: Any,
+        collate_fn: Any = None,
+        spec: dict[str, Any] | None = None,
+        unit: str = "samples",
+    ) -> None:
+        self.splits = {"train": train, "val": val, "test": test}
+        for split, dataset in self.splits.items():
+            if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+                raise UserError(
+                    f"data.{split} is a {type(dataset).__name__}, not a map-style dataset "
+                    "(__getitem__ and __len__): give a torch.utils.data.Dataset component"
+                )
+            if len(dataset) == 0:
+                raise UserError(f"data.{split} ({type(dataset).__name__}) holds no rows")
+        self.collate_fn, self.spec, self.unit = collate_fn, dict(spec or {}), unit
+
+    def num_rows(self, split: str) -> int:
+        return len(self.splits[split])
+
+    def load(self, split: str, ranges: Ranges | None) -> Dataset:
+        dataset = self.splits[split]
+        if ranges is None:
+            return dataset
+        return Subset(dataset, [i for a, b in ranges for i in range(a, b)])
+
+
+def check_source(source: Any) -> None:
+    """Refuse a `data` component that meets neither contract, in one line naming both."""
+    if callable(getattr(source, "num_rows", None)) and callable(getattr(source, "load", None)):
+        return
+    what = f"data._target_ built a {type(source).__module__}.{type(source).__qualname__}"
+    if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
+        raise UserError(
+            f"{what}, a per-item dataset: give one per split through data._target_="
+            "hydra_ddp.data.TorchDatasets (data.train, data.val, data.test), or write a "
+            "DataSource (num_rows(split), load(split, ranges), spec)"
+        )
+    raise UserError(
+        f"{what}, which is neither a DataSource (num_rows(split), load(split, ranges), spec; "
+        "see hydra_ddp/data/sources.py) nor a map-style dataset for hydra_ddp.data.TorchDatasets"
+    )
+
+
+def check_fractions(val_fraction: float, test_fraction: float) -> None:
+    check(0 < val_fraction < 1, "val_fraction", "in (0, 1)", val_fraction)
+    check(0 < test_fraction < 1, "test_fraction", "in (0, 1)", test_fraction)
+    check(
+        val_fraction + test_fraction < 1,
+        "val_fraction + test_fraction",
+        "< 1",
+        val_fraction + test_fraction,
+    )
+
+
+def _split_rows(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> dict[str, np.ndarray]:
+    """A seeded shuffle of range(n) cut into val, test and train row indices."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    return {
+        "val": order[:n_val],
+        "test": order[n_val : n_val + n_test],
+        "train": order[n_val + n_test :],
+    }
+
+
+class InMemoryArrays(DataSource):
+    """A source held in RAM as one (x, y) array pair per split."""
+
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]]
+
+    def num_rows(self, split: str) -> int:
+        return len(self.arrays[split][1])
+
+    def load(self, split: str, ranges: Ranges | None) -> Rows:
+        x, y = self.arrays[split]
+        ranges = ranges if ranges is not None else [(0, len(y))]
+        name = type(self).__name__
+        return Rows(
+            [x[a:b] for a, b in ranges],
+            [y[a:b] for a, b in ranges],
+            [Origin(f"{name} {split} x", f"{name} {split} y", a) for a, _ in ranges],
+        )
+
+
+class Digits(InMemoryArrays):
+    """scikit-learn's 8x8 digits, scaled to [0, 1], split train/val/test by a seeded shuffle."""
+
+    def __init__(self, val_fraction: float, test_fraction: float, split_seed: int):
+        from sklearn.datasets import load_digits
+
+        check_fractions(val_fraction, test_fraction)
+        bunch = load_digits()
+        x = (bunch.data / 16.0).astype(np.float32)
+        y = bunch.target.astype(np.int64)
+        cut = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        self.arrays = {s: (x[i], y[i]) for s, i in cut.items()}
+        self.spec = {"in_features": 64, "out_features": 10, "image_shape": (1, 8, 8)}
+
+
+class Diabetes(InMemoryArrays):
+    """scikit-learn's diabetes regression set (442 rows, 10 features). The target is
+    standardised with the training split's mean and std, so the MSE reads on a unit scale
+    (and 1 - MSE is close to R^2)."""
+
+    def __init__(self, val_fraction: float, test_fraction: float, split_seed: int):
+        from sklearn.datasets import load_diabetes
+
+        check_fractions(val_fraction, test_fraction)
+        bunch = load_diabetes()
+        x = bunch.data.astype(np.float32)
+        y = bunch.target.astype(np.float32)[:, None]
+        cut = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        mean, std = y[cut["train"]].mean(), y[cut["train"]].std()
+        x = (x - x[cut["train"]].mean(0)) / x[cut["train"]].std(0)
+        self.arrays = {s: (x[i], (y[i] - mean) / std) for s, i in cut.items()}
+        self.spec = {"in_features": x.shape[1], "out_features": 1}
+
+
+class CharText(DataSource):
+    """CPython's pydoc_data.topics, every topic's text joined, as one character stream.
+
+    The tail of the stream is held out (val, then test) so no window straddles two splits.
+    """
+
+    unit = "tokens"
+
+    def __init__(self, block_size: int, val_fraction: float, test_fraction: float):
+        from pydoc_data.topics import topics
+
+        check(block_size > 0, "block_size", "> 0", block_size)
+        check_fractions(val_fraction, test_fraction)
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        chars = sorted(set(text))
+        lookup = np.zeros(max(map(ord, chars)) + 1, dtype=np.int64)
+        lookup[[ord(c) for c in chars]] = np.arange(len(chars))
+        tokens = lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
+        tokens = tokens.astype(np.uint8 if len(chars) <= 256 else np.int32)
+        n = len(tokens)
+        n_test, n_val = int(n * test_fraction), int(n * val_fraction)
+        bounds = {
+            "train": (0, n - n_val - n_test),
+            "val": (n - n_val - n_test, n - n_test),
+            "test": (n - n_test, n),
+        }
+        self.streams = {s: tokens[a:b] for s, (a, b) in bounds.items()}
+        self.block = self.items_per_row = block_size
+        for s, stream in self.streams.items():
+            if (len(stream) - 1) // block_size < 1:
+                raise UserError(
+                    f"data.block_size={block_size} is longer than the {s} split "
+                    f"({len(stream)} characters): lower data.block_size"
+                )
+        self.spec = {"vocab_size": len(chars), "block_size": block_size}
+        self.chars = "".join(chars)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Token ids back to text."""
+        return "".join(self.chars[t] for t in tokens)
+
+    def num_rows(self, split: str) -> int:
+        return (len(self.streams[split]) - 1) // self.block
+
+    def load(self, split: str, ranges: Ranges | None) -> TokenWindows:
+        stream = self.streams[split]
+        ranges = ranges if ranges is not None else [(0, self.num_rows(split))]
+        # +1: a window needs the character after its last one as a target.
+        return TokenWindows(
+            [stream[a * self.block : b * self.block + 1] for a, b in ranges], self.block
+        )

@@ -1,0 +1,202 @@
+"""A rank's view of the data: the policy decides the rows (policies.py), the view loads them,
+checks them and makes the loader.
+
+Following `trainer.batch_size` from the config to the loader: loop/job.py hands it to
+`TrainData`, which asks the policy (`sampler(...)`) for this rank's batches of that size and
+wraps them in a `DataLoader` (`loader`); nothing else touches it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from hydra_ddp.data.checks import check_loaded
+from hydra_ddp.data.datasets import Ranges
+from hydra_ddp.data.policies import built
+from hydra_ddp.data.sampling import StridedSampler
+from hydra_ddp.data.sources import DataSource
+from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import UserError
+
+
+class TrainData:
+    """The training split as this rank sees it under the sampler policy.
+
+    Iterate `epoch(e, start_batch)` for the batches of epoch e from a given batch on; every
+    rank gets the same number of batches per epoch (`micro_batches_per_epoch`), which DDP needs.
+    `sampler`: the policy, or the `sampler` config it is built from (seed None: `seed`).
+    """
+
+    def __init__(
+        self,
+        source: DataSource,
+        sampler: Any,
+        env: DistEnv,
+        batch_size: int,
+        seed: int,
+        num_workers: int = 0,
+    ):
+        self.source, self.env, self.num_workers = source, env, num_workers
+        self.batch_size = batch_size
+        self.policy = built(sampler, seed)
+        check_sampling(source, self.policy, env.world_size, batch_size)
+        self._epoch: int | None = None
+        self._view(0)
+        if len(self.sampler) == 0:
+            raise UserError(
+                f"trainer.batch_size={batch_size} with sampler.drop_last=true leaves "
+                "no full batch per rank: lower trainer.batch_size"
+            )
+
+    def _view(self, epoch: int) -> None:
+        """The one place this rank's view is made: the rows the policy gives it in `epoch`,
+        loaded and checked, the policy's batches of them, and the loader."""
+        n, world, rank = self.source.num_rows("train"), self.env.world_size, self.env.rank
+        parts = self.policy.parts(n, _file_rows(self.source), world, epoch)
+        self.dataset = self.source.load("train", None if parts is None else parts[rank])
+        check_loaded(self.dataset, self.source.spec, "train")
+        self.sampler = self.policy.sampler(len(self.dataset), parts, rank, world, self.batch_size)
+        self.loader = loader(self.source, self.dataset, self.sampler, self.env, self.num_workers)
+        self._epoch = epoch
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def rows_held(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.policy.rows_per_rank(self.rows_held, self.env.world_size)
+
+    @property
+    def bytes_held(self) -> int:
+        return int(getattr(self.dataset, "nbytes", 0))
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator:
+        """Batches of `epoch`, skipping the first `start_batch` (resuming mid-epoch)."""
+        if self.policy.reloads_each_epoch and self._epoch != epoch:
+            self._view(epoch)
+        self.sampler.load_state_dict({"epoch": epoch, "start_batch": start_batch})
+        return iter(self.loader)
+
+
+def _file_rows(source: Any) -> list[int]:
+    # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
+    if hasattr(source, "file_rows"):
+        return source.file_rows("train")
+    return [source.num_rows("train")]
+
+
+def _rows_of(part: Ranges) -> np.ndarray:
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in part] or [[]]).astype(
+        np.int64
+    )
+
+
+def check_sampling(source: DataSource, sampler: Any, world: int, batch_size: int) -> None:
+    """Refuse a policy the training split cannot support, before any data is loaded.
+    `sampler`: a policy, or the `sampler` config (built here: a bad argument fails too)."""
+    policy = built(sampler, 0)
+    policy.check(source.num_rows("train"), _file_rows(source), world, batch_size)
+
+
+class EvalData:
+    """A held-out split, partitioned so each row is evaluated exactly once across ranks
+    (no DistributedSampler padding: ranks may hold one row more or less). The policy says
+    which rows each rank loads (`eval_parts`); they are read in order."""
+
+    def __init__(
+        self,
+        source: DataSource,
+        split: str,
+        sampler: Any,
+        env: DistEnv,
+        batch_size: int,
+        num_workers: int = 0,
+    ):
+        self.source, self.env, self.num_workers = source, env, num_workers
+        n = source.num_rows(split)
+        parts = built(sampler, 0).eval_parts(n, env.world_size)
+        # The split's row numbers of this rank's loaded rows (None: all of them, in order).
+        self.split_rows: np.ndarray | None = None
+        self.sampler: StridedSampler | None
+        if parts is None:
+            self.dataset = source.load(split, None)
+            check_loaded(self.dataset, source.spec, split)
+            self.sampler = StridedSampler(
+                n, env.rank, env.world_size, batch_size, shuffle=False, pad=False
+            )
+        else:
+            part = parts[env.rank]
+            self.split_rows = _rows_of(part)
+            self.dataset = source.load(split, part)
+            check_loaded(self.dataset, source.spec, split)
+            held = len(self.dataset)
+            self.sampler = (
+                StridedSampler(held, 0, 1, batch_size, shuffle=False, pad=False) if held else None
+            )
+        self._loader: DataLoader | None = None
+
+    def rows(self) -> Iterator[np.ndarray]:
+        """The split's row numbers of each batch `__iter__` yields, in the same order (one pass
+        of the sampler: finish it before iterating the batches)."""
+        if self.sampler is None:
+            return iter(())
+        if self.split_rows is None:
+            return (np.asarray(idx) for idx in self.sampler)
+        return (self.split_rows[np.asarray(idx)] for idx in self.sampler)
+
+    def __iter__(self) -> Iterator:
+        if self.sampler is None:
+            return iter(())
+        if self._loader is None:  # made once: its workers persist between evaluations
+            self._loader = loader(
+                self.source, self.dataset, self.sampler, self.env, self.num_workers
+            )
+        return iter(self._loader)
+
+
+def loader(
+    source: DataSource, dataset: Dataset, sampler: Any, env: DistEnv, num_workers: int
+) -> DataLoader:
+    """A DataLoader over `sampler`'s index batches: a whole batch per `dataset[idx]` for array
+    sources, `dataset[i]` per item and `collate_fn` for TorchDatasets. Its own generator:
+    without one, every iter() draws a seed from the global RNG, so a run resumed mid-epoch (one
+    extra iter() after the RNG state is restored) would get other dropout masks than the
+    uninterrupted run."""
+    common = dict(
+        num_workers=num_workers,
+        pin_memory=env.device.type == "cuda",
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator(),
+    )
+    if getattr(source, "per_item", False):
+        return DataLoader(
+            dataset,
+            batch_sampler=_IndexLists(sampler),
+            collate_fn=getattr(source, "collate_fn", None) or default_collate,
+            **common,
+        )
+    # batch_size=None: the sampler yields whole index arrays and the dataset gathers a batch in
+    # one call, so the DataLoader only adds workers and pinning when asked for.
+    return DataLoader(dataset, sampler=sampler, batch_size=None, **common)
+
+
+class _IndexLists:
+    """A sampler of index arrays as a DataLoader batch sampler (lists of Python ints)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (np.asarray(idx).tolist() for idx in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)

@@ -1,0 +1,115 @@
+"""The collectives the loop and a user's loss use: each a no-op (or the identity) without a
+process group, so one process runs the same code as many.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.dist.env import DistEnv
+from hydra_ddp.errors import UserError
+
+# --------------------------------------------------------------------------------------------
+# The collectives the loop uses: each a no-op (or the identity) without a process group
+# --------------------------------------------------------------------------------------------
+
+
+def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
+    """Sum a few numbers over all ranks (float64, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    if env.distributed:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
+    """Every rank's `values` (same length on all ranks), indexed by rank."""
+    if not env.distributed:
+        return [list(map(float, values))]
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    out = [torch.zeros_like(t) for _ in range(env.world_size)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def all_gather_objects(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's picklable `obj`, indexed by rank."""
+    if not env.distributed:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the gradient of its own slice, summed over
+    the ranks' losses (each rank's loss used every slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank, ctx.world = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(tensor) for _ in range(ctx.world)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)  # collective
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Rank r's loss depends on every slice: the gradient of slice k is the sum over ranks
+        # of their gradients for it. An all-reduce (gloo has no reduce-scatter on CPU), then
+        # this rank's slice.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # collective
+        return grad.chunk(ctx.world)[ctx.rank], None
+
+
+def all_gather_with_grad(
+    tensor: torch.Tensor, group: Any = None, check_shapes: bool = True
+) -> torch.Tensor:
+    """Collective: every rank's `tensor` concatenated along dim 0 in rank order, differentiable:
+    gradients flow back to each rank's own slice (the sum of every rank's gradient for it, so
+    with DDP's average the step is the gradient of the mean of the ranks' losses). Without a
+    process group: the tensor itself. A contrastive loss's negatives from every rank:
+    hydra_ddp/examples/contrastive.py.
+
+    Every rank must pass a tensor of the same shape: training batches are (strided sampling
+    pads every rank to the same count), evaluation shards are not (ranks hold one row more or
+    less, and a different number of batches), so a loss gathers only when `model.training`.
+    `check_shapes` agrees the shapes first (one small collective and a host sync per call) and
+    raises one line naming them on every rank, where gloo would abort a rank with its error on
+    stderr only; False skips that.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    if check_shapes:
+        _same_shapes(tensor, group)  # collective
+    return _AllGatherWithGrad.apply(tensor, group)
+
+
+def _same_shapes(tensor: torch.Tensor, group: Any) -> None:
+    world = dist.get_world_size(group)
+    # The number of dimensions first: shapes of different lengths cannot be gathered as one.
+    shape = torch.tensor([tensor.dim(), *tensor.shape, *[-1] * (8 - tensor.dim())][:9],
+                         device=tensor.device)  # fmt: skip
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape, group=group)  # collective
+    seen = [tuple(s[1 : 1 + int(s[0])].tolist()) for s in shapes]
+    if len(set(seen)) > 1:
+        raise UserError(
+            "all_gather_with_grad: the ranks hold tensors of different shapes ("
+            + ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(seen))
+            + "); every rank must gather the same shape: gather in training only (if "
+            "model.training), where every rank's batch has the same size"
+        )
+
+
+def sum_by_name(sums: dict[str, list[float]], env: DistEnv) -> dict[str, list[float]]:
+    """Element-wise sums over ranks of named lists; a name some ranks lack counts as zeros."""
+    merged: dict[str, list[float]] = {}
+    for part in all_gather_objects(sums, env):
+        for name, values in part.items():
+            merged[name] = (
+                [a + b for a, b in zip(merged[name], values)] if name in merged else list(values)
+            )
+    return merged

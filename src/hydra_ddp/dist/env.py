@@ -1,0 +1,165 @@
+"""Where this process sits in the job: the only module that reads RANK, LOCAL_RANK and WORLD_SIZE.
+
+A `DistEnv` is built once per process from what the launcher (torchrun, torch's elastic agent,
+SLURM through submitit) put in the environment, and passed explicitly to everything else. With
+none of those variables set the job runs as one process with no process group at all.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hydra_ddp.config import Backend, Device, DistConfig
+from hydra_ddp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. Cheap to build; no process group needed."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    # A launcher (torchrun, the elastic agent, SLURM) started this process: it gets a process
+    # group and a DDP wrap even when it is the only rank, so one GPU runs the same code as 64.
+    launched: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one process that writes shared files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is up (init_process_group ran)."""
+        return dist.is_available() and dist.is_initialized()
+
+
+def under_launcher() -> bool:
+    """True when torchrun, torch's elastic agent or SLURM/submitit started this process."""
+    return "RANK" in os.environ or _submitit_tasks() > 1
+
+
+def export_submitit_env() -> None:
+    """Inside a submitit task with several tasks, export RANK/WORLD_SIZE/... the way torchrun
+    does, from SLURM's variables (or submitit's local ones), so the rest of the code sees one
+    kind of environment."""
+    if "RANK" in os.environ or _submitit_tasks() <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # A MASTER_ADDR / MASTER_PORT the user (or a site's script) set is respected: submitit's
+    # export would refuse to run with them set ("Cannot export ... is already set").
+    given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    os.environ.update(given)
+
+
+def share_cpus_in_submitit_task(cpus_per_task: int | None) -> int | None:
+    """Inside a submitit task (one rank) whose OMP_NUM_THREADS nobody set: give its OpenMP pool
+    its CPU share, as torchrun does for its workers (SLURM's cpus-per-task, else the
+    launcher's `cpus_per_task`, else the machine's cores over the job's tasks). Full pools in
+    every task of jobs that the local executor starts side by side fight over the cores (2
+    jobs x 2 tasks on 2 cores: 30x slower steps). Returns the threads set, or None."""
+    if "SUBMITIT_EXECUTOR" not in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return None
+    share = int(os.environ.get("SLURM_CPUS_PER_TASK") or cpus_per_task or 0)
+    if share < 1:
+        share = max(1, (os.cpu_count() or 1) // max(1, _submitit_tasks()))
+    os.environ["OMP_NUM_THREADS"] = str(share)  # for the processes it starts (data workers)
+    torch.set_num_threads(share)
+    return share
+
+
+def _submitit_tasks() -> int:
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return 0
+    try:
+        from submitit import JobEnvironment
+
+        return JobEnvironment().num_tasks
+    except Exception:  # not inside a submitit job after all
+        return 0
+
+
+def env_from_environ(cfg: DistConfig) -> DistEnv:
+    """Read the launcher's variables and pick this rank's device."""
+    present = [k for k in _LAUNCHER_VARS if k in os.environ]
+    if not present:
+        return DistEnv(device=_pick_device(cfg, local_rank=0))
+    missing = [k for k in _LAUNCHER_VARS if k not in os.environ]
+    if missing:
+        raise UserError(
+            f"the environment sets {', '.join(present)} but not {', '.join(missing)}: start the "
+            "job with torchrun (or set all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+            "MASTER_PORT)"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        device=_pick_device(cfg, local_rank),
+        launched=True,
+    )
+
+
+def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
+    want_cuda = cfg.device == Device.cuda or (
+        cfg.device == Device.auto and torch.cuda.is_available()
+    )
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(
+            "dist.device=cuda but CUDA is not available here: use dist.device=cpu or auto"
+        )
+    count = torch.cuda.device_count()
+    if count == 1 and local_rank > 0 and _one_gpu_per_task():
+        # SLURM's --gpus-per-task=1 (or a binding script) shows each task only its own GPU.
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise UserError(
+            f"local rank {local_rank} has no GPU: this node has {count} visible GPU(s) but more "
+            "processes per node were started; set --nproc_per_node (or dist.nproc_per_node) to "
+            f"at most {count}, or use dist.device=cpu"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _one_gpu_per_task() -> bool:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([d for d in visible.split(",") if d.strip()]) == 1
+
+
+def backend_for(cfg: DistConfig, device: torch.device) -> str:
+    if cfg.backend == Backend.auto:
+        return "nccl" if device.type == "cuda" else "gloo"
+    if cfg.backend == Backend.nccl and device.type != "cuda":
+        raise UserError(
+            "dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
+            "dist.backend=gloo (or auto)"
+        )
+    return cfg.backend.value
+
+
+def launcher_rank() -> int:
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
+        return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
+    return 0

@@ -1,0 +1,270 @@
+"""The training loop: `fit` runs the steps, `finish` ends the run (last validation, last
+checkpoint, test, summary). It calls each periodic concern explicitly, in order; each one
+decides its own cadence (`due(step)`) and owns its state:
+
+    stopper      preemption.StopOnSignal   a stop signal: checkpoint, then exit
+    step_fn      step.py                   forward, loss, backward, clip, optimizer step
+    health       step.NonFiniteCheck       trainer.nan_policy, without a sync per step
+    ema          ema.EMA                   trainer.ema_decay
+    profiler     profiling.py              trainer.profile_steps
+    stats        stats.StepStats           per-rank stats, console, W&B (tracking.Tracker)
+    callbacks    callbacks.Callbacks       the user's hooks
+    evaluator    evaluation.Evaluator      validation, monitor, best checkpoint, early stop
+    checkpointer checkpoint.Checkpointer   checkpoints every trainer.ckpt_interval steps
+
+Only the loop moves the position (`pos`): the batch iterator says where each batch was drawn
+from. A call marked `# collective` must be reached by every rank at the same step (it talks to
+the other ranks); putting one under `if env.is_main:` hangs the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hydra_ddp.callbacks import Context
+from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.config import TrainerConfig
+from hydra_ddp.dist import DistEnv, all_gather_floats, all_reduce_sum, jsonfile
+from hydra_ddp.dist.fsdp import state_bytes
+from hydra_ddp.dist.preemption import Preempted, StopOnSignal, signal_name, stop_message
+from hydra_ddp.loop.ema import EMA
+from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.loop.objective import rows, to_device
+from hydra_ddp.loop.position import Position, batches
+from hydra_ddp.step import NonFiniteCheck, StepTools
+from hydra_ddp.tracking import Tracker
+from hydra_ddp.tracking.stats import StepStats
+
+if TYPE_CHECKING:
+    from hydra_ddp.loop.job import Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class Loop:
+    """The loop's parts (see the module docstring), built by `job.run_job`."""
+
+    env: DistEnv
+    tcfg: TrainerConfig
+    job: Job
+    pos: Position
+    raw_model: torch.nn.Module
+    step_model: torch.nn.Module  # the DDP wrapper (compiled with trainer.compile)
+    tools: StepTools  # precision, accumulation, clipping (step.py)
+    ema: EMA | None
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+    stats: StepStats
+    tracker: Tracker
+    health: NonFiniteCheck
+    stopper: StopOnSignal
+    profiler: Any
+    ctx: Context
+
+
+def fit(loop: Loop) -> float:
+    """The training loop, from `loop.pos` to trainer.max_steps (or the end of trainer.epochs,
+    or an early stop); returns its wall time. `# collective`: every rank, same step."""
+    tcfg, env, job, pos = loop.tcfg, loop.env, loop.job, loop.pos
+    parts, callbacks = job.parts, job.callbacks
+    data = batches(job.train_data, pos, tcfg)
+    epochs_done = pos.epochs_done(job.micro_batches_per_epoch)
+    callbacks("on_train_start", _at(loop.ctx, pos))
+    t_start = time.perf_counter()
+    loop.step_model.train()
+    loop.stopper.start()
+    loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
+    loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
+    while pos.step < job.total_steps:
+        signum = loop.stopper.agreed()  # collective
+        if signum:
+            _stop(loop, signum)  # collective: checkpoint, then raise Preempted
+        t_step = time.perf_counter()
+        micro_batches = []
+        for _ in range(_micro_batches(job, pos)):
+            epoch, batch_in_epoch, batch = next(data)
+            pos.drawn(epoch, batch_in_epoch)
+            micro_batches.append(batch)
+        data_wait = time.perf_counter() - t_step
+        micro_batches = [to_device(b, env.device) for b in micro_batches]
+        losses = parts.step_fn(
+            loop.tools, loop.step_model, micro_batches, parts.objective,
+            parts.optimizers.optimizers,
+        )  # fmt: skip
+        grad_norm = loop.tools.update()
+        outputs, loop.tools.outputs = loop.tools.outputs, []
+        loop.health.observe(pos.step + 1, losses["loss"], grad_norm)
+        parts.optimizers.step_schedules()
+        if loop.ema is not None:
+            loop.ema.update(loop.raw_model)
+        loop.profiler.step()
+        pos.step += 1
+        batch_rows = sum(rows(b) for b in micro_batches)
+        pos.samples_seen += batch_rows
+        loop.stats.add_step(losses, batch_rows, time.perf_counter() - t_step, data_wait)
+        _periodic(loop, grad_norm)  # collective
+        callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"], batch=micro_batches,
+                                     outputs=outputs, losses=losses))  # fmt: skip
+        _at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
+        del outputs
+        for epoch in range(epochs_done, pos.epochs_done(job.micro_batches_per_epoch)):
+            callbacks("on_epoch_end", _at(loop.ctx, pos, epoch=epoch))
+            parts.optimizers.end_epoch()  # scheduler.interval=epoch
+            epochs_done = epoch + 1
+        if loop.evaluator.due(pos.step):
+            metrics = loop.evaluator.validate(pos)  # collective (+ best.pt)
+            parts.optimizers.after_validation(metrics)  # scheduler.monitor
+            callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
+            if loop.evaluator.stopped:
+                break
+        loop.checkpointer.maybe_save()  # collective
+    if loop.stats.steps:  # an early stop between two log intervals: its last steps' stats
+        loop.health.check()  # collective
+        _log_stats(loop, grad_norm)  # collective
+    loop.stats.close()
+    return time.perf_counter() - t_start
+
+
+def _periodic(loop: Loop, grad_norm: Any) -> None:
+    """Collective: after a step, the health check before anything is logged, judged or saved;
+    then the step stats when due."""
+    step = loop.pos.step
+    if loop.stats.due(step) or loop.evaluator.due(step) or loop.checkpointer.due(step):
+        loop.health.check()  # collective: nothing non-finite is logged, judged or saved
+    if loop.stats.due(step):
+        _log_stats(loop, grad_norm)  # collective
+
+
+def _log_stats(loop: Loop, grad_norm: Any) -> None:
+    lrs = loop.job.parts.optimizers.learning_rates()
+    loop.stats.log(loop.pos.step, grad_norm, lrs, **_data_stats(loop.job, loop.pos))
+
+
+def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
+    """Collective: last validation, last checkpoint, test, summary; the same on every rank."""
+    job, env, run, pos = loop.job, loop.env, loop.job.run, loop.pos
+    if loop.stopper.received:  # came after the last step: the run ends normally
+        log.warning(
+            "got %s after the last step: finishing the final evaluation and checkpoint first",
+            signal_name(loop.stopper.received),
+        )
+    loop.health.check()  # collective
+    validated = not loop.evaluator.stopped  # else the loop validated this very step
+    val = loop.evaluator.final_validation(pos)  # collective
+    if validated:
+        job.callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", val)))
+    # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
+    # a finished run extended with a larger trainer.max_steps continues their counters.
+    val, test = loop.evaluator.finish(pos)  # collective
+    summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
+    summary.update(loop.evaluator.monitor.summary())
+    loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+    if env.is_main:
+        jsonfile.write(run.output_dir / "summary.json", json_safe(summary))
+        # An earlier attempt of this job that failed (a sweep job re-run here) is over.
+        (run.output_dir / "failure.json").unlink(missing_ok=True)
+    job.console.show_summary(summary, run.output_dir)
+    metrics = {**_prefixed("val", val), **_prefixed("test", test)}
+    job.callbacks("on_train_end", _at(loop.ctx, pos, metrics=metrics))
+    # Every rank is past its last collective before rank 0 waits on W&B's uploads.
+    loop.tracker.close_all()  # collective
+    return summary
+
+
+def _stop(loop: Loop, signum: int) -> None:
+    """Collective: a stop signal reached some rank. Checkpoint, close the W&B run as preempted,
+    let an earlier handler of the signal run (submitit's requeue), and leave."""
+    loop.stats.close()
+    loop.checkpointer.save()  # collective
+    loop.tracker.close(preempted=signum)
+    message = stop_message(signum, loop.pos.step, loop.job.total_steps, loop.job.run)
+    stopped = Preempted(signum, message)
+    # Said before the earlier handlers run: submitit's requeues and exits from inside chain().
+    (log.warning if loop.env.is_main else log.info)("%s", stopped)
+    stopped.logged = True
+    loop.stopper.chain()
+    raise stopped
+
+
+def _micro_batches(job: Job, pos: Position) -> int:
+    """Micro-batches of the next step: trainer.grad_accum, or what is left of the epochs."""
+    accum = job.cfg.trainer.grad_accum
+    if job.total_micro is None:
+        return accum
+    done = pos.epoch * job.micro_batches_per_epoch + pos.batch_in_epoch
+    return min(accum, job.total_micro - done)
+
+
+def _at(ctx: Context, pos: Position, **fields_: Any) -> Context:
+    """The callbacks' context, moved to `pos` (and `fields_`: loss, metrics, epoch)."""
+    ctx.step, ctx.epoch = pos.step, pos.epoch
+    for name, value in fields_.items():
+        setattr(ctx, name, value)
+    return ctx
+
+
+def _data_stats(job: Job, pos: Position) -> dict[str, int]:
+    return {
+        "samples_seen": pos.samples_seen,
+        "data_rows": job.train_data.rows_held,
+        "data_bytes": job.train_data.bytes_held,
+        "epoch": pos.epoch,
+    }
+
+
+def _summary(
+    job: Job,
+    pos: Position,
+    start_step: int,
+    wall: float,
+    stats: StepStats,
+    val: dict[str, float],
+    test: dict[str, float],
+) -> dict[str, Any]:
+    """Collective: the job's summary.json, the same on every rank."""
+    cfg, env, unit = job.cfg, job.env, job.parts.source.unit
+    samples = all_reduce_sum([float(stats.total_samples)], env)[0]
+    held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
+    summary: dict[str, Any] = {
+        "world_size": env.world_size,
+        "steps": pos.step,
+        "steps_this_run": pos.step - start_step,
+        "epochs": pos.epoch + (pos.batch_in_epoch / max(job.micro_batches_per_epoch, 1)),
+        "train_loss": all_reduce_sum([stats.last_loss], env)[0] / env.world_size,
+        f"{unit}_per_s": samples / max(wall, 1e-9),
+        "wall_time_s": wall,
+        "rows_held_per_rank": [int(h[0]) for h in held],
+        # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
+        "state_bytes_per_rank": [
+            int(b[0])
+            for b in all_gather_floats(
+                [state_bytes(job.parts.model, job.parts.optimizers.optimizers.values())], env
+            )
+        ],  # fmt: skip
+        "bytes_held_per_rank": [int(h[1]) for h in held],
+        "sampler": job.train_data.policy.name,
+        "objective": val[monitor_key(cfg)],  # trainer.monitor
+    }
+    # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
+    for split, metrics in (("val", val), ("test", test)):
+        summary.update({f"{split}_{k}": v for k, v in metrics.items()})
+    return summary
+
+
+def json_safe(summary: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN or inf: such metrics are written as null, with a warning."""
+    bad = [k for k, v in summary.items() if jsonfile.finite_or_none(v) is None and v is not None]
+    if bad:
+        log.warning("not finite, written as null in summary.json: %s", ", ".join(bad))
+    return {k: jsonfile.finite_or_none(v) for k, v in summary.items()}
+
+
+def _prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
+    return {f"{split}/{k}": v for k, v in metrics.items()}

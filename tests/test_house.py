@@ -1,0 +1,87 @@
+"""The house rules of src/ (issue 26): modules, classes and functions small enough to read, and
+no import cycle, so a package can be read (and copied) without the rest of the tree."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 200, 80
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def test_no_module_class_or_function_is_over_its_size_limit() -> None:
+    over = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        if (lines := text.count("\n")) > MAX_MODULE:
+            over.append(f"module {name}: {lines} lines > {MAX_MODULE}")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            if isinstance(node, ast.ClassDef) and size > MAX_CLASS:
+                over.append(f"class {name}.{node.name}: {size} lines > {MAX_CLASS}")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and size > MAX_FUNCTION:
+                over.append(f"function {name}.{node.name}: {size} lines > {MAX_FUNCTION}")
+    assert not over, "\n".join(over)
+
+
+def _imported_at_load(tree: ast.Module, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ours that loading `name` imports: its top-level imports (not those inside
+    functions or under `if TYPE_CHECKING:`), each with the packages above it, which Python
+    loads first."""
+    package = name if is_package else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            targets.add(base)
+            # `from pkg import mod` loads pkg.mod when it is a module of ours.
+            targets.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known)
+    edges = set()
+    for target in targets:
+        parts = target.split(".")
+        edges.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return {e for e in edges if e in known and e != name and not name.startswith(e + ".")}
+
+
+def test_no_import_cycle_between_modules_of_src() -> None:
+    modules = _modules()
+    known = set(modules)
+    graph = {
+        name: _imported_at_load(ast.parse(path.read_text()), name, path.stem == "__init__", known)
+        for name, path in modules.items()
+    }
+    # A package's __init__ may import its own submodules (re-exports): that is not a cycle,
+    # provided no submodule imports the package's __init__-defined names back; the edge from a
+    # submodule to its parent package is therefore left out above.
+    cycles, state = [], dict.fromkeys(graph, 0)
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state[nxt] == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif state[nxt] == 0:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if state[name] == 0:
+            visit(name, [name])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
