@@ -114,10 +114,16 @@ class DCPCheckpointer(Checkpointer):
         folder = checkpoint_dir(self.output_dir)
         final = folder / (_dcp_name(name) or f"step_{self.step:08d}{SUFFIX}")
         tmp = folder / f".{final.name}.tmp"
-        ranks = state.gather_per_rank(self.members, self.env)  # collective
+        extra, refused = None, None
+        if self.env.is_main:
+            try:  # rank 0 alone holds this state: its refusal must stop every rank, here
+                extra = self._extra()
+            except UserError as e:
+                refused = str(e)
+        ranks = state.gather_per_rank(self.members, self.env, refused)  # collective
         if self.env.is_main:
             self._start_folder(folder, tmp)
-            self._write_extra(tmp / EXTRA, ranks)
+            self._write_extra(tmp / EXTRA, {**extra, "rng": ranks})
         barrier(self.env)  # the fresh tmp folder exists before any rank writes into it
         shards = self._shards()
         try:
@@ -184,13 +190,17 @@ class DCPCheckpointer(Checkpointer):
         except OSError as e:
             raise _write_failed(e, tmp) from e
 
-    def _write_extra(self, path: Path, ranks: list) -> None:
-        """Rank 0: the global members that are not shards, and every rank's per-rank state."""
+    def _extra(self) -> dict[str, Any]:
+        """Rank 0: the global members that are not shards, made loadable with weights_only as
+        DDP's checkpoints (safe_state.checked: a UserError for what cannot be)."""
         extra = state.global_state(
             [(m, o) for m, o in self.members if not (m.sharded or m.per_rank)]
         )
-        extra.update(world_size=self.env.world_size, rng=ranks)
-        extra = safe_state.checked(extra)  # loadable with weights_only, as DDP's checkpoints
+        extra.update(world_size=self.env.world_size)
+        return safe_state.checked(extra)
+
+    def _write_extra(self, path: Path, extra: dict[str, Any]) -> None:
+        """Rank 0: extra.pt, with every rank's per-rank state (`rng`, checked at the gather)."""
         try:
             with open(path, "wb") as f:
                 torch.save(extra, f)

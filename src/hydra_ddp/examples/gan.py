@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from hydra_ddp import step
+
 
 class RingPoints(Dataset):
     def __init__(self, rows: int = 2048, seed: int = 0, noise: float = 0.05) -> None:
@@ -84,4 +86,6 @@ class Phase:
         self.model.zero_grad(set_to_none=set_to_none)
 
     def no_sync(self) -> Any:
-        return self.model.no_sync()
+        # The template's no_sync: DDP's no_sync(), FSDP2's set_requires_gradient_sync(False)
+        # (an FSDP2 model has no no_sync), nothing for an unwrapped model.
+        return step.no_sync(self.model)
