@@ -87,3 +87,13 @@ def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
             10,
             "cpu",
         )
+
+
+def test_a_bad_comm_hook_of_the_users_fails_once_in_the_launching_process() -> None:
+    """train.preflight builds the hook before any worker starts: one line, not one per rank."""
+    from hydra_ddp.train import preflight
+
+    cfg = typed("ddp.comm_hook={_target_:collections.Counter}")
+    with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built"):
+        preflight(cfg, world_size=2)
+    preflight(typed("ddp=powersgd", "ddp.powersgd_start_iter=2"), world_size=2)

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-import ranks
 import torch
 from conftest import TESTS, user_env
-from inproc import FAST, train_here, train_ranks
+from helpers import ranks
+from helpers.inproc import FAST, train_here, train_ranks
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import dcp
@@ -100,7 +100,7 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_continues(tmp_path: P
     assert max(_steps(job)) == 20
 
 
-KILL = "+callbacks.kill._target_=fsdp2_kill.KillAtStep"
+KILL = "+callbacks.kill._target_=helpers.fsdp2_kill.KillAtStep"
 
 
 @pytest.mark.slow  # three runs and a killed one

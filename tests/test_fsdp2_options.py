@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import ranks
 import torch
 import torch.distributed.checkpoint as dcp
-from inproc import FAST, compose, train_ranks
+from helpers import ranks
+from helpers.inproc import FAST, compose, train_ranks
 
 from hydra_ddp.components import build
 from hydra_ddp.config import DDPConfig, Wrapper

@@ -32,13 +32,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import interrupt
 from hydra_ddp.components import build
-from hydra_ddp.config import (
-    TrainConfig,
-    register_configs,
-)
+from hydra_ddp.config import TrainConfig, Wrapper, register_configs
 from hydra_ddp.data import check_sampling, check_source
 from hydra_ddp.dist import (
     claim,
+    comm_hooks,
     env_from_environ,
     export_submitit_env,
     launch,
@@ -96,6 +94,10 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     check_source(source)
     check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)
     build_components(cfg, source, torch.device("cpu"), total_steps=1)
+    if cfg.ddp.wrapper == Wrapper.ddp:  # a hook of the user's is built here once, not per rank
+        comm_hooks.built(
+            cfg.ddp.comm_hook, cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter, "cpu"
+        )
 
 
 def run_info(dict_cfg: DictConfig) -> RunInfo:

@@ -1,5 +1,5 @@
 """A test-only callback that SIGKILLs its own rank at the end of a chosen step (tests/ is on
-sys.path): `+callbacks.kill._target_=fsdp2_kill.KillAtStep +callbacks.kill.step=N`."""
+sys.path): `+callbacks.kill._target_=helpers.fsdp2_kill.KillAtStep +callbacks.kill.step=N`."""
 
 from __future__ import annotations
 
