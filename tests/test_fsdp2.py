@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import ok, only_job_dir, run, summary, torchrun, user_env
 from helpers.inproc import FAST, train_here, train_ranks, typed
+from helpers.runs import assert_close, final_weights, global_losses, losses
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import dcp
@@ -41,31 +42,6 @@ GPT = [
     "trainer.batch_size=8",
     "trainer.log_interval=1",
 ]
-
-
-def _losses(job: Path, rank: int = 0) -> dict[int, float]:
-    text = (job / "stats" / f"rank{rank}.jsonl").read_text()
-    rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
-
-
-def _global_losses(job: Path) -> dict[int, float]:
-    """Each step's loss over the global batch: the mean of the ranks that ran it (each rank
-    logs the loss of its own rows)."""
-    per_rank = [_losses(job, r) for r in (0, 1) if (job / "stats" / f"rank{r}.jsonl").exists()]
-    steps = sorted(set().union(*per_rank))
-    return {s: sum(r[s] for r in per_rank if s in r) / sum(s in r for r in per_rank) for s in steps}
-
-
-def _final(job: Path) -> dict[str, torch.Tensor]:
-    return checkpoint.load(checkpoint.latest(job))["model"]
-
-
-def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        diff = (a[k] - b[k]).abs().max().item()
-        assert diff <= atol, f"{k}: max diff {diff}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,14 +66,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_fsdp2_matches_ddp_with_half_the_state(pair: dict[str, Path]) -> None:
     """Loss curves and final parameters (the export's) equal to 1e-5; state per rank ~1/2."""
-    la, lb = _losses(pair["ddp"]), _losses(pair["fsdp2"])
+    la, lb = losses(pair["ddp"]), losses(pair["fsdp2"])
     assert sorted(la) == sorted(lb) == list(range(5, 51, 5))
     assert max(abs(la[s] - lb[s]) for s in la) < 1e-5
     exported = export(pair["fsdp2"])
     assert exported == pair["fsdp2"] / "export" / "step_00000050.pt"
     plain = torch.load(exported, weights_only=True)
     assert plain["step"] == 50
-    _assert_close(plain["model"], _final(pair["ddp"]), atol=1e-5)
+    assert_close(plain["model"], final_weights(pair["ddp"]), atol=1e-5)
     # Every job records its state bytes; fsdp2's are about half of DDP's on 2 ranks (the
     # remainder: shards padded to equal size, AdamW's unsharded step counters).
     ddp_bytes = summary(pair["ddp"])["state_bytes_per_rank"]
@@ -178,10 +154,10 @@ def test_resume_on_2_then_1_then_2_ranks_continues_the_run(tmp_path: Path) -> No
     assert one["steps"] == 20 and one["steps_this_run"] == 10 and one["world_size"] == 1
     two = train_ranks(job, *common, "trainer.max_steps=30")[0]
     assert two["steps"] == 30 and two["steps_this_run"] == 10
-    la, lb = _global_losses(job), _global_losses(base)
+    la, lb = global_losses(job), global_losses(base)
     assert sorted(la) == list(range(1, 31))
     assert max(abs(la[s] - lb[s]) for s in la) < 1e-4
-    _assert_close(_final(job), _final(base), atol=1e-5)
+    assert_close(final_weights(job), final_weights(base), atol=1e-5)
     assert two["test_loss"] == pytest.approx(summary(base)["test_loss"], abs=1e-5)  # via EMA
 
 
@@ -197,7 +173,7 @@ def test_meta_init_draws_each_shard_of_its_own(tmp_path: Path) -> None:
     run_dir = tmp_path / "meta"
     train_ranks(run_dir, *GPT, "ddp=fsdp2", "ddp.meta_init=true", "trainer.max_steps=1",
                 "optim.lr=0")  # fmt: skip
-    drawn = {k: w for k, w in _final(run_dir).items() if w.dim() == 2 and w.std() > 0}
+    drawn = {k: w for k, w in final_weights(run_dir).items() if w.dim() == 2 and w.std() > 0}
     assert drawn, "no randomly initialised weight found"
     for name, w in drawn.items():
         half = w.shape[0] // 2
@@ -298,4 +274,4 @@ def test_sigkilled_rank_under_max_restarts_ends_like_an_uninterrupted_run(tmp_pa
     assert "resumed from" in out, out[-3000:]
     job = only_job_dir(tmp_path)
     assert summary(job)["steps"] == 40
-    _assert_close(_final(job), _final(base), atol=1e-6)
+    assert_close(final_weights(job), final_weights(base), atol=1e-6)

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import TESTS, user_env
 from helpers import ranks
 from helpers.inproc import FAST, train_here, train_ranks
+from helpers.runs import assert_close, final_weights, global_losses
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import dcp
@@ -32,36 +32,12 @@ def _steps(job: Path, rank: int = 0) -> list[int]:
     return [json.loads(ln)["step"] for ln in lines if ln.endswith("}")]
 
 
-def _global_losses(job: Path, world: int) -> dict[int, float]:
-    """Each step's loss over the global batch: the mean over the ranks that ran it (the rank
-    files of every world size the run went through)."""
-    per_rank = []
-    for rank in range(world):
-        path = job / "stats" / f"rank{rank}.jsonl"
-        if path.exists():
-            rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-            per_rank.append({r["step"]: r["loss"] for r in rows if r.get("loss") is not None})
-    steps = sorted(set().union(*per_rank))
-    return {s: sum(r[s] for r in per_rank if s in r) / sum(s in r for r in per_rank) for s in steps}
-
-
-def _final(job: Path) -> dict[str, torch.Tensor]:
-    return checkpoint.load(checkpoint.latest(job))["model"]
-
-
-def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        diff = (a[k] - b[k]).abs().max().item()
-        assert diff <= atol, f"{k}: max diff {diff}"
-
-
 @pytest.mark.slow  # a real self-launched 2-rank job and its resume
 def test_sigterm_checkpoints_the_step_exits_143_and_resume_continues(tmp_path: Path) -> None:
     """SIGTERM (what SLURM sends at preemption) to a self-launched fsdp2 job: every rank saves
     its shards of the step in progress into one step_<N>.dcp folder, the job exits 143, and
     a resume continues from step N to the end."""
-    args = [*FAST, "ddp=fsdp2", "model._target_=slow_model.SlowMLP", "+model.sleep_s=0.3",
+    args = [*FAST, "ddp=fsdp2", "model._target_=helpers.slow_model.SlowMLP", "+model.sleep_s=0.3",
             "trainer.max_steps=20", "trainer.log_interval=1",
             "trainer.ckpt_interval=0"]  # fmt: skip
     env = user_env(tmp_path)
@@ -123,7 +99,7 @@ def test_killed_async_save_is_never_picked_and_resume_falls_back(tmp_path: Path)
     done = train_ranks(job, *args, "+callbacks.kill.step=999")[0]
     assert done["steps"] == 30 and done["steps_this_run"] == 20
     assert not (folder / ".step_00000020.dcp.tmp").exists()  # cleared by the next save
-    _assert_close(_final(job), _final(base), atol=1e-6)
+    assert_close(final_weights(job), final_weights(base), atol=1e-6)
 
 
 @pytest.mark.slow  # four runs, one on 4 ranks
@@ -144,7 +120,7 @@ def test_resume_on_4_then_2_then_1_ranks_continues_the_run(tmp_path: Path) -> No
     assert two["steps"] == 8 and two["steps_this_run"] == 4 and two["world_size"] == 2
     one = train_here(job, *common, "trainer.max_steps=12", "trainer.batch_size=16")
     assert one["steps"] == 12 and one["steps_this_run"] == 4 and one["world_size"] == 1
-    la, lb = _global_losses(job, 4), _global_losses(base, 2)
+    la, lb = global_losses(job, 4), global_losses(base, 2)
     assert sorted(la) == list(range(1, 13))
     assert max(abs(la[s] - lb[s]) for s in la) < 1e-4, (la, lb)
-    _assert_close(_final(job), _final(base), atol=1e-5)
+    assert_close(final_weights(job), final_weights(base), atol=1e-5)

@@ -131,7 +131,7 @@ def test_unloadable_callback_state_stops_every_rank_with_one_line(tmp_path: Path
     holds it, yet every rank stops with the same line (none waits in a collective for rank
     0), and no checkpoint folder, whole or partial, is left."""
     job = [*GPT, "trainer.max_steps=4", "trainer.ckpt_interval=2",
-           "+callbacks.odd._target_=state_callbacks.OpaqueState"]  # fmt: skip
+           "+callbacks.odd._target_=helpers.state_callbacks.OpaqueState"]  # fmt: skip
     errors = train_ranks(tmp_path, *job, return_exceptions=True, timeout=120)
     assert [type(e) for e in errors] == [UserError, UserError], errors
     assert str(errors[0]) == str(errors[1]) and "\n" not in str(errors[0])

@@ -23,7 +23,7 @@ from hydra_ddp import checkpoint
 
 SLOW_STEPS = [
     *FAST,
-    "model._target_=slow_model.SlowMLP",
+    "model._target_=helpers.slow_model.SlowMLP",
     "+model.sleep_s=1",
     "trainer.max_steps=60",
     "trainer.log_interval=1",

@@ -48,7 +48,7 @@ from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.loa
     is_checkpoint,
     load_full,
 )
-from hydra_ddp.checkpoint.files import checkpoint_dir, write_error
+from hydra_ddp.checkpoint.files import checkpoint_dir, fsync_dir, write_error
 from hydra_ddp.dist import all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
 
@@ -160,14 +160,14 @@ class DCPCheckpointer(Checkpointer):
                 if p.is_file() and p.name not in files and p.name != MANIFEST:
                     files[p.name] = _entry(p)
             _write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
-            _fsync(tmp)
+            fsync_dir(tmp)
             if final.exists():  # best.dcp being replaced: the old one moves out first
                 old = final.with_name(f".{final.name}.old")
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
                 shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, final)
-            _fsync(final.parent)
+            fsync_dir(final.parent)
             if name is None:
                 self._rotate(final.parent)
             log.info("checkpoint: %s", final)
@@ -290,11 +290,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

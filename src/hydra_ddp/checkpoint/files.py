@@ -58,7 +58,7 @@ def save(
             f"could not write checkpoint {final} ({write_error(e, folder)}): free space or "
             "quota there, or resume in another dir; the checkpoints already there are intact"
         ) from e
-    _fsync_dir(folder)
+    fsync_dir(folder)
     if name is None:
         for old in sorted(c for c in _complete(folder) if c[1].suffix == ".pt")[:-keep]:
             old[1].unlink(missing_ok=True)
@@ -91,7 +91,7 @@ def write_error(e: BaseException, folder: Path) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
