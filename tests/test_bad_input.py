@@ -154,6 +154,7 @@ class Case:
     env: dict[str, Optional[str]] = field(default_factory=dict)
     exit_code: Optional[int] = None  # the CLI's: 1 for Hydra's composition errors, else 2
     skip_if_cuda: bool = False
+    slow: bool = False  # a real launch or a timeout to wait out: in the slow set
 
 
 # {name} in an override or env value is replaced by world[name] (a path) or the busy port.
@@ -332,6 +333,7 @@ CASES = [
         ["model._target_=helpers.unused_model.MLPWithUnusedHead", "dist.nproc_per_node=2"],
         ["got no gradient", "ddp=unused_params"],
         exit_code=2,
+        slow=True,
     ),
     Case(
         "ddp_none_with_two_ranks",
@@ -365,7 +367,9 @@ def _fill(text: str, world: dict[str, Path], port: int) -> str:
     return text.format(port=port, **{k: str(v) for k, v in world.items()})
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * c.slow) for c in CASES]
+)
 def test_bad_input_fails_cleanly(
     case: Case,
     tmp_path: Path,

@@ -13,6 +13,7 @@ import os
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import FAST, ok, only_job_dir, python_train, summary, user_env
 
 USER_CODE = {
@@ -90,6 +91,9 @@ USER_CONF = {
 }
 
 
+# slow: a second real self-launch of user code by YAML; the default suite has one
+# (test_user_policy_and_hook.py), and in-process runs of user components (test_config.py).
+@pytest.mark.slow
 def test_self_launched_user_model_data_loss_and_metric_train_on_two_ranks(tmp_path: Path) -> None:
     code = tmp_path / "mine"
     for name, text in USER_CODE.items():

@@ -56,7 +56,10 @@ def test_cpu_offload_trains_like_the_run_without_it(fp32: Path, tmp_path: Path) 
     assert sorted(_losses(fp32)) == list(range(1, 11))
 
 
-@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+@pytest.mark.parametrize(
+    "dtype, torch_dtype",
+    [("bf16", torch.bfloat16), pytest.param("fp16", torch.float16, marks=pytest.mark.slow)],
+)
 def test_low_precision_params_train_with_fp32_state(
     fp32: Path, tmp_path: Path, dtype: str, torch_dtype: torch.dtype
 ) -> None:

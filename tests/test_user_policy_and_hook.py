@@ -1,6 +1,6 @@
 """A sampler policy and a DDP comm hook of the user's, each one module and one YAML outside the
 package, chosen by `_target_` alone (`sampler=backwards`, `ddp=counting`) and trained on 2 real
-gloo ranks by the real entry (`python -m hydra_ddp.train dist.nproc_per_node=2`).
+gloo ranks by the real entry (`python -m hydra_ddp.train dist.nproc_per_node=2`), in one launch.
 
 The policy reads Strided's positions from the end of the split and records the rows it hands
 out; the test computes the rows each rank must get on its own and compares. The hook averages
@@ -83,21 +83,34 @@ HOOKS = '''
     '''
 
 
-def _user(tmp_path: Path, module: str, code: str, yaml_path: str, yaml: str) -> dict[str, str]:
-    """Write the user's module and YAML under tmp_path; the environment that imports it."""
+def _user(tmp_path: Path, files: dict[str, str], yamls: dict[str, str]) -> dict[str, str]:
+    """Write the user's modules and YAMLs under tmp_path; the environment that imports them."""
     code_dir, conf = tmp_path / "mine", tmp_path / "my_conf"
     code_dir.mkdir(exist_ok=True)
-    (code_dir / module).write_text(textwrap.dedent(code))
-    (conf / yaml_path).parent.mkdir(parents=True, exist_ok=True)
-    (conf / yaml_path).write_text(yaml)
+    for module, code in files.items():
+        (code_dir / module).write_text(textwrap.dedent(code))
+    for yaml_path, yaml in yamls.items():
+        (conf / yaml_path).parent.mkdir(parents=True, exist_ok=True)
+        (conf / yaml_path).write_text(yaml)
     env = user_env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(code_dir), env["PYTHONPATH"]])
     return env
 
 
-def test_a_user_sampler_policy_trains_two_ranks_on_the_rows_it_chose(tmp_path: Path) -> None:
-    yaml = "_target_: my_sampling.Backwards\ndrop_last: false\nrecord_dir: ???\n"
-    env = _user(tmp_path, "my_sampling.py", SAMPLING, "sampler/backwards.yaml", yaml)
+def test_a_user_sampler_policy_and_comm_hook_train_two_ranks_by_yaml_alone(
+    tmp_path: Path,
+) -> None:
+    """One real launch holds both (each is one module and one YAML): the rows each rank read are
+    the policy's, and the hook ran on both ranks."""
+    env = _user(
+        tmp_path,
+        {"my_sampling.py": SAMPLING, "my_hooks.py": HOOKS},
+        {
+            "sampler/backwards.yaml": "_target_: my_sampling.Backwards\ndrop_last: false\n"
+            "record_dir: ???\n",
+            "ddp/counting.yaml": "comm_hook:\n  _target_: my_hooks.CountingMean\n  note: mine\n",
+        },
+    )
     record = tmp_path / "rows"
     record.mkdir()
     ok(
@@ -109,37 +122,8 @@ def test_a_user_sampler_policy_trains_two_ranks_on_the_rows_it_chose(tmp_path: P
             *FAST,
             "sampler=backwards",
             f"sampler.record_dir={record}",
-            "trainer.batch_size=128",
-            "trainer.max_steps=6",
-            env=env,
-            timeout=240,
-        )  # fmt: skip
-    )
-    s = summary(only_job_dir(tmp_path))
-    assert s["steps"] == 6 and s["sampler"] == "backwards"
-    n = s["rows_held_per_rank"][0]  # strided: every rank holds the whole split
-    per_rank = -(-n // 2)  # DistributedSampler's padded share
-    for rank in (0, 1):
-        # Positions rank, rank + 2, ... (wrapping for the padding), counted from the end.
-        epoch = [n - 1 - ((rank + 2 * i) % n) for i in range(per_rank)]
-        batches = [epoch[i : i + 128] for i in range(0, per_rank, 128)]
-        got = [list(map(int, ln.split())) for ln in (record / f"rank{rank}.txt").open()]
-        assert len(got) >= 6, len(got)
-        # 5 batches an epoch: the second epoch reads the same order from its start.
-        assert len(batches) == 5 and got[:6] == (batches + batches)[:6]
-
-
-def test_a_user_comm_hook_trains_two_ranks_and_runs_on_both(tmp_path: Path) -> None:
-    yaml = "comm_hook:\n  _target_: my_hooks.CountingMean\n  note: mine\n"
-    env = _user(tmp_path, "my_hooks.py", HOOKS, "ddp/counting.yaml", yaml)
-    ok(
-        python_train(
-            tmp_path,
-            "--config-dir",
-            str(tmp_path / "my_conf"),
-            "dist.nproc_per_node=2",
-            *FAST,
             "ddp=counting",
+            "trainer.batch_size=128",
             "trainer.max_steps=6",
             "trainer.log_interval=2",
             env=env,
@@ -147,11 +131,23 @@ def test_a_user_comm_hook_trains_two_ranks_and_runs_on_both(tmp_path: Path) -> N
         )  # fmt: skip
     )
     job = only_job_dir(tmp_path)
-    assert summary(job)["steps"] == 6
+    s = summary(job)
+    assert s["steps"] == 6 and s["sampler"] == "backwards"
+    # The policy: positions rank, rank + 2, ... (wrapping for the padding) from the end.
+    n = s["rows_held_per_rank"][0]  # strided: every rank holds the whole split
+    per_rank = -(-n // 2)  # DistributedSampler's padded share
+    for rank in (0, 1):
+        epoch = [n - 1 - ((rank + 2 * i) % n) for i in range(per_rank)]
+        batches = [epoch[i : i + 128] for i in range(0, per_rank, 128)]
+        got = [list(map(int, ln.split())) for ln in (record / f"rank{rank}.txt").open()]
+        assert len(got) >= 6, len(got)
+        # 5 batches an epoch: the second epoch reads the same order from its start.
+        assert len(batches) == 5 and got[:6] == (batches + batches)[:6]
+    # The hook: built by DDP's wrap on each rank, its state saved by each rank.
     assert "comm_hook=CountingMean" in (job / "train_rank0.log").read_text()
     saved = checkpoint.load(checkpoint.latest(job))["rng"]
     for rank in (0, 1):
-        # One call per gradient bucket and step at least: its state, saved by each rank.
+        # One call per gradient bucket and step at least.
         assert saved[rank]["comm_hook"]["calls"] >= 6, saved[rank]["comm_hook"]
         rows = [json.loads(ln) for ln in (job / "stats" / f"rank{rank}.jsonl").open()]
         assert rows[-1]["loss"] < rows[0]["loss"]
