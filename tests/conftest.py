@@ -155,5 +155,8 @@ def synthetic(tmp_path: Path):
 def _rank_workers():
     """The worker processes of helpers/ranks.py, stopped at the end of the session."""
     yield
-    if "ranks" in sys.modules:
-        sys.modules["ranks"].shutdown()
+    # Looked up, not imported: a session that never used ranks starts none. The workers are
+    # not daemons (a rank may start DataLoader workers), so a pool left running would keep
+    # pytest waiting at exit.
+    if "helpers.ranks" in sys.modules:
+        sys.modules["helpers.ranks"].shutdown()

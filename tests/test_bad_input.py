@@ -353,6 +353,7 @@ CASES = [
             "MASTER_PORT": "{port}",
         },
         exit_code=2,
+        slow=True,  # waits out a timeout; test_faults.py's busy-port launch is slow too
     ),
     Case(
         "wandb_shared_offline",
