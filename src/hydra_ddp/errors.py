@@ -54,6 +54,14 @@ _TIMED_OUT = (
 )
 
 
+def shorten(text: str, limit: int = 60, quote: bool = False) -> str:
+    """A value quoted in an error message: long ones cut, with their length."""
+    if len(text) <= limit:
+        return repr(text) if quote else text
+    head = repr(text[:limit]) if quote else text[:limit]
+    return f"{head}... ({len(text)} characters)"
+
+
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The gist of a library error: its first non-empty line, without a `[file:line]` source
     prefix, cut at the first sentence when long."""

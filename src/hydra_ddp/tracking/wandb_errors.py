@@ -7,7 +7,8 @@ import hashlib
 import re
 
 from hydra_ddp.config import LoggerConfig
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, shorten
+from hydra_ddp.tracking.wandb_mode import init_timeout_s
 
 # W&B rejects longer groups/names/job types.
 WANDB_MAX_LEN = 128
@@ -23,14 +24,6 @@ def clip(text: str, limit: int = WANDB_MAX_LEN) -> str:
         return text
     digest = hashlib.sha1(text.encode()).hexdigest()[:8]
     return f"{text[: limit - 9]}-{digest}"
-
-
-def shorten(text: str, limit: int = 60, quote: bool = False) -> str:
-    """A value quoted in an error message: long ones cut, with their length."""
-    if len(text) <= limit:
-        return repr(text) if quote else text
-    head = repr(text[:limit]) if quote else text[:limit]
-    return f"{head}... ({len(text)} characters)"
 
 
 def reason(error: Exception, project: str) -> str:
@@ -53,8 +46,6 @@ def shared_needs_online(why: str) -> UserError:
 def init_error(error: Exception, cfg: LoggerConfig, mode: str) -> UserError:
     """What wandb.init raised, as the line the job stops with."""
     import wandb
-
-    from hydra_ddp.tracking.wandb_mode import init_timeout_s
 
     why = reason(error, cfg.project)
     if isinstance(error, (wandb.errors.AuthenticationError, wandb.errors.UsageError)):

@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 
 from hydra_ddp.config import LoggerConfig, WandbMode
-from hydra_ddp.errors import UserError
-from hydra_ddp.tracking.wandb_errors import shorten
+from hydra_ddp.errors import UserError, shorten
 from hydra_ddp.tracking.wandb_login import wandb_credentials_source, wandb_host
 
 _ENV_MODES = {
