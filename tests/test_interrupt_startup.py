@@ -44,7 +44,7 @@ def _wait(proc: subprocess.Popen, out: Path, ready, what: str, timeout: float = 
         if proc.poll() is not None or time.monotonic() > deadline:
             _kill(proc)
             pytest.fail(f"never {what}:\n{out.read_text()[-3000:]}")
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -68,6 +68,59 @@ def _ctrl_c(proc: subprocess.Popen, out: Path, within_s: float = 90) -> tuple[in
     return rc, out.read_text(), time.monotonic() - sent
 
 
+# A launcher's first spawn starts multiprocessing's resource tracker, which unblocks SIGINT in
+# the launcher on its way (CPython's bpo-33613 fix): the workers then started with SIGINT open.
+# In a fresh interpreter, as the launcher is: in pytest's the tracker may run already.
+_MASK_OF_A_SPAWNED_WORKER = """
+import multiprocessing, signal, sys
+
+def report(pipe):  # before the worker imports anything of ours, as its start-up does
+    pipe.send(sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+
+if __name__ == "__main__":
+    from hydra_ddp import interrupt
+
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()  # not a Queue: its lock would start the tracker before the block
+    with interrupt.held_for_workers():
+        for _ in range(2):  # the second start too: the tracker runs by then
+            worker = ctx.Process(target=report, args=(theirs,))
+            worker.start()
+            print(ours.recv())
+            worker.join()
+        held = sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    print(held, sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_spawned_by_the_self_launch_start_with_sigint_blocked(tmp_path: Path) -> None:
+    (tmp_path / "spawn_mask.py").write_text(_MASK_OF_A_SPAWNED_WORKER)
+    done = subprocess.run([sys.executable, "spawn_mask.py"], cwd=tmp_path, env=user_env(tmp_path),
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    sigint = int(signal.SIGINT)
+    first, second, after = done.stdout.splitlines()
+    assert first == second == f"[{sigint}]", done.stdout  # each worker starts with it held
+    assert after == f"[{sigint}] []", done.stdout  # held in the launcher, then let go
+
+
+def _spawned_workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The self-launch's workers: the agent's multiprocessing spawn children (not its tracker)."""
+    try:
+        children = psutil.Process(proc.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if "--multiprocessing-fork" in child.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def _workers_started(tmp_path: Path) -> bool:
     """Both self-launched workers are past their imports: their log files exist."""
     return len(list((tmp_path / "job").glob("train_rank*.log"))) == 2
@@ -83,7 +136,8 @@ def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, wh
     proc, out = _start(cmd, tmp_path)
     _wait(proc, out, lambda: "starting 2 workers" in out.read_text(), "started the workers")
     if when == "importing":
-        time.sleep(0.5)  # the workers' interpreters are importing torch
+        # At once when both workers' interpreters exist: they are starting up or importing.
+        _wait(proc, out, lambda: len(_spawned_workers(proc)) == 2, "spawned two workers")
         assert not _workers_started(tmp_path), "the workers started too fast to test this"
     else:
         _wait(proc, out, lambda: _workers_started(tmp_path), "started both workers")

@@ -82,6 +82,12 @@ def held_for_workers() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or not _MASKS:
         yield
         return
+    # multiprocessing starts its resource tracker at the first spawn, and unblocks SIGINT in
+    # the caller once it has (resource_tracker.ensure_running, bpo-33613): started now, before
+    # the block, it leaves the block alone when the agent spawns the workers.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     done = threading.Event()
     # Started before the block, so its own mask keeps SIGINT open.
     catcher = threading.Thread(target=done.wait, name="sigint-catcher", daemon=True)
