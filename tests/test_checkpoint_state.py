@@ -5,19 +5,19 @@ plain type can hold is refused at the first save, in one line naming the callbac
 from __future__ import annotations
 
 import collections
-import sys
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ok, run
 from helpers import state_callbacks
-from helpers.inproc import FAST, compose, train_here, train_ranks
+from helpers.inproc import FAST, compose, isolated, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp.checkpoint import safe_state
 from hydra_ddp.errors import UserError
+from hydra_ddp.eval import main as evaluate_main
 
 JOB = [
     *FAST,
@@ -38,12 +38,13 @@ def test_numpy_state_is_saved_plain_and_resumed(tmp_path: Path) -> None:
     loaded = state_callbacks.NumpyState.loaded
     assert loaded is not None and loaded["count"] == 2 and loaded["mean"] == state["mean"]
     assert (tmp_path / "checkpoints" / "step_00000004.pt").is_file()
-    # What a user types to evaluate the run: it loads the same kind of file.
+    # `python -m hydra_ddp.eval run=...` (its main, in process) loads the same kind of file;
+    # on an error it would exit (SystemExit fails the test).
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(compose(*JOB, "trainer.max_steps=4"), tmp_path / ".hydra" / "config.yaml")
-    cmd = [sys.executable, "-m", "hydra_ddp.eval", f"run={tmp_path}"]
-    out = ok(run(cmd, tmp_path, timeout=120))
-    assert (tmp_path / "eval_test.json").is_file(), out.stderr[-2000:]
+    with isolated():
+        evaluate_main([f"run={tmp_path}"])
+    assert json.loads((tmp_path / "eval_test.json").read_text())["step"] == 4
 
 
 def test_state_no_plain_type_can_hold_is_refused_at_the_first_save(tmp_path: Path) -> None:

@@ -465,7 +465,8 @@ def _job(tmp: Path, out: Path, *overrides: str) -> None:
     train_ranks(out, *_RESUME, *overrides, env=_env(tmp), timeout=300)
 
 
-@pytest.mark.parametrize("layout", ["gather", "group"])
+# group resumes a run per rank, the harder case; gather's one run is slow, for time.
+@pytest.mark.parametrize("layout", [pytest.param("gather", marks=pytest.mark.slow), "group"])
 def test_resumed_job_continues_its_wandb_runs(tmp_path: Path, layout: str) -> None:
     """2 ranks, offline: a job stopped after 6 steps and re-run in its dir up to 9
     logs into the same run(s) (one per rank for group): steps 1..9 once each, in order."""

@@ -177,7 +177,8 @@ def test_trainer_deterministic_holds_for_every_step(tmp_path: Path, monkeypatch)
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shuffle", ["true", "false"])
+# Unshuffled is the simpler order of the two (the default shuffles): slow, for time.
+@pytest.mark.parametrize("shuffle", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_ddp_matches_one_process_with_the_global_batch(tmp_path: Path, shuffle: str) -> None:
     """2 ranks x batch B end with the parameters of 1 process x batch 2B over the same samples,
     and 2 ranks x B x grad_accum 2 (no_sync on the first micro-step) with those of 1 x 4B.
