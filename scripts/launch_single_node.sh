@@ -29,7 +29,9 @@ if ! [[ "$nproc" =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc"
+# torchrun itself, whose stop on SIGTERM / Ctrl-C exits 143 / 130 without a traceback (plain
+# torchrun: status 1 and torch's SignalException traceback, after the same checkpoint).
+cmd=("$PYTHON" -m hydra_ddp.dist.torchrun --standalone --nproc_per_node="$nproc"
      -m hydra_ddp.train "$@")
 if [[ -n "${DRY_RUN:-}" ]]; then
     printf '%q ' "${cmd[@]}"

@@ -88,7 +88,7 @@ def test_launch_single_node_script_builds_the_torchrun_command(tmp_path: Path) -
         )
     ).stdout
     assert (
-        "-m torch.distributed.run --standalone --nproc_per_node=2 -m hydra_ddp.train "
+        "-m hydra_ddp.dist.torchrun --standalone --nproc_per_node=2 -m hydra_ddp.train "
         "model=cnn optim.lr=1e-3" in out
     ), out
     # No -n: one rank per visible GPU, and 1 (with a note) where there is none.
@@ -126,6 +126,7 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
     out = ok(run(["bash", script, "model=cnn"], tmp_path, env=env, timeout=60)).stdout
     for part in (
         "srun --kill-on-bad-exit=1 --cpus-per-task=32",
+        "-m hydra_ddp.dist.torchrun --nnodes=2",  # torchrun that exits 143 on a preemption
         "--nnodes=2",
         "--nproc_per_node=4",
         "--rdzv-backend=c10d",
