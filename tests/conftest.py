@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -160,3 +161,8 @@ def _rank_workers():
     # pytest waiting at exit.
     if "helpers.ranks" in sys.modules:
         sys.modules["helpers.ranks"].shutdown()
+    # Whatever child process a failed test left (a CI run once sat at exit on two): pytest's
+    # exit would wait on it for ever, where the failure should be reported at once.
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
