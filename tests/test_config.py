@@ -19,7 +19,7 @@ from hydra_ddp import config as C
 from hydra_ddp.components import build
 from hydra_ddp.dist.paths import register_resolvers
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.job import build_components
+from hydra_ddp.loop.parts import build_components
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {

@@ -49,8 +49,9 @@ from hydra_ddp.dist.paths import override_value, register_resolvers
 from hydra_ddp.dist.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.interrupt import EXIT_CODE as INTERRUPTED
-from hydra_ddp.loop.job import build_components, train
+from hydra_ddp.loop.job import train
 from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.loop.parts import build_components
 from hydra_ddp.tracking import RunInfo, redact, resolve_mode
 from hydra_ddp.tracking.tracker import check_backend
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -36,13 +36,11 @@ from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.objective import rows, to_device
+from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.step import NonFiniteCheck, StepTools
 from hydra_ddp.tracking import Tracker
 from hydra_ddp.tracking.stats import StepStats
-
-if TYPE_CHECKING:
-    from hydra_ddp.loop.job import Job
 
 log = logging.getLogger(__name__)
 
