@@ -76,7 +76,10 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_continues(tmp_path: P
     assert max(_steps(job)) == 20
 
 
-KILL = "+callbacks.kill._target_=helpers.fsdp2_kill.KillAtStep"
+KILL = [
+    "+callbacks.kill._target_=helpers.user_callbacks.SignalAt",
+    "+callbacks.kill.signal=SIGKILL",
+]
 
 
 @pytest.mark.slow  # three runs and a killed one
@@ -86,17 +89,17 @@ def test_killed_async_save_is_never_picked_and_resume_falls_back(tmp_path: Path)
     Its folder never got a checkpoint's name; the resume starts from step 10's and ends with
     the parameters of an uninterrupted run."""
     args = [*GPT, "trainer.max_steps=30", "trainer.ckpt_interval=10", "trainer.async_ckpt=true",
-            KILL]  # fmt: skip
+            *KILL]  # fmt: skip
     base = tmp_path / "base"
-    train_ranks(base, *args, "+callbacks.kill.step=999")
+    train_ranks(base, *args, "+callbacks.kill.at=999")
     job = tmp_path / "job"
     with pytest.raises(ranks.RankFailed):
-        train_ranks(job, *args, "+callbacks.kill.step=21")
+        train_ranks(job, *args, "+callbacks.kill.at=21")
     folder = job / "checkpoints"
     assert (folder / ".step_00000020.dcp.tmp").is_dir()  # what the background write left
     assert not (folder / "step_00000020.dcp").exists()
     assert checkpoint.latest(job) == folder / "step_00000010.dcp"
-    done = train_ranks(job, *args, "+callbacks.kill.step=999")[0]
+    done = train_ranks(job, *args, "+callbacks.kill.at=999")[0]
     assert done["steps"] == 30 and done["steps_this_run"] == 20
     assert not (folder / ".step_00000020.dcp.tmp").exists()  # cleared by the next save
     assert_close(final_weights(job), final_weights(base), atol=1e-6)

@@ -63,7 +63,7 @@ def test_a_sigterm_stopped_run_finishes_non_zero_and_fresh_ids_are_new(tmp_path:
     out = tmp_path / "run"
     wandb_env = {"WANDB_MODE": "offline", "WANDB_DIR": None}
     stop_at_3 = [
-        "+callbacks.stop._target_=helpers.user_callbacks.Terminate",
+        "+callbacks.stop._target_=helpers.user_callbacks.SignalAt",
         "+callbacks.stop.at=3",
     ]
     cfg, info = job(out, "logger.mode=offline", "trainer.progress=false", *stop_at_3)

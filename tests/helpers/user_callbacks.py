@@ -58,18 +58,19 @@ class NoHooks:
     pass
 
 
-class Terminate:
-    """Sends this process SIGTERM after step `at`, as a scheduler would."""
+class SignalAt:
+    """Sends this process `signal` at the end of step `at`: SIGTERM as a scheduler would,
+    SIGKILL as a dead node would."""
 
-    def __init__(self, at: int) -> None:
-        self.at = at
+    def __init__(self, at: int, signal: str = "SIGTERM") -> None:
+        self.at, self.signal = at, signal
 
     def on_step_end(self, ctx) -> None:
         if ctx.step == self.at:
             import os
             import signal
 
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, self.signal))
 
 
 class TokenMLP:
