@@ -13,11 +13,12 @@
 """
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
-from hydra_ddp.checkpoint.files import checkpoint_dir, latest, save, set_aside, write_error
+from hydra_ddp.checkpoint.files import best, checkpoint_dir, latest, save, set_aside, write_error
 from hydra_ddp.checkpoint.reading import init_weights, load, resolve_resume
 
 __all__ = [
     "Checkpointer",
+    "best",
     "checkpoint_dir",
     "init_weights",
     "latest",

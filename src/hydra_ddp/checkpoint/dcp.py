@@ -9,7 +9,9 @@ A checkpoint is a folder, checkpoints/step_<step>.dcp/ (best.dcp/ for the best o
 
 The guarantees of the single-file checkpoints hold. Atomic: every rank writes into
 checkpoints/.<name>.tmp/, and rank 0 renames it once all have finished and the manifest is
-written, so a half-written checkpoint never has a checkpoint's name. Checked before resume:
+written, so a half-written checkpoint never has a checkpoint's name; best.dcp, replaced by a
+newer best, is swapped so that a kill at any moment leaves a whole best (`_swap_into_place`).
+Checked before resume:
 a folder whose files differ from its manifest is skipped for the newest intact one
 (checkpoint.latest). The data position is kept in rows, and DCP reshards the model and the
 optimizer state on load, so a run resumes on another number of ranks. `load_full` reads the
@@ -46,6 +48,7 @@ from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.loa
     _read_extra,
     damage,
     is_checkpoint,
+    left_by_swap,
     load_full,
 )
 from hydra_ddp.checkpoint.files import checkpoint_dir, fsync_dir, write_error
@@ -161,13 +164,7 @@ class DCPCheckpointer(Checkpointer):
                     files[p.name] = _entry(p)
             _write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
             fsync_dir(tmp)
-            if final.exists():  # best.dcp being replaced: the old one moves out first
-                old = final.with_name(f".{final.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
+            _swap_into_place(tmp, final)
             if name is None:
                 self._rotate(final.parent)
             log.info("checkpoint: %s", final)
@@ -180,12 +177,17 @@ class DCPCheckpointer(Checkpointer):
 
     def _start_folder(self, folder: Path, tmp: Path) -> None:
         """Rank 0: checkpoints/ exists, and no tmp folder of an earlier, killed save is left
-        (no other save is under way: `wait` ran)."""
+        (no other save is under way: `wait` ran); a checkpoint whose replacement was killed
+        half-way (`_swap_into_place`) is back under its name first."""
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            for p in folder.iterdir():
-                if p.name.startswith(".") and p.name.endswith((".dcp.tmp", ".dcp.old")):
-                    shutil.rmtree(p, ignore_errors=True)
+            left = [p for p in folder.iterdir() if p.name.endswith((".dcp.tmp", ".dcp.old"))]
+            for final in {folder / p.name[1:-4] for p in left if p.name.startswith(".")}:
+                whole = left_by_swap(final)  # a swap killed between its renames: put back
+                if whole is not None:
+                    os.replace(whole, final)
+            for p in left:
+                shutil.rmtree(p, ignore_errors=True)
             tmp.mkdir()
         except OSError as e:
             raise _write_failed(e, tmp) from e
@@ -266,14 +268,30 @@ def _link_as_best(folder: Path, step: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for p in source.iterdir():
+        if p.name == MANIFEST:
+            continue
         try:
             os.link(p, tmp / p.name)
         except OSError:
             shutil.copy2(p, tmp / p.name)
-    final = folder / "best.dcp"
+    _write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
+    fsync_dir(tmp)
+    _swap_into_place(tmp, folder / f"best{SUFFIX}")
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename the complete folder `tmp` to `final` (best.dcp, being replaced). A rename
+    cannot replace a folder that holds files, so the old one is moved aside first and deleted
+    only once the new one is in place: a kill between the two renames leaves both whole
+    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `dcp_files.best` reads, and the
+    next save puts back, the newest whole one."""
+    old = final.with_name(f".{final.name}.old")
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames
+        os.replace(final, old)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _dcp_name(name: str | None) -> str | None:

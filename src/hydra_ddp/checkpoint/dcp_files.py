@@ -28,6 +28,25 @@ def is_checkpoint(path: Path) -> bool:
     return Path(path).name.endswith(SUFFIX) and Path(path).is_dir()
 
 
+def best(folder: Path) -> Path | None:
+    """checkpoints/best.dcp, or what a replacement of it killed half-way left (see
+    `left_by_swap`); None when the run has no best checkpoint."""
+    final = Path(folder) / f"best{SUFFIX}"
+    return final if final.is_dir() else left_by_swap(final)
+
+
+def left_by_swap(final: Path) -> Path | None:
+    """When `final` is missing, the whole folder that a replacement of it (dcp.py's
+    `_swap_into_place`) killed between its two renames left: the new one (.<name>.tmp, whole
+    once its manifest is written) before the old one (.<name>.old)."""
+    if final.exists():
+        return None
+    for p in (final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")):
+        if p.is_dir() and damage(p) is None:
+            return p
+    return None
+
+
 def damage(path: Path) -> str | None:
     """Why a checkpoint folder is not whole, or None when every file its manifest lists is
     there with its size and CRC-32. Cached while no file in it changes (picking the newest

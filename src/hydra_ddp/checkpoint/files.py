@@ -78,6 +78,13 @@ def keep_as_best(output_dir: Path, step: int) -> None:
     os.replace(tmp, folder / "best.pt")
 
 
+def best(output_dir: Path) -> Path | None:
+    """The run's best checkpoint: checkpoints/best.pt, or a ddp=fsdp2 run's best.dcp (also
+    when a replacement of it was killed half-way: dcp_files.best); None when it has none."""
+    folder = checkpoint_dir(output_dir)
+    return folder / "best.pt" if (folder / "best.pt").exists() else dcp_files.best(folder)
+
+
 def write_error(e: BaseException, folder: Path) -> str:
     """Why a write under `folder` failed, in a few words (torch.save's message names no
     cause, so a full disk is told from the free space left)."""

@@ -146,10 +146,8 @@ def checkpoint_file(request: Request) -> Path:
             )
         return found
     path = None
-    if request.ckpt == "best":  # best.dcp: a ddp=fsdp2 run's (sharded) best checkpoint
-        folder = checkpoint.checkpoint_dir(request.run)
-        path = next((p for p in (folder / "best.pt", folder / "best.dcp") if p.exists()), None)
-        path = path or folder / "best.pt"
+    if request.ckpt == "best":  # best.pt, or best.dcp: a ddp=fsdp2 run's (sharded) one
+        path = checkpoint.best(request.run) or checkpoint.checkpoint_dir(request.run) / "best.pt"
     path = path or Path(request.ckpt)
     if not path.exists():
         raise UserError(f"ckpt={request.ckpt}: {path} does not exist; use last, best or a file")
