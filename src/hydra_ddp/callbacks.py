@@ -51,7 +51,8 @@ HOOKS = (
 @dataclass
 class Context:
     """Where the loop is, for a callback. `model` is the unwrapped module (not DDP's wrapper,
-    so a forward in a hook starts no collective)."""
+    so under DDP a forward in a hook starts no collective; under ddp=fsdp2 every forward
+    gathers the sharded parameters: run it on every rank)."""
 
     rank: int
     world_size: int
@@ -151,8 +152,10 @@ class Callbacks:
 
 
 class SampleText:
-    """Example callback (experiment=text_gpt): after each validation, rank 0 samples `length`
-    characters from the model and logs them (its log file, stats/rank0.jsonl, W&B).
+    """Example callback (experiment=text_gpt): after each validation, every rank samples the
+    same `length` characters from the model, and rank 0 logs them (its log file,
+    stats/rank0.jsonl, W&B). Every rank: under ddp=fsdp2 each forward gathers the parameters
+    from all ranks, so a forward on rank 0 alone would pair with another collective.
 
     It asks for the data source by name (`data`, like a model asks for `vocab_size`) to turn
     tokens back into characters. Sampling draws from a generator of its own, so the training
@@ -168,8 +171,6 @@ class SampleText:
 
     @torch.no_grad()
     def on_eval_end(self, ctx: Context) -> None:
-        if ctx.rank != 0:
-            return
         model = ctx.model
         was_training = model.training
         model.eval()
@@ -181,6 +182,8 @@ class SampleText:
             probs = torch.softmax(logits.float(), dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], 1)
         model.train(was_training)
+        if ctx.rank != 0:
+            return
         text = self.data.decode(tokens[0, 1:].tolist())
         log.info("sample at step %d:\n%s", ctx.step, text)
         ctx.log({"sample": text})
