@@ -38,13 +38,12 @@ def best(folder: Path) -> Path | None:
 def left_by_swap(final: Path) -> Path | None:
     """When `final` is missing, the whole folder that a replacement of it (dcp.py's
     `_swap_into_place`) killed between its two renames left: the new one (.<name>.tmp, whole
-    once its manifest is written) before the old one (.<name>.old)."""
-    if final.exists():
+    once its manifest is written) before the old one (.<name>.old). A step's whole .tmp with
+    no .old beside it is a save killed before its rename (it never had the name): not one."""
+    tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
+    if final.exists() or not (old.is_dir() or final.name == f"best{SUFFIX}"):
         return None
-    for p in (final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")):
-        if p.is_dir() and damage(p) is None:
-            return p
-    return None
+    return next((p for p in (tmp, old) if p.is_dir() and damage(p) is None), None)
 
 
 def damage(path: Path) -> str | None:
