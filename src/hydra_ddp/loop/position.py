@@ -136,7 +136,7 @@ def continue_epoch(pos: Position, here: Counting, saved: epoch_rows.Setup, path:
         per_batch = here.batch_size * here.world_size
         pos.batch_in_epoch = rows_done // per_batch
         again = rows_done - pos.batch_in_epoch * per_batch
-        if not reordered:
+        if not reordered and here.is_main:  # the same on every rank: said once
             log.warning(
                 "%s counted batches of %d rows on %d rank(s), this job %d on %d: epoch %d "
                 "continues at its row %d (batch %d here)%s",
