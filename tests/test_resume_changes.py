@@ -208,3 +208,30 @@ def test_a_user_policy_without_settings_says_a_resume_cannot_be_counted(caplog) 
     (line,) = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert "declares no settings()" in line and f"{__name__}.Undeclared" in line
     assert "\n" not in line
+
+
+def test_a_resume_that_changes_which_rows_are_training_rows_says_how_many(
+    tmp_path: Path, caplog
+) -> None:
+    """digits (the default data): the checkpoint records the split; a resume with another
+    data.split_seed warns with the counts of rows that changed sides, the same resume as before
+    says nothing."""
+    from hydra_ddp.data.sources import _split_rows
+
+    run, common = tmp_path / "run", [*FAST, "trainer.ckpt_interval=1", "trainer.eval_interval=0"]
+    train_here(run, *common, "trainer.max_steps=2")
+    saved = torch.load(run / "checkpoints" / "step_00000002.pt", weights_only=True)["split"]
+    assert saved["settings"] == {"val_fraction": 0.15, "test_fraction": 0.15, "split_seed": 0}
+    with caplog.at_level(logging.WARNING, logger="hydra_ddp.data.split_record"):
+        train_here(run, *common, "trainer.max_steps=3")
+        assert not [r for r in caplog.records if r.name == "hydra_ddp.data.split_record"]
+        train_here(run, *common, "trainer.max_steps=4", "data.split_seed=5")
+    (line,) = [r.message for r in caplog.records if r.name == "hydra_ddp.data.split_record"]
+    then, now = _split_rows(1797, 0.15, 0.15, 0), _split_rows(1797, 0.15, 0.15, 5)
+    held_then = {*then["val"], *then["test"]}
+    trained = len(held_then & set(now["train"]))
+    held = len(set(then["train"]) - set(now["train"]))
+    assert trained > 0 and held > 0
+    assert "step_00000003.pt was trained on another split" in line
+    assert "data.split_seed=0 then, 5 now" in line, line
+    assert f": {trained} of its val/test rows are training rows now and {held} of its " in line

@@ -12,12 +12,14 @@ checkpoint keeps per rank: both ranks' counts show it ran on both."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
 from conftest import FAST, ok, only_job_dir, python_train, summary, user_env
-from helpers.inproc import train_ranks
+from helpers.inproc import train_here, train_ranks
 
 from hydra_ddp import checkpoint
 
@@ -48,7 +50,9 @@ def _check(job: Path, record: Path, s: dict, rank0_log: str) -> None:
         assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_a_user_sampler_policy_and_comm_hook_train_two_ranks_by_target(tmp_path: Path) -> None:
+def test_a_user_sampler_policy_and_comm_hook_train_two_ranks_by_target(
+    tmp_path: Path, caplog
+) -> None:
     """In process, on two gloo ranks: the policy and hook named by `_target_` overrides."""
     record, job = tmp_path / "rows", tmp_path / "job"
     record.mkdir()
@@ -60,6 +64,18 @@ def test_a_user_sampler_policy_and_comm_hook_train_two_ranks_by_target(tmp_path:
         "ddp.comm_hook={_target_:helpers.user_comm_hooks.CountingMean,note:mine}",
     )
     _check(job, record, summaries[0], summaries.logs[0])
+    # Resumed mid-epoch (batch 1 of epoch 1) on one rank: the policy's recorded settings (the
+    # documented {"_target_": ..., **arguments}) rebuild it, and the rows the rest of the epoch
+    # reads twice or skips are counted, as for a built-in policy.
+    with caplog.at_level(logging.INFO, logger="hydra_ddp.data.epoch_rows"):
+        train_here(job, *RUN[:-2], "trainer.max_steps=7", "~sampler",
+                   f"+sampler={{_target_:helpers.user_sampling.Backwards,drop_last:false,"
+                   f"record_dir:'{record}'}}")  # fmt: skip
+    (said,) = [r.message for r in caplog.records if "is read in another order" in r.message]
+    assert (
+        "on 2 rank(s)" in said and "1 rank(s) and sampler=helpers.user_sampling.Backwards" in said
+    )
+    assert re.search(r"(\d+ rows of the epoch are read twice and \d+ skipped|exact)$", said), said
 
 
 @pytest.mark.slow  # a real self-launch (~15 s); the test above checks the same in process

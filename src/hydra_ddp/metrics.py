@@ -4,6 +4,12 @@ A metric is a component (`metrics.<name>._target_`) with two methods: `sums(outp
 returns a 1-D tensor of sums over one batch (e.g. [correct, count]); `compute(totals)` turns
 those sums, added over every batch of every rank, into the number reported as val/<name> and
 test/<name>. Because only sums cross ranks, each metric is exact however the rows are split.
+
+A metric that needs the rows of every rank (a batch-wide ranking, say) gathers them in `sums`
+with `hydra_ddp.dist.gather_for_metrics(tensor)`, which leaves out the padding a rank short of
+rows evaluates, computes the sums of the whole global batch, and sets `gathers = True`: the
+sums are then the same on every rank and counted once. Every rank evaluates the same number of
+batches of the same sizes, so the gathers pair up on any split of the rows.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from hydra_ddp.loop.objective import IGNORE_INDEX
 
 
 class Metric:
+    gathers = False  # True: sums() gathers every rank's rows (see the module docstring)
+
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """Sums over one batch (a 1-D tensor on the output's device). Name a parameter `batch`
         instead of the target to get the whole batch."""

@@ -38,8 +38,10 @@ Where things are (what you edit is marked *):
 * policies.py*: the sampler policies (`Strided`, `Sharded`; a policy of yours subclasses
   `SamplerPolicy` and is chosen by `sampler._target_` in a conf/sampler/ YAML);
   sampling.py: the samplers they return (`EpochSampler`); permutation.py: the shuffle.
-* view.py: a rank's view (`TrainData`, `EvalData`, `loader`); epoch_rows.py: what a resume
-  that changes the sampler reads twice or skips.
+* view.py: a rank's view (`TrainData`, `EvalData`, `loader`); eval_batches.py: evaluation
+  batches that line up across ranks; epoch_rows.py: what a resume that changes the sampler
+  reads twice or skips; split_record.py: which rows are training rows, as a checkpoint records
+  them (a source's optional `origin(split)`).
 """
 
 from hydra_ddp.data.checks import check_loaded

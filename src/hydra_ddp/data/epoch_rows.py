@@ -38,6 +38,12 @@ def settings(sampler: Any, seed: int) -> dict[str, Any]:
     return declared
 
 
+def _named(settings: dict[str, Any]) -> str:
+    """The policy recorded settings describe: a built-in's name, or the `_target_` a policy of
+    yours records (the documented format of `settings()`)."""
+    return str(settings.get("policy") or settings.get("_target_") or "custom")
+
+
 def _relevant(saved: dict[str, Any]) -> dict[str, Any]:
     """The settings the order depends on (the seed only when shuffling; the sharding only
     under sampler=sharded). A policy of yours: everything it declares."""
@@ -151,7 +157,7 @@ def say_reordered(
     )
     head = (
         f"{path} was trained on {old.world_size} rank(s) with {was or 'these sampler settings'}"
-        f", this job has {new.world_size} rank(s) and sampler={new.settings['policy']}: the "
+        f", this job has {new.world_size} rank(s) and sampler={_named(new.settings)}: the "
         f"rest of epoch {epoch} (from its batch {start}) is read in another order"
     )
     if num_rows > MAX_ROWS_COUNTED:

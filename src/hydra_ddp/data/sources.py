@@ -10,6 +10,7 @@ from torch.utils.data import Dataset, Subset
 
 from hydra_ddp.components import check
 from hydra_ddp.data.datasets import Origin, Ranges, Rows, TokenWindows
+from hydra_ddp.data.split_record import ranges_of
 from hydra_ddp.errors import UserError
 
 
@@ -33,6 +34,13 @@ class DataSource:
     def load(self, split: str, ranges: Ranges | None) -> Dataset:
         """Read only the rows in `ranges` (half-open, in order); None: the whole split."""
         raise NotImplementedError
+
+    def origin(self, split: str) -> Ranges | None:
+        """Optional: the split's rows as half-open ranges of the original data set's rows, for
+        a split cut from one data set by settings (data.split_seed, ...): a checkpoint records
+        which rows were training rows, and a resume that changes them says so
+        (split_record.py). None: not known."""
+        return None
 
 
 class TorchDatasets(DataSource):
@@ -111,6 +119,11 @@ def check_fractions(val_fraction: float, test_fraction: float) -> None:
     )
 
 
+def _settings(val_fraction: float, test_fraction: float, split_seed: Any = None) -> dict:
+    out = {"val_fraction": float(val_fraction), "test_fraction": float(test_fraction)}
+    return out if split_seed is None else {**out, "split_seed": int(split_seed)}
+
+
 def _split_rows(
     n: int, val_fraction: float, test_fraction: float, seed: int
 ) -> dict[str, np.ndarray]:
@@ -128,6 +141,14 @@ class InMemoryArrays(DataSource):
     """A source held in RAM as one (x, y) array pair per split."""
 
     arrays: dict[str, tuple[np.ndarray, np.ndarray]]
+    # Each split's row numbers in the original arrays, when cut from one (see `origin`).
+    origins: dict[str, np.ndarray] | None = None
+    split_settings: dict[str, Any] | None = None  # what cut them, as the checkpoint says it
+
+    def origin(self, split: str) -> Ranges | None:
+        if self.origins is None:
+            return None
+        return [(int(a), int(b)) for a, b in ranges_of(self.origins[split])]
 
     def num_rows(self, split: str) -> int:
         return len(self.arrays[split][1])
@@ -153,7 +174,8 @@ class Digits(InMemoryArrays):
         bunch = load_digits()
         x = (bunch.data / 16.0).astype(np.float32)
         y = bunch.target.astype(np.int64)
-        cut = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        cut = self.origins = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        self.split_settings = _settings(val_fraction, test_fraction, split_seed)
         self.arrays = {s: (x[i], y[i]) for s, i in cut.items()}
         self.spec = {"in_features": 64, "out_features": 10, "image_shape": (1, 8, 8)}
 
@@ -170,7 +192,8 @@ class Diabetes(InMemoryArrays):
         bunch = load_diabetes()
         x = bunch.data.astype(np.float32)
         y = bunch.target.astype(np.float32)[:, None]
-        cut = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        cut = self.origins = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        self.split_settings = _settings(val_fraction, test_fraction, split_seed)
         mean, std = y[cut["train"]].mean(), y[cut["train"]].std()
         x = (x - x[cut["train"]].mean(0)) / x[cut["train"]].std(0)
         self.arrays = {s: (x[i], (y[i] - mean) / std) for s, i in cut.items()}
@@ -204,6 +227,8 @@ class CharText(DataSource):
             "test": (n - n_test, n),
         }
         self.streams = {s: tokens[a:b] for s, (a, b) in bounds.items()}
+        self.bounds = bounds
+        self.split_settings = _settings(val_fraction, test_fraction)
         self.block = self.items_per_row = block_size
         for s, stream in self.streams.items():
             if (len(stream) - 1) // block_size < 1:
@@ -213,6 +238,11 @@ class CharText(DataSource):
                 )
         self.spec = {"vocab_size": len(chars), "block_size": block_size}
         self.chars = "".join(chars)
+
+    origin_unit = "characters"
+
+    def origin(self, split: str) -> Ranges | None:
+        return [self.bounds[split]]
 
     def decode(self, tokens: Sequence[int]) -> str:
         """Token ids back to text."""

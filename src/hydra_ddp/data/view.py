@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from hydra_ddp.data.checks import check_loaded
 from hydra_ddp.data.datasets import Ranges
+from hydra_ddp.data.eval_batches import EvenBatches
 from hydra_ddp.data.policies import built
-from hydra_ddp.data.sampling import StridedSampler
 from hydra_ddp.data.sources import DataSource
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.errors import UserError
@@ -108,9 +108,12 @@ def check_sampling(source: DataSource, sampler: Any, world: int, batch_size: int
 
 
 class EvalData:
-    """A held-out split, partitioned so each row is evaluated exactly once across ranks
-    (no DistributedSampler padding: ranks may hold one row more or less). The policy says
-    which rows each rank loads (`eval_parts`); they are read in order."""
+    """A held-out split, partitioned so each row is evaluated exactly once across ranks (no
+    DistributedSampler padding of rows: ranks may hold one row more or less). The policy says
+    which rows each rank loads (`eval_parts`); they are read in order, in batches that line up
+    across ranks (eval_batches.py): every rank has the same number, batch i the same size on
+    each, and a rank short of rows evaluates a padded batch that counts for nothing
+    (`is_padding(i)`, `padded_ranks(i)`)."""
 
     def __init__(
         self,
@@ -122,39 +125,38 @@ class EvalData:
         num_workers: int = 0,
     ):
         self.source, self.env, self.num_workers = source, env, num_workers
-        n = source.num_rows(split)
-        parts = built(sampler, 0).eval_parts(n, env.world_size)
-        # The split's row numbers of this rank's loaded rows (None: all of them, in order).
-        self.split_rows: np.ndarray | None = None
-        self.sampler: StridedSampler | None
-        if parts is None:
+        n, world, rank = source.num_rows(split), env.world_size, env.rank
+        parts = built(sampler, 0).eval_parts(n, world)
+        if parts is None:  # every rank loads the split and takes rows rank, rank + world, ...
+            counts = [len(range(r, n, world)) for r in range(world)]
             self.dataset = source.load(split, None)
-            check_loaded(self.dataset, source.spec, split)
-            self.sampler = StridedSampler(
-                n, env.rank, env.world_size, batch_size, shuffle=False, pad=False
-            )
+            # The split's row numbers of this rank's rows, and where they are in the dataset.
+            self.split_rows = indices = np.arange(rank, n, world, dtype=np.int64)
         else:
-            part = parts[env.rank]
-            self.split_rows = _rows_of(part)
-            self.dataset = source.load(split, part)
-            check_loaded(self.dataset, source.spec, split)
-            held = len(self.dataset)
-            self.sampler = (
-                StridedSampler(held, 0, 1, batch_size, shuffle=False, pad=False) if held else None
-            )
+            counts = [sum(b - a for a, b in part) for part in parts]
+            # A rank with none of the split's rows still evaluates (padding): one row to show.
+            self.dataset = source.load(split, parts[rank] if counts[rank] or not n else [(0, 1)])
+            self.split_rows = _rows_of(parts[rank])
+            indices = np.arange(counts[rank], dtype=np.int64)
+        check_loaded(self.dataset, source.spec, split)
+        self.sampler = EvenBatches(indices, counts, rank, batch_size)
         self._loader: DataLoader | None = None
 
+    def is_padding(self, i: int) -> bool:
+        """Batch i of this rank is padding: it counts for nothing."""
+        return self.sampler.is_padding(i)
+
+    def padded_ranks(self, i: int) -> tuple[bool, ...]:
+        """Per rank, whether its batch i is padding."""
+        return self.sampler.padded[i]
+
     def rows(self) -> Iterator[np.ndarray]:
-        """The split's row numbers of each batch `__iter__` yields, in the same order (one pass
-        of the sampler: finish it before iterating the batches)."""
-        if self.sampler is None:
-            return iter(())
-        if self.split_rows is None:
-            return (np.asarray(idx) for idx in self.sampler)
-        return (self.split_rows[np.asarray(idx)] for idx in self.sampler)
+        """The split's row numbers of each batch `__iter__` yields, in the same order (none for
+        a padded batch)."""
+        return (self.split_rows[self.sampler.positions(i)] for i in range(len(self.sampler)))
 
     def __iter__(self) -> Iterator:
-        if self.sampler is None:
+        if not len(self.sampler):
             return iter(())
         if self._loader is None:  # made once: its workers persist between evaluations
             self._loader = loader(

@@ -2,7 +2,8 @@
 
 - `env`: where this process sits (`DistEnv`), read once from what torchrun, the elastic agent or
   SLURM set; `group`: the process group's start, bounds and teardown; `collectives`: the few
-  collectives the loop uses, and `all_gather_with_grad` for a loss that needs every rank's rows.
+  collectives the loop uses, `all_gather_with_grad` for a loss that needs every rank's rows and
+  `gather_for_metrics` for a metric that does.
 - `ddp`, `fsdp`: the data-parallel wrapper the `ddp/` group chooses (DDP or FSDP2).
 - `launch`: `python -m hydra_ddp.train dist.nproc_per_node=N` without torchrun;
   `preemption`: a stop signal ends in a checkpoint; `claim`: one job per run dir.
@@ -18,6 +19,8 @@ from hydra_ddp.dist.collectives import (
     all_gather_objects,
     all_gather_with_grad,
     all_reduce_sum,
+    evaluation_batch,
+    gather_for_metrics,
     sum_by_name,
 )
 from hydra_ddp.dist.env import (
@@ -41,7 +44,9 @@ __all__ = [
     "barrier",
     "destroy_process_group",
     "env_from_environ",
+    "evaluation_batch",
     "export_submitit_env",
+    "gather_for_metrics",
     "launcher_rank",
     "process_group",
     "share_cpus_in_submitit_task",

@@ -2,7 +2,8 @@
 process group, so one process runs the same code as many.
 """
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,9 @@ def all_gather_with_grad(
     hydra_ddp/examples/contrastive.py.
 
     Every rank must pass a tensor of the same shape: training batches are (strided sampling
-    pads every rank to the same count), evaluation shards are not (ranks hold one row more or
-    less, and a different number of batches), so a loss gathers only when `model.training`.
-    `check_shapes` agrees the shapes first (one small collective and a host sync per call) and
+    pads every rank to the same count), and so are evaluation batches (a rank short of rows
+    evaluates padding: its gathered rows then count for nothing; `gather_for_metrics` leaves
+    them out). `check_shapes` agrees the shapes first (one small collective and a host sync per call) and
     raises one line naming them on every rank, where gloo would abort a rank with its error on
     stderr only; False skips that.
     """
@@ -85,6 +86,35 @@ def all_gather_with_grad(
     if check_shapes:
         _same_shapes(tensor, group)  # collective
     return _AllGatherWithGrad.apply(tensor, group)
+
+
+# The ranks whose current evaluation batch is padding (data/eval_batches.py), set by the
+# evaluation around each batch's loss and metrics; None outside evaluation.
+_padded: Sequence[bool] | None = None
+
+
+@contextlib.contextmanager
+def evaluation_batch(padded: Sequence[bool] | None) -> Iterator[None]:
+    """Within: `gather_for_metrics` leaves out the ranks whose batch is padding (`padded`)."""
+    global _padded
+    before, _padded = _padded, padded
+    try:
+        yield
+    finally:
+        _padded = before
+
+
+def gather_for_metrics(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Collective: `all_gather_with_grad`, less the rows of ranks whose evaluation batch is
+    padding (evaluation gives every rank the same batches, padding a rank short of rows: see
+    hydra_ddp/data/eval_batches.py). What a metric that gathers calls: it then sees every real
+    row of the global batch exactly once, the same on every rank, and sets `gathers = True`
+    so that its sums count once (hydra_ddp/metrics.py)."""
+    gathered = all_gather_with_grad(tensor, group)  # collective
+    if _padded is None or not any(_padded) or gathered is tensor:
+        return gathered
+    slices = gathered.split(len(tensor))
+    return torch.cat([s for s, pad in zip(slices, _padded) if not pad])
 
 
 def _same_shapes(tensor: torch.Tensor, group: Any) -> None:
@@ -99,8 +129,8 @@ def _same_shapes(tensor: torch.Tensor, group: Any) -> None:
         raise UserError(
             "all_gather_with_grad: the ranks hold tensors of different shapes ("
             + ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(seen))
-            + "); every rank must gather the same shape: gather in training only (if "
-            "model.training), where every rank's batch has the same size"
+            + "); every rank must gather the same shape (the batches of training and "
+            "evaluation have the same size on every rank: gather the batch's rows)"
         )
 
 

@@ -8,10 +8,11 @@ negatives. The embeddings of the other ranks arrive through `hydra_ddp.dist.all_
 whose backward sends each rank the gradient of its own rows. At initialisation the similarities
 are near-uniform, so the first loss is about ln(2·world·batch − 1).
 
-Evaluation: ranks hold uneven shards there (one row more or less, a different number of
-batches), so no collective may run inside the loss. `nt_xent` asks for `model` and gathers only
-when `model.training` (the loop evaluates the model in eval mode): the validation loss uses the
-negatives of the rank's own batch, about ln(2·batch − 1) at initialisation.
+Evaluation: ranks hold uneven shares there, evaluated in batches of the same sizes on every
+rank (a rank short of rows evaluates padding, which would then be among the negatives of the
+others). `nt_xent` asks for `model` and gathers only when `model.training` (the loop evaluates
+the model in eval mode): the validation loss uses the negatives of the rank's own batch, about
+ln(2·batch − 1) at initialisation.
 `experiment=contrastive`.
 """
 

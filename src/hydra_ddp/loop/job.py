@@ -86,7 +86,8 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     parts = build_components(cfg, source, env.device, total_steps, total_epochs)
     callbacks = Callbacks(cfg.callbacks, data=source)
     check_folder(run.output_dir)
-    resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
+    with console.said_by_main("hydra_ddp.checkpoint.files"):  # "skipping <damaged>": once
+        resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
     if tcfg.resume == "never" and env.is_main:
         checkpoint.set_aside(run.output_dir)
         tracking.set_aside(run.output_dir)  # the stats files and summary.json

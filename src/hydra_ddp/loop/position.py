@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from hydra_ddp.checkpoint.state import loading_from
 from hydra_ddp.config import TrainerConfig
-from hydra_ddp.data import TrainData, epoch_rows
+from hydra_ddp.data import TrainData, epoch_rows, split_record
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +83,18 @@ class PositionState:
 
     def __init__(self, pos: Position, counting: Counting) -> None:
         self.pos, self.counting = pos, counting
+        # Which rows are training rows (None: the source does not say): see split_record.py.
+        self.split = split_record.record(counting.source)
 
     def state_dict(self) -> dict[str, Any]:
         here = self.counting
+        split = split_record.saved_form(self.split)
         return {
             **asdict(self.pos),
             "batch_size": here.batch_size,
             "sampler": here.sampler,
             "world_size": here.world_size,
+            **({"split": split} if split is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -104,6 +108,8 @@ class PositionState:
             int(state.get("batch_size", 0)) or here.batch_size,  # 0: not recorded, this job's
         )
         continue_epoch(self.pos, here, saved, loading_from())
+        if here.is_main:
+            split_record.say_changed(loading_from(), state.get("split"), self.split)
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
             loading_from(),
@@ -130,7 +136,7 @@ def continue_epoch(pos: Position, here: Counting, saved: epoch_rows.Setup, path:
         per_batch = here.batch_size * here.world_size
         pos.batch_in_epoch = rows_done // per_batch
         again = rows_done - pos.batch_in_epoch * per_batch
-        if not reordered:
+        if not reordered and here.is_main:  # the same on every rank: said once
             log.warning(
                 "%s counted batches of %d rows on %d rank(s), this job %d on %d: epoch %d "
                 "continues at its row %d (batch %d here)%s",

@@ -100,6 +100,8 @@ def predict(
     for ids, batch in zip(row_batches, split):
         with autocast:
             output = forward(model, to_device(batch, env.device))
+        if not len(ids):  # a padded batch (data/eval_batches.py): run, but not kept
+            continue
         kind, entries, dropped = kept(output, len(ids), key)
         size = len(entries) + len(dropped)
         if dropped and not parts and env.is_main:

@@ -4,6 +4,12 @@ Each rank adds up its batches' sums (`Metric.sums`, the loss weighted by its tar
 device; one `sum_by_name` adds them across ranks, and each metric's `compute` turns the totals
 into the number reported. Only sums cross ranks, so the result does not depend on how the rows
 were split, and a rank that holds no rows of a split takes part all the same.
+
+Every rank walks through the same number of batches, batch i the same size on each
+(data/eval_batches.py), so a loss or metric that gathers pairs its collectives across ranks; a
+rank's padded batch runs like the others but its sums are not counted. A metric with
+`gathers = True` computes the sums of the whole global batch (`gather_for_metrics`), the same on
+every rank: rank 0's are counted, once.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
-from hydra_ddp.dist import DistEnv, sum_by_name
+from hydra_ddp.data import EvalData
+from hydra_ddp.dist import DistEnv, evaluation_batch, sum_by_name
 from hydra_ddp.errors import UserError, first_line
 from hydra_ddp.loop.objective import Caller, Objective, forward, to_device, weight
 
@@ -41,7 +48,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        totals = score(model, data, env.device, loss_fn, metrics, autocast, limit)
+        totals = score(model, data, env.device, loss_fn, metrics, autocast, limit, env.rank)
     finally:
         model.train(was_training)
     # One copy to the host for the whole split.
@@ -68,24 +75,32 @@ def score(
     metrics: Mapping[str, Metric],
     autocast: AbstractContextManager,
     limit: int = 0,
+    rank: int = 0,
 ) -> dict[str, torch.Tensor]:
     """This rank's sums over its batches of a split (`loss`: [loss x weight, weight], the weight
     being the batch's targets or rows, then each metric's `sums`), left on `device`: nothing is
     read back to the host here."""
     objective = loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
     callers = {name: Caller(m.sums) for name, m in metrics.items()}
+    # A metric that gathers has the global batch's sums on every rank: rank 0's count.
+    once = {name for name, m in metrics.items() if getattr(m, "gathers", False)}
     totals: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(data):
         if limit and i >= limit:
             break
+        padded = data.padded_ranks(i) if isinstance(data, EvalData) else None
         batch = to_device(batch, device)
         with autocast:
             output = forward(model, batch)
         parts = {"loss": functools.partial(_loss_sums, objective, output, batch, model)}
         parts.update({name: functools.partial(c, output, batch) for name, c in callers.items()})
-        for name, sums in parts.items():
-            s = _on_device(sums, name, metrics.get(name, objective.loss_fn), device)
-            totals[name] = totals[name] + s if name in totals else s
+        with evaluation_batch(padded):
+            for name, sums in parts.items():
+                # Run on a padded batch too (a loss or metric may gather), but not counted.
+                s = _on_device(sums, name, metrics.get(name, objective.loss_fn), device)
+                counted = rank == 0 if name in once else not (padded and padded[rank])
+                s = s if counted else torch.zeros_like(s)
+                totals[name] = totals[name] + s if name in totals else s
     return totals
 
 

@@ -6,10 +6,11 @@ not print N copies of every line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rich.console import Console as RichConsole
 from rich.progress import (
@@ -28,6 +29,10 @@ from hydra_ddp.tracking import names
 log = logging.getLogger(__name__)
 
 
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
 class Console:
     def __init__(self, env: DistEnv, enabled: bool = True):
         self.env, self.enabled = env, enabled
@@ -42,6 +47,20 @@ class Console:
                 handler, logging.FileHandler
             ):
                 handler.setLevel(logging.WARNING)
+
+    @contextlib.contextmanager
+    def said_by_main(self, logger: str) -> Iterator[None]:
+        """Within: what `logger` warns (below ERROR) is said by rank 0 only: every rank meets
+        the same files (a damaged checkpoint skipped, say), and one line is enough."""
+        if self.env.is_main:
+            yield
+            return
+        target = logging.getLogger(logger)
+        target.addFilter(_errors_only)
+        try:
+            yield
+        finally:
+            target.removeFilter(_errors_only)
 
     def info_main(self, msg: str, *args: Any) -> None:
         if self.env.is_main:
