@@ -2,7 +2,7 @@
 other exceptions (a dead peer, a timed-out collective, a full disk, DDP's paragraphs) become a
 single `error:` line.
 
-A rank's training (loop.py) and its evaluation of a saved checkpoint (evaluation.py) run
+A rank's training (loop/job.py) and its evaluation of a saved checkpoint (loop/evaluation.py) run
 under `translated`, which raises what `one_line` can say in one line, so a message is written
 once and reads the same whichever path raised it. The entries (train.py, with `config_error`
 for the config; eval.py) and the launcher (launch.py) end a failed job through `exit_code`;
