@@ -56,9 +56,7 @@ WRONG_ON_PURPOSE = {"trainer.batchsize", "trainer.fast_dev_run", "model.widht"}
 # Example files of a user's, named in the docs as what the user writes.
 USER_FILES = re.compile(r"^(my_\w+|mine|wide|myproj\w*)\.(py|yaml)$")
 # Output files a job writes, and files of other projects the docs cite.
-NOT_OURS = set(
-    "multigpu_torchrun.py _impl.py setup.py conftest.py __init__.py".split()
-)
+NOT_OURS = set("multigpu_torchrun.py _impl.py setup.py conftest.py __init__.py".split())
 TYPED = {
     "trainer": TrainerConfig,
     "dist": DistConfig,
