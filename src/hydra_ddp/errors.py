@@ -2,7 +2,7 @@
 other exceptions (a dead peer, a timed-out collective, a full disk, DDP's paragraphs) become a
 single `error:` line.
 
-A rank's training (loop.py) and its evaluation of a saved checkpoint (evaluation.py) run
+A rank's training (loop/job.py) and its evaluation of a saved checkpoint (loop/evaluation.py) run
 under `translated`, which raises what `one_line` can say in one line, so a message is written
 once and reads the same whichever path raised it. The entries (train.py, with `config_error`
 for the config; eval.py) and the launcher (launch.py) end a failed job through `exit_code`;
@@ -35,16 +35,18 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 LOST_CONTACT = "lost contact with another rank"
 WAITED = "for another rank in a collective"
 
-# What a collective raises when another rank died mid-job: gloo's socket errors, and NCCL's
+# What a collective raises when another rank died mid-job: gloo's closed socket, and NCCL's
 # watchdog and communicator errors (the remote process exited or the network failed).
+# tests/test_error_messages.py produces each of these and of _TIMED_OUT's with the real call.
 _LOST_PEER = (
-    "Connection reset by peer",
     "Connection closed by peer",
-    "Broken pipe",
     "NCCL communicator was aborted",
     "remote process exited or there was a network error",
     "ncclRemoteError",
 )
+# gloo's read and write errors quote the OS (`Read error <peer>: <strerror>`): matched by the
+# OS's own text for these errnos, never a copy of it.
+_LOST_PEER_ERRNOS = (errno.ECONNRESET, errno.EPIPE)
 # What a collective raises when a peer is alive but stopped answering for dist.timeout_s:
 # gloo's wait, and NCCL's watchdog.
 _TIMED_OUT = (
@@ -76,7 +78,12 @@ def first_line(e: BaseException, limit: int = 200) -> str:
 
 def lost_peer(e: BaseException) -> bool:
     """True for the error a collective raises when another rank died mid-job."""
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in _LOST_PEER)
+    if not isinstance(e, RuntimeError):
+        return False
+    text = str(e)
+    return any(s in text for s in _LOST_PEER) or any(
+        os.strerror(n) in text for n in _LOST_PEER_ERRNOS
+    )
 
 
 def timed_out(e: BaseException) -> bool:

@@ -6,7 +6,7 @@
 
 `hydra_entry` composes and validates the config, then either trains in this process (one rank
 of whatever launcher started it, or a single process) or starts its own worker group with
-torch's elastic agent (launch.py). The training itself is loop.py's `train`.
+torch's elastic agent (launch.py). The training itself is `loop.job.train`.
 """
 
 from __future__ import annotations
