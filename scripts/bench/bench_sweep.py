@@ -4,10 +4,14 @@ user types. Variants alternate, so a change in the machine's load hits both.
 
     python scripts/bench/bench_sweep.py                        # 8 jobs x 1 rank, 2 repeats
     python scripts/bench/bench_sweep.py --jobs 8 --steps 400 --repeats 3 --out sweep.json
+    python scripts/bench/bench_sweep.py --cold                 # + Ray without warm starts
 
-Each variant runs in a scratch dir under /tmp with W&B off; the Ray variant starts and stops
-its own Ray inside the timed command (its start-up is part of what a user waits for). Results
-go in docs/benchmarks.md with the exact command and the machine's load.
+Each variant runs in a scratch dir under /tmp with W&B off and OMP_NUM_THREADS=1; the Ray
+variant starts and stops its own Ray inside the timed command (its start-up is part of what a
+user waits for). Besides the wall time it reports each job's start-up: from when its process
+started (Ray: the task's fork or Popen; basic: the job's start in the sweep's process) to the
+end of its first step (`trainer.log_interval=1`, the same for every variant). Results go in
+docs/benchmarks.md with the exact command and the machine's load.
 """
 
 from __future__ import annotations
@@ -27,10 +31,28 @@ def sweep_command(launcher: str, jobs: int, steps: int, nproc: int) -> list[str]
     rates = ",".join(f"{0.001 * (i + 1):g}" for i in range(jobs))
     cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", f"optim.lr={rates}"]
     cmd += ["logger=none", "trainer.progress=false", f"trainer.max_steps={steps}"]
-    cmd += [f"dist.nproc_per_node={nproc}"]
-    if launcher == "ray":
+    cmd += [f"dist.nproc_per_node={nproc}", "trainer.log_interval=1"]
+    if launcher in ("ray", "ray-cold"):
         cmd += ["hydra/launcher=ray"]
+    if launcher == "ray-cold":
+        cmd += ["hydra.launcher.warm_start=false"]
     return cmd
+
+
+def startups(sweep_dir: Path) -> list[float]:
+    """Each job's seconds from its process start (or its start in the sweep's process) to the
+    end of its first step."""
+    starts = {}
+    for line in (sweep_dir / "sweep_jobs.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "start":
+            starts[record["dir"]] = record.get("process_start", record["time"])
+    out = []
+    for job_dir, start in starts.items():
+        with open(Path(job_dir) / "stats" / "rank0.jsonl") as f:
+            first = json.loads(f.readline())
+        out.append(first["time"] - start)
+    return out
 
 
 def run_once(launcher: str, args: argparse.Namespace) -> dict:
@@ -44,9 +66,18 @@ def run_once(launcher: str, args: argparse.Namespace) -> dict:
         wall = time.monotonic() - start
         if proc.returncode != 0:
             sys.exit(f"{launcher} sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        report = json.loads(next(Path(tmp).rglob("sweep_report.json")).read_text())
+        report_path = next(Path(tmp).rglob("sweep_report.json"))
+        report = json.loads(report_path.read_text())
         ok = sum(j["status"] == "ok" for j in report)
-        return {"launcher": launcher, "wall_s": wall, "ok": ok, "load_before": load}
+        ups = startups(report_path.parent)
+        return {
+            "launcher": launcher,
+            "wall_s": wall,
+            "ok": ok,
+            "load_before": load,
+            "startup_s": statistics.median(ups),
+            "startups_s": ups,
+        }
 
 
 def main() -> None:
@@ -56,25 +87,30 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="dist.nproc_per_node of each job")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cold", action="store_true", help="also Ray with warm_start=false")
     args = parser.parse_args()
+    variants = ["basic", "ray"] + (["ray-cold"] if args.cold else [])
     print(f"{args.jobs} jobs x {args.nproc} rank(s), {args.steps} steps; {os.cpu_count()} CPUs")
     runs = []
     for repeat in range(args.repeats):
-        order = ("basic", "ray") if repeat % 2 == 0 else ("ray", "basic")
-        for launcher in order:
+        shift = repeat % len(variants)  # each variant first in turn
+        for launcher in variants[shift:] + variants[:shift]:
             result = run_once(launcher, args)
             runs.append(result)
             print(
-                f"repeat {repeat}: {launcher:5s} {result['wall_s']:7.1f} s, "
-                f"{result['ok']}/{args.jobs} ok, load {result['load_before']:.1f} before"
+                f"repeat {repeat}: {launcher:8s} {result['wall_s']:7.1f} s, "
+                f"{result['ok']}/{args.jobs} ok, job start-up {result['startup_s']:.2f} s "
+                f"(median), load {result['load_before']:.1f} before"
             )
-    walls = {k: [r["wall_s"] for r in runs if r["launcher"] == k] for k in ("basic", "ray")}
-    ratios = [b / r for b, r in zip(walls["basic"], walls["ray"])]
-    print(
-        f"median wall: basic {statistics.median(walls['basic']):.1f} s, "
-        f"ray {statistics.median(walls['ray']):.1f} s; basic/ray per repeat "
-        f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})"
-    )
+    by = {k: [r for r in runs if r["launcher"] == k] for k in variants}
+    for name in variants[1:]:
+        ratios = [r["wall_s"] / b["wall_s"] for b, r in zip(by["basic"], by[name])]
+        extra = [r["startup_s"] - b["startup_s"] for b, r in zip(by["basic"], by[name])]
+        print(
+            f"{name}/basic wall per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
+            f"(median {statistics.median(ratios):.2f}); job start-up over basic's per repeat "
+            f"{', '.join(f'{x:+.2f}' for x in extra)} s (median {statistics.median(extra):+.2f} s)"
+        )
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}))
 

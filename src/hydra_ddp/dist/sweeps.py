@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 _sweep_failed = False
 
 _JOURNAL = "sweep_jobs.jsonl"
+# Set by a launcher that starts a process per job: when it started this job's (time.time()).
+STARTED_ENV = "HYDRA_DDP_JOB_STARTED"
 _JOB_RETURN = "job_return.json"
 
 
@@ -92,11 +94,15 @@ class SweepReport(Callback):
         # A sweep rerun into the same sweep dir must not report the previous run's outcome.
         for name in ("failure.json", _JOB_RETURN):
             (output_dir / name).unlink(missing_ok=True)
+        # A launcher that starts a process per job (hydra/launcher=ray) says when it did:
+        # the job's start-up is then from there, not from here.
+        started = os.environ.get(STARTED_ENV)
         _journal(
             config,
             event="start",
             # The values of secret keys (redact.py) stay in the job's own .hydra/ record.
             overrides=redact.overrides(OmegaConf.to_container(config.hydra.overrides.task)),
+            **({"process_start": float(started)} if started else {}),
         )
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:

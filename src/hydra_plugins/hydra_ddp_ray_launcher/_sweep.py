@@ -227,7 +227,9 @@ class Session:
             name=f"job{job.num}",
         )
         grace = float(self.params.get("stop_grace_s", 60.0))
-        return remote.remote(spec, env, os.getcwd(), grace, os.path.abspath(self.stop_file))
+        stop_file = os.path.abspath(self.stop_file)
+        warm = bool(self.params.get("warm_start", True))
+        return remote.remote(spec, env, os.getcwd(), grace, stop_file, warm)
 
     def wait(self, jobs: list[Job], stop: _StopRequests) -> dict[int, JobReturn]:
         """Each job's result as it ends; on a stop request, ask the running ones to stop (they

@@ -1,10 +1,13 @@
-"""One job of a Ray sweep: the Ray task (`run_job`) and the job's own process (`main`).
+"""One job of a Ray sweep: the Ray task (`run_job`), which runs the job in a process of its
+own (_job.py).
 
-The task starts the job in a fresh process of its own session, as `python -m hydra_ddp.train`
-would run it: Ray reuses its worker processes from task to task, and a job changes process-wide
-state (signal handlers of torch's elastic agent, OpenMP threads, caches of the resolved job
-dir). A stop (Ray's cancel of the task, on Ctrl-C / SIGTERM of the sweep) becomes SIGTERM to
-the job, which then saves a checkpoint and stops, as under SIGTERM from a scheduler.
+That process has its own session: Ray reuses its worker processes from task to task, and a job
+changes process-wide state (signal handlers of torch's elastic agent, OpenMP threads, caches of
+the resolved job dir). By default that process is forked from a warm parent that imported torch, Hydra and the template once (_warm.py), so a job
+starts in well under a second instead of paying the imports; `hydra.launcher.warm_start=false`
+starts a fresh interpreter per job instead. A stop (Ray's cancel of the task, on Ctrl-C /
+SIGTERM of the sweep) becomes SIGTERM to the job, which then saves a checkpoint and stops, as
+under SIGTERM from a scheduler.
 """
 
 from __future__ import annotations
@@ -14,21 +17,26 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from hydra_plugins.hydra_ddp_ray_launcher import _job
+
 # Set in a job's process: the number of the job in its Ray sweep (train.py records a stop as
 # a preemption, so the report lists it).
 JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.train.RAY_JOB_ENV
+# Set in a job's process: when its task started that process (time.time()).
+STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.dist.sweeps.STARTED_ENV
 # How often a task looks at its job and at the sweep's stop request.
 _POLL_S = 0.5
 # What a task returns when the sweep stopped before its job started.
 NOT_STARTED = "not started: the sweep was stopped"
 
 
-def run_job(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: str) -> Any:
+def run_job(
+    spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: str, warm: bool = True
+) -> Any:
     """The Ray task: run one job in its own process; return its pickled JobReturn, or why there
     is none.
 
@@ -47,9 +55,15 @@ def run_job(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_fil
     with tempfile.TemporaryDirectory(prefix="hydra_ddp_ray_") as tmp:
         spec_path, result_path = Path(tmp) / "spec.pkl", Path(tmp) / "return.pkl"
         spec_path.write_bytes(spec)
-        cmd = [sys.executable, "-m", __name__, str(spec_path), str(result_path)]
-        # Its own session: its ranks are in its process group, which `_end` clears.
-        proc = subprocess.Popen(cmd, env=job_env, cwd=cwd, start_new_session=True)
+        # When the job's process started, for the sweep's journal (a job's start-up is what
+        # warm starts save: bench_sweep.py reads it).
+        job_env[STARTED_ENV] = repr(time.time())
+        if warm:
+            proc = _warm_parent(job_env).start(str(spec_path), str(result_path), job_env, cwd)
+        else:
+            cmd = [sys.executable, "-m", _job.__name__, str(spec_path), str(result_path)]
+            # Its own session: its ranks are in its process group, which `_end` clears.
+            proc = subprocess.Popen(cmd, env=job_env, cwd=cwd, start_new_session=True)
         try:
             while proc.poll() is None:
                 time.sleep(_POLL_S)
@@ -65,7 +79,29 @@ def run_job(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_fil
         return f"the job's process exited with status {proc.returncode} and no result"
 
 
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+# This Ray worker's warm parents, one per OpenMP thread count (fixed when a library loads).
+_warm: dict[str, Any] = {}
+
+
+def _warm_parent(job_env: dict[str, str]) -> Any:
+    """The warm parent for this job's thread count: kept for the next job on this worker,
+    replaced when it died or the template's code changed since it imported it."""
+    from hydra_plugins.hydra_ddp_ray_launcher._warm import Warm
+
+    threads = job_env.get("OMP_NUM_THREADS", "")
+    parent = _warm.get(threads)
+    if parent is None or not parent.usable():
+        if parent is not None:
+            parent.close()
+        # It imports under the worker's own environment and the job's thread count; each
+        # child then takes its job's whole environment (CUDA_VISIBLE_DEVICES among it).
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env["OMP_NUM_THREADS"] = threads or env.get("OMP_NUM_THREADS", "1")
+        parent = _warm[threads] = Warm(env)
+    return parent
+
+
+def _stop(proc: Any, grace_s: float) -> None:
     """SIGTERM to the job (its launcher passes it to its ranks, which save a checkpoint), then
     SIGKILL to whatever of it is left after `grace_s`."""
     proc.send_signal(signal.SIGTERM)
@@ -75,7 +111,7 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
-def _end(proc: subprocess.Popen) -> None:
+def _end(proc: Any) -> None:
     """Leave no process of the job behind (a rank its launcher lost track of)."""
     if proc.poll() is None:
         proc.kill()
@@ -84,55 +120,3 @@ def _end(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def main(spec_path: str, result_path: str) -> int:
-    """The job's process: run the job as Hydra's launchers do, write what it returned."""
-    import cloudpickle
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.singleton import Singleton
-    from hydra.core.utils import run_job as hydra_run_job
-    from hydra.core.utils import setup_globals
-
-    # The template's resolvers (job dir names, log files) and config schema, registered at its
-    # import: the job's config names them.
-    import hydra_ddp.train  # noqa: F401
-    from hydra_ddp.dist import claim
-
-    # Ray starts its workers with SIGINT blocked, and a blocked mask is inherited: a job's
-    # ranks must see Ctrl-C like any job's (preemption.py).
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _stop_with_parent()
-    spec = cloudpickle.loads(Path(spec_path).read_bytes())
-    setup_globals()
-    Singleton.set_state(spec["singleton_state"])
-    HydraConfig.instance().set_config(spec["config"])
-    try:
-        returned = hydra_run_job(
-            hydra_context=spec["hydra_context"],
-            task_function=spec["task_function"],
-            config=spec["config"],
-            job_dir_key="hydra.sweep.dir",
-            job_subdir_key="hydra.sweep.subdir",
-        )
-    finally:
-        claim.release_all()
-    Path(result_path).write_bytes(cloudpickle.dumps(returned))
-    return 0
-
-
-def _stop_with_parent() -> None:
-    """SIGTERM to this job when the Ray worker that started it dies (Ray stopped, the node
-    lost): the job saves a checkpoint and stops instead of training on unsupervised."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True, name="stop-with-parent").start()
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
