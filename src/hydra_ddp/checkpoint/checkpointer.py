@@ -59,6 +59,7 @@ class Checkpointer:
         """Collective: gather every rank's per-rank state, then global rank 0 alone writes
         checkpoints/step_<step>.pt, or checkpoints/<name> (the best one, never rotated)."""
         env = self.env
+        state.agree(self.parts, env)  # collective
         main, refused = None, None
         try:  # what resume could not read is refused now, on every rank alike
             if env.is_main:
