@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, compose, isolated, train_ranks
+from helpers.inproc import FAST, compose, isolated, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
+from hydra_ddp.errors import UserError
 from hydra_ddp.eval import main as evaluate_main
 
 JOB = [
@@ -99,3 +100,54 @@ def test_each_rank_resumes_its_own_callback_state(pair: dict[str, Path], tmp_pat
     assert [_read(run, "loaded", rank) for rank in (0, 1)] == [None, None]
     train_ranks(run, *JOB, "trainer.max_steps=4")  # resumed at step 3
     assert [_read(run, "loaded", rank) for rank in (0, 1)] == saved
+    # The layout before: one callbacks state (rank 0's) beside the per-rank RNG list.
+    old = tmp_path / "old"
+    (old / "checkpoints").mkdir(parents=True)
+    ckpt = torch.load(pair["ddp"] / "checkpoints" / "step_00000003.pt", weights_only=True)
+    ckpt["callbacks"] = [entry.pop("callbacks") for entry in ckpt["rng"]][0]
+    torch.save(ckpt, old / "checkpoints" / "step_00000003.pt")
+    done = train_ranks(old, *JOB, "trainer.max_steps=4")
+    assert [_read(old, "loaded", rank) for rank in (0, 1)] == [saved[0], saved[0]]
+    assert not any("callbacks" in log for log in done.logs), done.logs  # no "starting fresh"
+
+
+@pytest.mark.slow
+def test_each_rank_resumes_its_own_callback_state_from_a_sharded_checkpoint(
+    pair: dict[str, Path], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(pair["fsdp2"], run)
+    saved = [_read(run, "saved", rank) for rank in (0, 1)]
+    assert [s["rank"] for s in saved] == [0, 1]
+    train_ranks(run, *JOB, *WRAPPERS["fsdp2"], "trainer.max_steps=4")
+    assert [_read(run, "loaded", rank) for rank in (0, 1)] == saved
+
+
+def test_a_dtensor_logged_on_one_rank_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    done = train_ranks(
+        tmp_path, *JOB[:3], "+callbacks.first._target_=helpers.rank_state.RankZeroGradNorm",
+        "ddp=fsdp2", "trainer.max_steps=2", return_exceptions=True, timeout=120,
+    )  # fmt: skip
+    for rank in (0, 1):
+        assert isinstance(done[rank], UserError), done[rank]
+        assert str(done[rank]) == (
+            "callbacks.first: ctx.log value 'grad/first' in on_before_optimizer_step is a "
+            "DTensor (ddp=fsdp2: each rank holds a part), logged on rank(s) [0] of 2: its whole "
+            "value needs every rank, so log it on every rank (then check ctx.rank elsewhere), "
+            "or call .full_tensor() on it on every rank and log the result where you like"
+        )
+
+
+def test_sync_batchnorm_converts_and_is_refused_on_cpu_ranks(tmp_path: Path) -> None:
+    done = train_ranks(
+        tmp_path / "two", *JOB[:3], "ddp.sync_batchnorm=true", "trainer.max_steps=1",
+        return_exceptions=True,
+    )  # fmt: skip
+    for rank in (0, 1):
+        assert isinstance(done[rank], UserError), done[rank]
+        assert str(done[rank]).startswith("ddp.sync_batchnorm=true: torch's SyncBatchNorm runs")
+    # One process: converted (SyncBatchNorm only syncs with several), and the checkpoint keeps
+    # BatchNorm's keys.
+    train_here(tmp_path / "one", *JOB[:3], "ddp.sync_batchnorm=true", "trainer.max_steps=2")
+    saved = checkpoint.load(checkpoint.latest(tmp_path / "one"))["model"]
+    assert int(saved["net.1.num_batches_tracked"]) == 2

@@ -62,3 +62,12 @@ class PerRank:
 
     def load_state_dict(self, state: dict) -> None:
         self.state, self.loaded = dict(state), dict(state)
+
+
+class RankZeroGradNorm:
+    """Logs the first parameter's gradient norm on rank 0 only: under ddp=fsdp2 a DTensor whose
+    whole value needs every rank."""
+
+    def on_before_optimizer_step(self, ctx) -> None:
+        if ctx.rank == 0:
+            ctx.log({"grad/first": next(ctx.model.parameters()).grad.norm()})

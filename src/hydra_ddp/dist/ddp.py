@@ -95,7 +95,7 @@ def _to_sync_batchnorm(modules: list[torch.nn.Module], env: DistEnv) -> None:
     """ddp.sync_batchnorm: every BatchNorm layer as a SyncBatchNorm (same parameters, same
     state_dict keys). torch's SyncBatchNorm raises at its first training forward on CPU with
     a process group: refused here instead, in one line."""
-    if env.distributed and env.device.type == "cpu":
+    if env.world_size > 1 and env.device.type == "cpu":
         raise UserError(
             "ddp.sync_batchnorm=true: torch's SyncBatchNorm runs on GPUs only, and this job "
             "runs on CPU: drop ddp.sync_batchnorm (rank 0's statistics are still broadcast "
