@@ -30,6 +30,7 @@ JOB = [
     "trainer.max_steps=3", "trainer.eval_interval=0", "trainer.log_interval=1",
     "+callbacks.grads._target_=helpers.user_hooks.LayerGradNorms",
     "+callbacks.mine._target_=helpers.rank_state.PerRank",
+    "+callbacks.whole._target_=helpers.rank_state.WholeOnRankZero",
 ]  # fmt: skip
 WRAPPERS = {"ddp": [], "fsdp2": ["ddp=fsdp2"]}
 
@@ -47,12 +48,12 @@ def _read(job: Path, name: str, rank: int) -> dict | None:
     return json.loads((job / f"{name}_rank{rank}.json").read_text())
 
 
-def _grad_norms(job: Path, rank: int) -> dict[int, dict[str, float]]:
+def _grad_norms(job: Path, rank: int, prefix: str = "grad/") -> dict[int, dict[str, float]]:
     rows = map(json.loads, (job / "stats" / f"rank{rank}.jsonl").read_text().splitlines())
     norms: dict[int, dict[str, float]] = {}
     for row in rows:
         norms.setdefault(row.get("step"), {}).update(
-            {k: v for k, v in row.items() if k.startswith("grad/")}
+            {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
         )
     return {step: found for step, found in norms.items() if found}
 
@@ -66,6 +67,12 @@ def test_a_logged_gradient_norm_is_the_whole_gradients_under_fsdp2(pair: dict[st
         for step in ddp:  # not each rank's shard's norm (a bias's is ~1e-7: BatchNorm follows)
             assert same[step] == pytest.approx(ddp[step], rel=1e-6, abs=1e-6)
             assert fsdp2[step] == pytest.approx(ddp[step], rel=1e-4, abs=1e-6), (rank, step)
+    # The docs' recipe: full_tensor() on every rank, logged on rank 0 only.
+    whole = _grad_norms(pair["fsdp2"], 0, "whole/")
+    assert sorted(whole) == [1, 2, 3]
+    for step in ddp:
+        assert whole[step] == pytest.approx(ddp[step], rel=1e-4, abs=1e-6), step
+    assert _grad_norms(pair["fsdp2"], 1, "whole/") == {}
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -138,6 +145,7 @@ def test_a_dtensor_logged_on_one_rank_stops_every_rank_in_one_line(tmp_path: Pat
         )
 
 
+@pytest.mark.slow
 def test_sync_batchnorm_converts_and_is_refused_on_cpu_ranks(tmp_path: Path) -> None:
     done = train_ranks(
         tmp_path / "two", *JOB[:3], "ddp.sync_batchnorm=true", "trainer.max_steps=1",

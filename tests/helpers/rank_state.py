@@ -71,3 +71,18 @@ class RankZeroGradNorm:
     def on_before_optimizer_step(self, ctx) -> None:
         if ctx.rank == 0:
             ctx.log({"grad/first": next(ctx.model.parameters()).grad.norm()})
+
+
+class WholeOnRankZero:
+    """docs/state_across_ranks.md's recipe: `full_tensor()` on every rank, logged on rank 0."""
+
+    def on_before_optimizer_step(self, ctx) -> None:
+        from torch.distributed.tensor import DTensor
+
+        def whole(t):
+            return t.full_tensor() if isinstance(t, DTensor) else t
+
+        named = ctx.model.named_parameters()
+        norms = {n: whole(p.grad.norm()) for n, p in named if p.grad is not None}
+        if ctx.rank == 0:
+            ctx.log({f"whole/{n}": v for n, v in norms.items()})
