@@ -146,6 +146,16 @@ def test_a_dtensor_logged_on_one_rank_stops_every_rank_in_one_line(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_launched_single_rank_under_fsdp2_logs_whole_values(tmp_path: Path) -> None:
+    # One rank with a process group (torchrun --nproc_per_node=1): fully_shard over a mesh of
+    # one, the gradients still DTensors.
+    train_ranks(tmp_path, *JOB, "ddp=fsdp2", "trainer.max_steps=1", world_size=1)
+    norms = _grad_norms(tmp_path, 0)
+    assert sorted(norms) == [1] and len(norms[1]) == 6
+    assert norms[1] == pytest.approx(_grad_norms(tmp_path, 0, "whole/")[1], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_sync_batchnorm_converts_and_is_refused_on_cpu_ranks(tmp_path: Path) -> None:
     done = train_ranks(
         tmp_path / "two", *JOB[:3], "ddp.sync_batchnorm=true", "trainer.max_steps=1",

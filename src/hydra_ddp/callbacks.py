@@ -170,11 +170,11 @@ class Callbacks:
         )
 
     def _log_whole(self, hook: str, ctx: Context, dtensors: list[tuple[str, str, Any]]) -> None:
-        """`# collective` when the model is sharded over several ranks: every rank's list of
-        the DTensors logged in this hook call, then, if the ranks agree, `full_tensor()` of
-        each in that order (else one line on every rank). Unsharded, a DTensor replicated on
-        every rank is logged as it is, any other refused."""
-        if not (ctx.world_size > 1 and _is_sharded(ctx.model)):
+        """`# collective` when the model is sharded (also over one rank, as a launched single
+        GPU is): every rank's list of the DTensors logged in this hook call, then, if the ranks
+        agree, `full_tensor()` of each in that order (else one line on every rank). Unsharded,
+        a DTensor replicated on every rank is logged as it is, any other refused."""
+        if not _is_sharded(ctx.model):
             for name, key, value in dtensors:
                 if not _replicated(value):
                     raise UserError(_whole_only(name, key, hook))
@@ -215,7 +215,8 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
-    """ddp=fsdp2's fully_shard makes the module an FSDPModule (the same on every rank)."""
+    """ddp=fsdp2's fully_shard makes the module an FSDPModule, the same on every rank (only
+    with a process group: without one fsdp.wrap shards nothing)."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
