@@ -22,7 +22,8 @@ class Checkpointer:
 
     `parts` are this job's checkpointed objects; what of them a checkpoint holds, and how, is
     the registry's (state.MEMBERS). Rank 0 saves the global members; the per-rank ones (every
-    rank's RNG, a comm hook's error feedback) are gathered into the same file. Saving and
+    rank's RNG and callback state, a comm hook's error feedback) are gathered into the same
+    file. Every rank first takes rank 0's buffers (state.agree). Saving and
     restoring are collective: every rank calls them.
     """
 
