@@ -29,7 +29,7 @@ JOB = [
 def test_numpy_state_is_saved_plain_and_resumed(tmp_path: Path) -> None:
     train_here(tmp_path, *JOB, "trainer.max_steps=2")
     path = tmp_path / "checkpoints" / "step_00000002.pt"
-    state = torch.load(path, weights_only=True)["callbacks"]["stats"]  # no numpy inside
+    state = torch.load(path, weights_only=True)["rng"][0]["callbacks"]["stats"]  # no numpy
     assert type(state["mean"]) is float and type(state["count"]) is int and state["count"] == 2
     assert isinstance(state["history"], torch.Tensor) and state["history"].tolist() == [2, 1, 0]
     assert state["nested"]["pair"] == (1, 0.5) and type(state["nested"]["pair"][0]) is int

@@ -20,7 +20,7 @@ def test_the_final_checkpoint_holds_the_last_evaluations_callback_state(tmp_path
     assert counts["eval_end"] == 2  # step 5, and the end of the run at step 10
     last = checkpoint.latest(tmp_path)
     assert last is not None and last.name == "step_00000010.pt"
-    saved = checkpoint.load(last)["callbacks"]["count"]["counts"]
+    saved = checkpoint.load(last)["rng"][0]["callbacks"]["count"]["counts"]
     assert saved["eval_end"] == 2 and saved["step_end"] == 10
 
     summary = train_here(tmp_path, *FAST, *COUNT, "trainer.max_steps=15")
@@ -28,5 +28,5 @@ def test_the_final_checkpoint_holds_the_last_evaluations_callback_state(tmp_path
     counts = json.loads((tmp_path / "count_rank0.json").read_text())
     assert counts["eval_end"] == 3  # continued: 2 before, the end of the run at step 15
     assert counts["steps"] == list(range(1, 16)) and counts["train_start"] == 2
-    saved = checkpoint.load(checkpoint.latest(tmp_path))["callbacks"]["count"]["counts"]
+    saved = checkpoint.load(checkpoint.latest(tmp_path))["rng"][0]["callbacks"]["count"]["counts"]
     assert saved["eval_end"] == 3

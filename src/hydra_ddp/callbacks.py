@@ -20,8 +20,15 @@ A callback is any object with some of these methods, each given a `Context`:
     on_train_end(ctx)     after the final validation and test, with their metrics
 
 and optionally `state_dict()` / `load_state_dict(state)`, saved in every checkpoint and restored
-on resume. `ctx.log({...})` puts values into this rank's stats at the current step. Callbacks
-run on every rank: a collective inside one must run on all of them, as in the loop.
+on resume, each rank its own. `ctx.log({...})` puts values into this rank's stats at the
+current step. Callbacks run on every rank: a collective inside one must run on all of them, as
+in the loop.
+
+Under ddp=fsdp2 a parameter, its gradient and what is computed from them (`p.grad.norm()`) are
+DTensors: each rank holds a part, and `.item()` would read only that part. ctx.log logs such a
+value whole: the hook call ends with the ranks agreeing on the DTensors they were given (one
+small all-gather per hook call of a sharded job) and `full_tensor()` of each, in the same
+order on every rank. A DTensor logged on some ranks only is refused on all of them in one line.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hydra_ddp.components import build
+from hydra_ddp.dist import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -74,15 +82,24 @@ class Context:
     losses: dict[str, torch.Tensor] | None = None
     # ctx.log's destination: the rank's stats file and the logger (Tracker.log_values).
     _sink: Callable[[int, dict[str, Any]], None] | None = None
+    # The DTensors given to ctx.log in the running hook call: logged whole at its end.
+    _dtensors: list[tuple[str, Any]] = field(default_factory=list)
 
     def log(self, values: Mapping[str, Any]) -> None:
         """Record `values` in this rank's stats at the current step (tracking/values.py): numbers
         and one-element tensors in stats/rank<r>.jsonl, W&B and TensorBoard, text likewise, W&B
         media objects (wandb.Image, ...) in W&B only (a placeholder in the stats file). A key
         the template logs itself (step, rank, loss, lr, ...) or another kind of value raises a
-        ValueError, which names the callback."""
-        if self._sink is not None:
-            self._sink(self.step, dict(values))
+        ValueError, which names the callback. A DTensor (ddp=fsdp2) is logged whole at the end
+        of the hook call, which makes it a collective: log it on every rank."""
+        if self._sink is None:
+            return
+        values = dict(values)
+        dtensors = {k: v for k, v in values.items() if _is_dtensor(v)}
+        self._dtensors.extend(dtensors.items())
+        plain = {k: v for k, v in values.items() if k not in dtensors}
+        if plain:
+            self._sink(self.step, plain)
 
 
 class Callbacks:
@@ -123,20 +140,61 @@ class Callbacks:
         return call
 
     def __call__(self, hook: str, ctx: Context) -> None:
+        """Call `hook` of every callback that has it; `# collective` for a sharded job (the
+        DTensors ctx.log was given are logged whole, see the module's docstring)."""
+        dtensors: list[tuple[str, str, Any]] = []  # (callback, key, value)
+        called = False
         for name, cb in self.items.items():
             method = getattr(cb, hook, None)
             if method is None:
                 continue
+            called = True
+            ctx._dtensors.clear()
             try:
                 method(ctx)
+                dtensors += [(name, key, value) for key, value in ctx._dtensors]
             except UserError:
                 raise
             except Exception as e:
-                # The traceback still goes to the rank's log (the entry logs the cause).
-                raise UserError(
-                    f"callbacks.{name} ({type(cb).__module__}.{type(cb).__qualname__}) failed "
-                    f"in {hook} at step {ctx.step}: {type(e).__name__}: {first_line(e)}"
-                ) from e
+                raise self._failed(name, hook, ctx.step, e) from e
+            finally:
+                ctx._dtensors.clear()
+        if called:
+            self._log_whole(hook, ctx, dtensors)  # collective when sharded
+
+    def _failed(self, name: str, hook: str, step: int, e: Exception) -> UserError:
+        # The traceback still goes to the rank's log (the entry logs the cause).
+        cb = self.items[name]
+        return UserError(
+            f"callbacks.{name} ({type(cb).__module__}.{type(cb).__qualname__}) failed "
+            f"in {hook} at step {step}: {type(e).__name__}: {first_line(e)}"
+        )
+
+    def _log_whole(self, hook: str, ctx: Context, dtensors: list[tuple[str, str, Any]]) -> None:
+        """`# collective` when the model is sharded (also over one rank, as a launched single
+        GPU is): every rank's list of the DTensors logged in this hook call, then, if the ranks
+        agree, `full_tensor()` of each in that order (else one line on every rank). Unsharded,
+        a DTensor replicated on every rank is logged as it is, any other refused."""
+        if not _is_sharded(ctx.model):
+            for name, key, value in dtensors:
+                if not _replicated(value):
+                    raise UserError(_whole_only(name, key, hook))
+                self._log_one(name, hook, ctx, key, value.to_local())
+            return
+        env = DistEnv(rank=ctx.rank, world_size=ctx.world_size)
+        mine = [(name, key) for name, key, _ in dtensors]
+        every = all_gather_objects(mine, env)  # collective
+        if any(theirs != mine for theirs in every):
+            raise UserError(_disagreement(hook, every))
+        for name, key, value in dtensors:
+            self._log_one(name, hook, ctx, key, value.full_tensor())  # collective
+
+    def _log_one(self, name: str, hook: str, ctx: Context, key: str, value: Any) -> None:
+        try:
+            if ctx._sink is not None:
+                ctx._sink(ctx.step, {key: value})
+        except ValueError as e:
+            raise self._failed(name, hook, ctx.step, e) from e
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +207,53 @@ class Callbacks:
         for name, cb in self.items.items():
             if name in state and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(state[name])
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """ddp=fsdp2's fully_shard makes the module an FSDPModule, the same on every rank (only
+    with a process group: without one fsdp.wrap shards nothing)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _replicated(value: Any) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    return all(isinstance(p, Replicate) for p in value.placements)
+
+
+def _whole_only(name: str, key: str, hook: str) -> str:
+    return (
+        f"callbacks.{name}: ctx.log value {key!r} in {hook} is a DTensor this rank holds only "
+        "part of, outside a sharded job: call .full_tensor() on it on every rank and log that"
+    )
+
+
+def _disagreement(hook: str, every: list[list[tuple[str, str]]]) -> str:
+    """One line: the first DTensor logged on some ranks but not all (or in another order)."""
+    for entries in every:
+        for name, key in entries:
+            ranks = [r for r, theirs in enumerate(every) if (name, key) in theirs]
+            if len(ranks) < len(every):
+                return (
+                    f"callbacks.{name}: ctx.log value {key!r} in {hook} is a DTensor (ddp=fsdp2: "
+                    f"each rank holds a part), logged on rank(s) {ranks} of {len(every)}: its "
+                    "whole value needs every rank, so log it on every rank (then check ctx.rank "
+                    "elsewhere), or call .full_tensor() on it on every rank and log the result "
+                    "where you like"
+                )
+    name = every[0][0][0]
+    return (
+        f"callbacks.{name}: the DTensors given to ctx.log in {hook} came in a different order on "
+        "different ranks: log them in the same order on every rank (ddp=fsdp2 gathers each)"
+    )
 
 
 class SampleText:

@@ -74,6 +74,11 @@ class DDPConfig:
     enabled: bool = True
     # Re-broadcast rank 0's buffers (e.g. BatchNorm stats) at every forward.
     broadcast_buffers: bool = True
+    # Both wrappers: BatchNorm layers as torch's SyncBatchNorm, their batch statistics computed
+    # over all ranks (one all-gather per layer and forward). GPU only: refused on CPU with more
+    # than one process. Without it each rank normalises by its own batch; either way every
+    # rank takes rank 0's running statistics before each evaluation and save (dist/ddp.py).
+    sync_batchnorm: bool = False
     # Gradient bucket size in MiB: bigger buckets mean fewer, larger all-reduces.
     bucket_cap_mb: float = 25.0
     # Search the autograd graph each step for parameters that got no gradient. Needed when some

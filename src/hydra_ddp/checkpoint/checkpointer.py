@@ -22,7 +22,8 @@ class Checkpointer:
 
     `parts` are this job's checkpointed objects; what of them a checkpoint holds, and how, is
     the registry's (state.MEMBERS). Rank 0 saves the global members; the per-rank ones (every
-    rank's RNG, a comm hook's error feedback) are gathered into the same file. Saving and
+    rank's RNG and callback state, a comm hook's error feedback) are gathered into the same
+    file. Every rank first takes rank 0's buffers (state.agree). Saving and
     restoring are collective: every rank calls them.
     """
 
@@ -59,6 +60,7 @@ class Checkpointer:
         """Collective: gather every rank's per-rank state, then global rank 0 alone writes
         checkpoints/step_<step>.pt, or checkpoints/<name> (the best one, never rotated)."""
         env = self.env
+        state.agree(self.parts, env)  # collective
         main, refused = None, None
         try:  # what resume could not read is refused now, on every rank alike
             if env.is_main:

@@ -4,7 +4,7 @@ A checkpoint is a folder, checkpoints/step_<step>.dcp/ (best.dcp/ for the best o
 
     __<rank>_0.distcp  each rank's shards of the model, optimizer and EMA tensors (DCP's files)
     .metadata          DCP's index: which file holds which part of which tensor
-    extra.pt           rank 0: position, schedules, scaler, monitor, callbacks, every rank's RNG
+    extra.pt           rank 0: position, schedules, scaler, monitor; every rank's RNG, callbacks
     manifest.json      written last: every other file's size and CRC-32
 
 The guarantees of the single-file checkpoints hold. Atomic: every rank writes into
@@ -114,6 +114,7 @@ class DCPCheckpointer(Checkpointer):
     def save(self, name: str | None = None, background: bool = False) -> None:
         """Write step_<step>.dcp (or best.dcp for name=best.pt) from every rank."""
         self.wait()
+        state.agree(self.parts, self.env)  # collective
         folder = checkpoint_dir(self.output_dir)
         final = folder / (_dcp_name(name) or f"step_{self.step:08d}{SUFFIX}")
         tmp = folder / f".{final.name}.tmp"

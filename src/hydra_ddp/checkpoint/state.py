@@ -9,6 +9,9 @@ Resume loads the members in the table's order. An entry says:
                member starts fresh, with a warning
     per_rank   every rank's own state, kept in the checkpoint's `rng` list (index: rank);
                else global, saved by rank 0 (ddp=fsdp2: by every rank when `sharded`)
+    was_global per_rank, once global (the callbacks): a rank the checkpoint holds no state of
+               its own for takes rank 0's, and a checkpoint written when it was global gives
+               that one state to every rank
     sharded    ddp=fsdp2 keeps it in DCP's shards (each rank its part); else in extra.pt
     flat       its keys sit at the top level of the checkpoint (the position's step, epoch...),
                and its load_state_dict is given the whole checkpoint (it reads what is there)
@@ -36,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from hydra_ddp.checkpoint import safe_state
 from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.dist.ddp import sync_buffers
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,8 @@ class Member:
     flat: bool = False
     # per_rank: also restored from a checkpoint of another world size (rank r's state, if any)
     any_world: bool = False
+    # per_rank: rank 0's state, else the top-level one, for a rank without its own (see above)
+    was_global: bool = False
 
 
 class ModelState:
@@ -210,7 +216,8 @@ MEMBERS: list[Member] = [
     Member("ema", _ema, sharded=True),
     Member("ema_n_averaged", _ema_count, flat=True),
     Member("monitor", lambda p: p.monitor),
-    Member("callbacks", lambda p: p.callbacks),
+    # Each rank's callbacks keep their own state (a callback may count what its rank saw).
+    Member("callbacks", lambda p: p.callbacks, per_rank=True, any_world=True, was_global=True),
     Member("position", lambda p: p.position, required=True, flat=True),
     Member("rng", lambda p: RNGState(p.device), per_rank=True, flat=True, any_world=True),
     Member("comm_hook", lambda p: p.comm_hook, per_rank=True),
@@ -256,6 +263,13 @@ def global_state(members: list[tuple[Member, Stateful]]) -> dict[str, Any]:
     return state
 
 
+def agree(parts: Parts, env: DistEnv) -> None:
+    """`# collective`, first in every save: what each rank holds a copy of and updates on its
+    own, the model's and the EMA's buffers (BatchNorm statistics), becomes rank 0's, so a
+    checkpoint holds one rank's state and not a mix of them (dist/ddp.py)."""
+    sync_buffers([parts.model, *([parts.ema.module] if parts.ema is not None else [])], env)
+
+
 def gather_per_rank(
     members: list[tuple[Member, Stateful]], env: DistEnv, refused: str | None = None
 ) -> list[Any]:
@@ -286,9 +300,11 @@ def load_members(
             if member.per_rank:
                 found = mine if (same_world or member.any_world) else None
                 where = f" for rank {env.rank}"
+                if member.was_global and not _holds(found, member):
+                    found = next((s for s in (*ranks[:1], state) if _holds(s, member)), None)
             else:
                 found, where = state, ""
-            if found is None or (not member.flat and member.name not in found):
+            if not _holds(found, member):
                 _missing(member, path, where)
                 continue
             try:
@@ -299,6 +315,10 @@ def load_members(
                     f"{first_line(e)}): resume with the config it was trained with (its run's "
                     ".hydra/config.yaml; optim.*, scheduler.* ...), or trainer.resume=never"
                 ) from e
+
+
+def _holds(found: dict[str, Any] | None, member: Member) -> bool:
+    return found is not None and (member.flat or member.name in found)
 
 
 def _missing(member: Member, path: Path, where: str) -> None:

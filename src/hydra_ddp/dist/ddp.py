@@ -1,4 +1,13 @@
-"""Wrapping the model in DistributedDataParallel as the ddp/ config group says."""
+"""Wrapping the model in DistributedDataParallel as the ddp/ config group says, and keeping its
+buffers (BatchNorm's running statistics) the same on every rank where that matters.
+
+Buffers are not gradients: no wrapper averages them. Each rank updates its own from its own
+batches (DDP's broadcast_buffers hands rank 0's out before each training forward, FSDP2 never),
+so after a step the ranks' copies differ. An evaluation with each rank's own statistics would
+match no checkpoint, and a checkpoint would hold an arbitrary rank's (DCP picks one writer per
+replicated tensor). `sync_buffers` gives every rank rank 0's before each evaluation and each
+save; ddp.sync_batchnorm (SyncBatchNorm, GPU only) computes the statistics over all ranks.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +40,8 @@ def wrap_model(
     device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
     would name a GPU that does not exist.
     """
+    if cfg.sync_batchnorm:
+        _to_sync_batchnorm([model, *also], env)
     if cfg.wrapper == Wrapper.fsdp2:
         from hydra_ddp.dist import fsdp
 
@@ -65,9 +76,7 @@ def wrap_model(
         static_graph=cfg.static_graph,
         init_sync=cfg.init_sync,
     )
-    hook = comm_hooks.built(
-        cfg.comm_hook, cfg.powersgd_rank, cfg.powersgd_start_iter, env.device
-    )
+    hook = comm_hooks.built(cfg.comm_hook, cfg.powersgd_rank, cfg.powersgd_start_iter, env.device)
     name = comm_hooks.register(hook, ddp)
     # Read back from the wrapper, not echoed from the config: what DDP actually does.
     log.info(
@@ -80,3 +89,43 @@ def wrap_model(
         name,
     )
     return ddp, hook if callable(getattr(hook, "state_dict", None)) else None
+
+
+def _to_sync_batchnorm(modules: list[torch.nn.Module], env: DistEnv) -> None:
+    """ddp.sync_batchnorm: every BatchNorm layer as a SyncBatchNorm (same parameters, same
+    state_dict keys). torch's SyncBatchNorm raises at its first training forward on CPU with
+    a process group: refused here instead, in one line."""
+    if env.world_size > 1 and env.device.type == "cpu":
+        raise UserError(
+            "ddp.sync_batchnorm=true: torch's SyncBatchNorm runs on GPUs only, and this job "
+            "runs on CPU: drop ddp.sync_batchnorm (rank 0's statistics are still broadcast "
+            "before each evaluation and save)"
+        )
+    for module in modules:
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    norms = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in modules[0].modules())
+    if not norms:
+        log.warning("ddp.sync_batchnorm=true, but %s has no BatchNorm layer below its root",
+                    type(modules[0]).__name__)  # fmt: skip
+    log.info("ddp.sync_batchnorm: %d BatchNorm layer(s) synchronised over the ranks", norms)
+
+
+@torch.no_grad()
+def sync_buffers(modules: Iterable[torch.nn.Module], env: DistEnv) -> None:
+    """`# collective`: rank 0's buffers on every rank, in place (before an evaluation or a save).
+
+    A plain tensor is broadcast from rank 0; a DTensor buffer (a model's own) replicated over
+    its mesh is broadcast within it; a sharded one is each rank's own part, left alone."""
+    if not env.distributed:
+        return
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for module in modules:
+        for buffer in module.buffers():
+            if not isinstance(buffer, DTensor):
+                dist.broadcast(buffer, src=0)
+            elif all(isinstance(p, Replicate) for p in buffer.placements):
+                group = buffer.device_mesh.get_group() if buffer.device_mesh.ndim == 1 else None
+                if group is not None:
+                    dist.broadcast(buffer.to_local(), group=group, group_src=0)

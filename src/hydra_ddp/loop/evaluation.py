@@ -23,6 +23,7 @@ from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import EvalData
 from hydra_ddp.dist import DistEnv, jsonfile, process_group, use_device
+from hydra_ddp.dist.ddp import sync_buffers
 from hydra_ddp.errors import UserError, translated_evaluation
 from hydra_ddp.loop.monitor import Monitor
 from hydra_ddp.loop.predict import predict
@@ -72,7 +73,9 @@ class Evaluator:
         return self.monitor.stopped_early
 
     def evaluate(self, split: str) -> dict[str, float]:
-        """Collective: the loss and metrics of `split`, exact over all ranks."""
+        """Collective: the loss and metrics of `split`, exact over all ranks, every rank with
+        rank 0's buffers (BatchNorm statistics): those the checkpoint saves."""
+        sync_buffers([self.model], self.env)  # collective
         return evaluate(self.model, self.splits[split], self.env, *self.scoring)
 
     def validate(self, position: Any) -> dict[str, float]:

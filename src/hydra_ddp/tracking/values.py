@@ -5,6 +5,8 @@
 * a string is text: the stats file, W&B (as preformatted HTML) and TensorBoard (as text);
 * a W&B media object (wandb.Image, wandb.Histogram, ...) goes to W&B only; the stats file
   records a placeholder (``"<wandb.Image>"``) at its step, TensorBoard leaves it out;
+* a DTensor (ddp=fsdp2) must be whole by then: callbacks.Context.log makes it so (its
+  `.item()` would read this rank's part only); one that reaches here is refused;
 * anything else (a list, a dict, a tensor of several elements, None) is refused in one line;
 * so is a key that the row or the template's own stats use (step, rank, loss, lr, ...: see
   names.is_reserved), which would otherwise overwrite the row or join the training series.
@@ -18,6 +20,7 @@ import numbers
 from typing import Any, Dict, Iterable, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hydra_ddp.tracking import names
 
@@ -49,6 +52,11 @@ def _scalar_or_text(key: str, value: Any) -> Any:
         return value
     if isinstance(value, numbers.Real):
         return float(value)
+    if isinstance(value, DTensor):
+        raise ValueError(
+            f"ctx.log value {key!r} is a DTensor, of which this rank holds a part: call "
+            ".full_tensor() on it on every rank and log that"
+        )
     if torch.is_tensor(value) and value.numel() == 1:
         return value.item()
     size = getattr(value, "size", None)
