@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.checkpoint import dcp_files
+from hydra_ddp.disk import check_regular, os_cause, remove_quietly, why_write_failed, write_failed
 from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 # step_<step>.pt files; step_<step>.dcp folders are ddp=fsdp2's sharded checkpoints (dcp.py).
 _NAME = re.compile(r"^step_(\d{8})\.(?:pt|dcp)$")
 _TMP = re.compile(r"^\.step_\d{8}\.pt\.(\d+)\.tmp$")
+# The fix for a checkpoint name held by a FIFO, a socket or a device (not made by this template).
+_NOT_A_FILE = "remove it, or move it out of {folder} (the template writes only regular files there)"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -51,13 +54,10 @@ def save(
         os.replace(tmp, final)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         too_large = over_size_limit(e, tmp)
-        tmp.unlink(missing_ok=True)
+        remove_quietly(tmp)  # first: a full disk needs the space back (for errors/, the logs)
         if too_large:
             raise UserError(file_too_large(final)) from e
-        raise UserError(
-            f"could not write checkpoint {final} ({write_error(e, folder)}): free space or "
-            "quota there, or resume in another dir; the checkpoints already there are intact"
-        ) from e
+        raise write_failed(e, final) from e
     fsync_dir(folder)
     if name is None:
         for old in sorted(c for c in _complete(folder) if c[1].suffix == ".pt")[:-keep]:
@@ -79,10 +79,10 @@ def keep_as_best(output_dir: Path, step: int) -> None:
 
 
 def write_error(e: BaseException, folder: Path) -> str:
-    """Why a write under `folder` failed, in a few words (torch.save's message names no
-    cause, so a full disk is told from the free space left)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
+    """Why a write under `folder` failed, in a few words: the OSError behind the library's
+    error, else (a library that kept no cause) a full disk told from the free space left."""
+    if os_cause(e) is not None:
+        return why_write_failed(e)
     try:
         if shutil.disk_usage(folder).free < 1 << 20:
             return "No space left on device"
@@ -133,6 +133,7 @@ def damage(path: Path) -> str | None:
     the newest checkpoint and then loading it check it once."""
     if path.is_dir():
         return dcp_files.damage(path)
+    check_regular(path, "checkpoint", _NOT_A_FILE.format(folder=path.parent))
     try:
         st = path.stat()
     except OSError as e:

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
+from hydra_ddp.disk import check_regular, open_regular, read_regular
 from hydra_ddp.dist import DistEnv, jsonfile
 from hydra_ddp.tracking import names
 from hydra_ddp.tracking.sink import Kind, Record, Sink
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 SUPERSEDED = "superseded"  # stats/superseded/: rows a resumed job trained again
 # Records start with their step (see JsonFiles._write): found without a full parse.
 STEP_FIELD = re.compile(r'^\{"step": (-?\d+)[,}]')
+_FIX = "remove it, or move it away (the job appends its stats there, a regular file)"
 
 
 def stats_dir(output_dir: Path) -> Path:
@@ -62,7 +64,7 @@ def drop_rows_after(path: Path, step: int) -> int:
     """Move the rows of `path` whose step is past `step` to stats/superseded/<name> (appended);
     returns how many. The kept rows are rewritten atomically."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        lines = read_regular(path, what="stats file", fix=_FIX).splitlines(keepends=True)
     except FileNotFoundError:
         return 0
     keep, later = [], []
@@ -73,7 +75,7 @@ def drop_rows_after(path: Path, step: int) -> int:
         return 0
     aside = path.parent / SUPERSEDED / path.name
     aside.parent.mkdir(exist_ok=True)
-    with open(aside, "a", encoding="utf-8") as handle:
+    with open_regular(aside, "a", what="stats file", fix=_FIX, encoding="utf-8") as handle:
         handle.writelines(line if line.endswith("\n") else line + "\n" for line in later)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
@@ -89,7 +91,9 @@ def _rank_of(path: Path) -> int:
 
 def append_to(path: Path) -> TextIO:
     """Open a JSON-lines file to append to, first dropping a last line that a crash cut short
-    (appending to it would make both it and the next record unreadable)."""
+    (appending to it would make both it and the next record unreadable). Anything but a
+    regular file is refused in one line (opening a FIFO waits for ever)."""
+    check_regular(path, "stats file", _FIX)
     if path.is_file():
         with open(path, "rb+") as f:
             data = f.read()
@@ -151,7 +155,7 @@ class JsonFiles(Sink):
         merged: Dict[str, Any] = {}
         if path.exists():
             try:
-                merged = json.loads(path.read_text(encoding="utf-8"))
+                merged = json.loads(read_regular(path, what="stats file", fix=_FIX))
             except (OSError, ValueError):
                 logger.warning("could not read %s; rewriting it", path)
         merged.update({k: jsonfile.finite_or_none(float(v)) for k, v in values.items()})
