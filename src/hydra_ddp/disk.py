@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,24 +56,34 @@ def os_cause(e: BaseException) -> OSError | None:
     return None
 
 
-def why_write_failed(e: BaseException) -> str:
+def why_write_failed(e: BaseException, folder: Path | None = None) -> str:
     """A failed write's cause in a few words: the OS's ("No space left on device",
-    "Read-only file system"), else the library's first line."""
+    "Read-only file system"), else, for a library that kept no cause (DCP pickles each rank's
+    failure to every rank, dropping its context), a full disk told from the free space in
+    `folder` (asked before the partial files are removed), else the library's first line."""
+    return _cause(e, folder)[1]
+
+
+def write_failed(e: BaseException, path: Path, folder: Path | None = None) -> UserError:
+    """The one line for a checkpoint write that failed; `folder`: see why_write_failed."""
+    code, why = _cause(e, folder)
+    return UserError(
+        f"could not write checkpoint {path} ({why}): {write_advice(code)}; the checkpoints "
+        "already there are intact"
+    )
+
+
+def _cause(e: BaseException, folder: Path | None) -> tuple[int | None, str]:
     cause = os_cause(e)
     if cause is not None and cause.strerror:
-        return cause.strerror
+        return cause.errno, cause.strerror
+    try:
+        if folder is not None and shutil.disk_usage(folder).free < 1 << 20:
+            return errno.ENOSPC, os.strerror(errno.ENOSPC)
+    except OSError:
+        pass
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0][:200] if lines else type(e).__name__
-
-
-def write_failed(e: BaseException, path: Path, what: str = "checkpoint") -> UserError:
-    """The one line for a checkpoint write that failed (the partial file already removed)."""
-    cause = os_cause(e)
-    return UserError(
-        f"could not write {what} {path} ({why_write_failed(e)}): "
-        f"{write_advice(cause.errno if cause else None)}; the checkpoints already there are "
-        "intact"
-    )
+    return None, lines[0][:200] if lines else type(e).__name__
 
 
 def remove_quietly(path: Path) -> None:

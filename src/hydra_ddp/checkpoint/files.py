@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.checkpoint import dcp_files
-from hydra_ddp.disk import check_regular, os_cause, remove_quietly, why_write_failed, write_failed
+from hydra_ddp.disk import check_regular, remove_quietly, why_write_failed, write_failed
 from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,11 @@ def save(
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
-        too_large = over_size_limit(e, tmp)
-        remove_quietly(tmp)  # first: a full disk needs the space back (for errors/, the logs)
+        too_large, failed = over_size_limit(e, tmp), write_failed(e, final, folder)
+        remove_quietly(tmp)  # then: a full disk needs the space back (for errors/, the logs)
         if too_large:
             raise UserError(file_too_large(final)) from e
-        raise write_failed(e, final) from e
+        raise failed from e
     fsync_dir(folder)
     if name is None:
         for old in sorted(c for c in _complete(folder) if c[1].suffix == ".pt")[:-keep]:
@@ -79,16 +79,8 @@ def keep_as_best(output_dir: Path, step: int) -> None:
 
 
 def write_error(e: BaseException, folder: Path) -> str:
-    """Why a write under `folder` failed, in a few words: the OSError behind the library's
-    error, else (a library that kept no cause) a full disk told from the free space left."""
-    if os_cause(e) is not None:
-        return why_write_failed(e)
-    try:
-        if shutil.disk_usage(folder).free < 1 << 20:
-            return "No space left on device"
-    except OSError:
-        pass
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    """Why a write under `folder` failed, in a few words (disk.why_write_failed)."""
+    return why_write_failed(e, folder)
 
 
 def fsync_dir(folder: Path) -> None:
