@@ -247,6 +247,29 @@ def test_a_disk_that_fills_up_says_no_space_and_gives_the_space_back(
     assert checkpoint.load(run_dir / "checkpoints" / f"step_00000004{suffix}")["step"] == 4
 
 
+def test_a_tensorboard_dir_that_is_a_file_or_read_only_is_refused_in_one_line(
+    tmp_path: Path, small_disk
+) -> None:
+    """Previously: `<run>/tensorboard` being a file gave SummaryWriter's NotADirectoryError
+    traceback; a read-only one the advice to "free space or quota" there."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "tensorboard").write_text("my notes\n")
+    job = [*SHORT, "logger=tensorboard", "trainer.max_steps=2"]
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *job)
+    line = _one_line(info)
+    assert f"{run_dir / 'tensorboard'} exists but is not a directory" in line, line
+    assert (run_dir / "tensorboard").read_text() == "my notes\n"  # kept as it was
+    (run_dir / "tensorboard").unlink()
+    small_disk("run/tensorboard", "1m", read_only_dirs=("rank0",))
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *job)
+    line = _one_line(info)
+    assert "Read-only file system" in line and "make it writable" in line, line
+    assert "free space" not in line and "quota" not in line, line
+
+
 def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, capsys) -> None:
     """Previously: Hydra's "Unable to configure handler 'file'" traceback and no `error:`.
     What Hydra calls: the log file resolver of conf/hydra/ (the first write into the output
@@ -259,6 +282,7 @@ def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, caps
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and line.startswith("error: "), line
     assert f"cannot write to the output dir {disk / 'run'}" in line and "Read-only" in line
+    assert "make it writable" in line and "free space" not in line, line  # it is not full
     with pytest.raises(SystemExit) as info:
         _check_run_dir([*SHORT, f"hydra.run.dir={disk / 'new'}"])
     assert info.value.code == 2

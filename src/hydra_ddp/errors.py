@@ -143,7 +143,8 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
         return UserError(file_too_large(e.filename or f"a file in {output_dir}"))
     if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
         return UserError(
-            f"could not write {e.filename or output_dir} ({e.strerror}): "
+            f"could not write {os.fsdecode(e.filename) if e.filename else output_dir} "
+            f"({e.strerror}): "
             f"{write_advice(e.errno)}; the checkpoints already written are intact"
         )
     if timed_out(e):

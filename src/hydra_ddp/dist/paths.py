@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from hydra_ddp.disk import open_regular
 from hydra_ddp.dist import claim, jsonfile, launcher_rank, under_launcher
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, write_advice
 from hydra_ddp.tracking import redact
 
 # At most this many characters in a job dir's name; longer ones end in a hash of the full name.
@@ -123,8 +123,8 @@ def log_file(output_dir: str, stem: str) -> str:
         raise SystemExit(2) from None
     except OSError as e:
         sys.stderr.write(
-            f"error: cannot write to the output dir {output_dir} ({e.strerror}): make it "
-            "writable, free space there, or choose another with hydra.run.dir=...\n"
+            f"error: cannot write to the output dir {output_dir} ({e.strerror}): "
+            f"{write_advice(e.errno)}\n"
         )
         raise SystemExit(2) from None
     return path
