@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import subprocess
 import sys
 import zipfile
@@ -30,6 +31,9 @@ from hydra_ddp import checkpoint
 from hydra_ddp.dist import sweeps
 from hydra_ddp.errors import UserError
 from hydra_ddp.train import _check_run_dir
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import plot_run  # noqa: E402  (scripts/plot_run.py: what reads the stats files back)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -311,3 +315,28 @@ def test_non_finite_metrics_are_written_as_null() -> None:
         "val_acc": 0.5,
         "test_loss": None,
     }
+
+
+def test_inf_and_nan_in_the_stats_lines_stay_apart_and_plot_run_reads_them(
+    tmp_path: Path,
+) -> None:
+    """Previously: ctx.log's inf, -inf and NaN were all written as null in
+    stats/rank<r>.jsonl, so a reader could not tell an overflow from a NaN."""
+    logged = {"up": "inf", "down": "-inf", "none": "nan"}
+    callbacks = [
+        f"+callbacks.{k}={{_target_: helpers.user_log_callbacks.LogValue, key: {k}, value: {v}}}"
+        for k, v in logged.items()
+    ]
+    train_here(tmp_path, *SHORT[:-2], "trainer.max_steps=2", *callbacks)
+    lines = (tmp_path / "stats" / "rank0.jsonl").read_text().splitlines()
+    row: dict = {}
+    for line in lines:
+        row.update(json.loads(line, parse_constant=_no_constant))
+    assert {k: row[k] for k in logged} == logged, row  # strict JSON, and each its own
+    series = plot_run.read_rank_stats(tmp_path / "stats")[0]
+    assert series["up"] == [(2.0, math.inf)] and series["down"] == [(2.0, -math.inf)]
+    assert math.isnan(series["none"][0][1])
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} is not JSON")

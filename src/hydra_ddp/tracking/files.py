@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
@@ -175,6 +176,12 @@ class JsonFiles(Sink):
             return
         if self.run_id is not None:
             record[names.RUN] = self.run_id
-        clean = {k: jsonfile.finite_or_none(v) for k, v in record.items()}
+        clean = {k: _number(v) for k, v in record.items()}
         handle.write(json.dumps(clean, allow_nan=False) + "\n")
         handle.flush()  # a crashed or killed rank still leaves its stats up to the last interval
+
+
+def _number(value: Any) -> Any:
+    """A stats value as JSON: NaN and infinities as the strings "nan", "inf" and "-inf" (JSON
+    has no such numbers; null would not tell them apart), read back by float()."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
