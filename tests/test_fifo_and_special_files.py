@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wandb_env
+from conftest import run, wandb_env
 from helpers.inproc import FAST, compose, isolated, train_here
 from omegaconf import OmegaConf
 
@@ -232,5 +232,29 @@ def test_a_fifo_as_the_claim_the_log_or_a_ranks_error_record_does_not_block(
     errors_dir.mkdir()
     _fifo(errors_dir / "rank0.txt")
     (errors_dir / "rank1.txt").write_text("rank 1 said why\n")
-    said = str(worker_failed({0: 1, 1: 2}, errors_dir, run_dir))
+    # An empty record (a full disk once left one) is no cause, though it came first.
+    (errors_dir / "rank2.txt").write_text("")
+    os.utime(errors_dir / "rank2.txt", (1, 1))
+    said = str(worker_failed({0: 1, 1: 2, 2: 1}, errors_dir, run_dir))
     assert "worker rank 1 failed: rank 1 said why" in said, said
+
+
+@pytest.mark.slow  # three real entry points, ~30 s on 2 cores
+@pytest.mark.timeout(300)
+def test_the_entries_refuse_a_fifo_checkpoint_in_one_line_and_give_the_dir_back(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """What a user typed: `python -m hydra_ddp.train` resuming, `hydra_ddp.eval` and
+    `hydra_ddp.export` each end in one `error:` line, exit 2, and leave no claim behind."""
+    fifo = _fifo(run_dir / "checkpoints" / "step_00000005.pt")
+    train = [*RUN[:-3], "trainer.max_steps=8", "trainer.batch_size=16", f"hydra.run.dir={run_dir}"]
+    for module, args in (
+        ("hydra_ddp.train", train),
+        ("hydra_ddp.eval", [f"run={run_dir}"]),
+        ("hydra_ddp.export", [f"run={run_dir}"]),
+    ):
+        done = run([sys.executable, "-m", module, *args], tmp_path, timeout=120)
+        errors = [ln for ln in done.stderr.splitlines() if "error:" in ln]
+        assert done.returncode == 2 and len(errors) == 1, (module, done.stderr[-3000:])
+        assert f"{fifo} is a FIFO" in errors[0] and "Traceback" not in done.stderr, errors
+        assert not (run_dir / ".claim").exists()
