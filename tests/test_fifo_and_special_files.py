@@ -258,3 +258,16 @@ def test_the_entries_refuse_a_fifo_checkpoint_in_one_line_and_give_the_dir_back(
         assert done.returncode == 2 and len(errors) == 1, (module, done.stderr[-3000:])
         assert f"{fifo} is a FIFO" in errors[0] and "Traceback" not in done.stderr, errors
         assert not (run_dir / ".claim").exists()
+
+
+def test_a_fifo_inside_a_sharded_checkpoint_folder_is_refused(tmp_path: Path) -> None:
+    """A ddp=fsdp2 checkpoint folder whose manifest lists a file that is a FIFO is refused
+    naming it, as a step file that is one. Previously it was skipped as "missing" (the check
+    of the folder, which reads every listed file before DCP's reader does, saw no file)."""
+    folder = tmp_path / "checkpoints" / "step_00000002.dcp"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"files": {".metadata": [10, 0]}}))
+    fifo = _fifo(folder / ".metadata")
+    with pytest.raises(UserError) as info:
+        checkpoint.latest(tmp_path)
+    assert f"checkpoint file {fifo} is a FIFO" in _line(info)
