@@ -20,7 +20,15 @@ from typing import IO, Any
 
 from hydra_ddp.errors import UserError, check_regular, write_advice
 
-__all__ = ["check_regular", "open_regular", "os_cause", "write_failed", "why_write_failed"]
+__all__ = [
+    "check_regular",
+    "open_regular",
+    "os_cause",
+    "read_regular",
+    "remove_quietly",
+    "why_write_failed",
+    "write_failed",
+]
 
 
 def open_regular(path: Path, mode: str = "r", *, what: str, fix: str, **kwargs: Any) -> IO[Any]:

@@ -144,8 +144,8 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
     if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
         return UserError(
             f"could not write {os.fsdecode(e.filename) if e.filename else output_dir} "
-            f"({e.strerror}): "
-            f"{write_advice(e.errno)}; the checkpoints already written are intact"
+            f"({e.strerror}): {write_advice(e.errno)}; the checkpoints already written are "
+            "intact"
         )
     if timed_out(e):
         return UserError(
