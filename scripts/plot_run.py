@@ -70,8 +70,10 @@ def read_rank_stats(stats_dir: Path) -> Dict[int, Series]:
             for key, value in record.items():
                 if key in ("step", "time", "rank"):
                     continue
-                if value is None:  # NaN/inf are written as null
+                if value is None:  # NaN and inf, as files written before they were kept
                     series.setdefault(key, []).append((float(step), math.nan))
+                elif value in ("nan", "inf", "-inf"):  # NaN and inf, as written now
+                    series.setdefault(key, []).append((float(step), float(value)))
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     series.setdefault(key, []).append((float(step), float(value)))
         ranks[int(match.group(1))] = series

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import subprocess
 import sys
 import zipfile
@@ -23,13 +24,16 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import FAST, ok, python_train, user_env
-from helpers.inproc import train_here
+from helpers.inproc import train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
 from hydra_ddp.dist import sweeps
 from hydra_ddp.errors import UserError
 from hydra_ddp.train import _check_run_dir
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import plot_run  # noqa: E402  (scripts/plot_run.py: what reads the stats files back)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,20 +212,66 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_full_disk_fails_in_one_line_and_keeps_the_checkpoints(tmp_path: Path, small_disk) -> None:
-    """Previously: ENOSPC gave 3-5 tracebacks and no `error:` line. A checkpoint here is
-    ~2.6 MiB (model, two Adam moments): the first fits on the 4 MiB disk, the second does not."""
-    disk = small_disk("full", "4m")
+@pytest.mark.parametrize(
+    "wrapper",
+    ["default", pytest.param("fsdp2", marks=pytest.mark.slow)],  # fsdp2: 2 ranks, 25 s
+)
+def test_a_disk_that_fills_up_says_no_space_and_gives_the_space_back(
+    tmp_path: Path, small_disk, wrapper: str
+) -> None:
+    """A real ENOSPC, through the real writers, with space left after the failed write (the
+    case the free-space guess missed). Previously, under DDP: `unexpected pos 263744 vs
+    263664` (torch.save's message; the OSError was only its context); under fsdp2: DCP's
+    CheckpointException (no Exception) got past every handler, a traceback from each rank,
+    an empty errors/rank0.txt and the .step_N.dcp.tmp folder left filling the disk. (Before
+    these, on a 4 MiB disk, ENOSPC gave 3-5 tracebacks and no `error:` line.)
+
+    A checkpoint is ~2.6 MiB: steps 2 and 4 fit on the 8 MiB disk, step 6 does not."""
+    disk = small_disk("full", "8m")
     run_dir = disk / "run"
-    big = ["model.hidden=512", "model.depth=2", "trainer.ckpt_interval=2", "trainer.keep_ckpts=3"]
+    (run_dir / "errors").mkdir(parents=True)  # as the launcher makes it: each rank's cause
+    job = [*FAST, "model.hidden=512", "model.depth=2", "trainer.max_steps=8",
+           "trainer.ckpt_interval=2", "trainer.keep_ckpts=3", f"ddp={wrapper}"]  # fmt: skip
+    if wrapper == "default":
+        with pytest.raises(UserError) as info:
+            train_here(run_dir, *job)
+        lines = [_one_line(info)]
+    else:
+        done = train_ranks(run_dir, *job, return_exceptions=True)
+        assert all(isinstance(e, UserError) for e in done), done
+        lines = [str(e) for e in done]
+    suffix = ".pt" if wrapper == "default" else ".dcp"
+    for line in lines:
+        assert "\n" not in line and "could not write checkpoint" in line, line
+        assert f"step_00000006{suffix} (No space left on device): free space" in line, line
+    cause = (run_dir / "errors" / "rank0.txt").read_text()
+    assert "No space left on device" in cause and "step_00000006" in cause, cause
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name != f"best{suffix}")
+    assert kept == [f"step_00000002{suffix}", f"step_00000004{suffix}"], kept  # no *.tmp left
+    assert checkpoint.load(run_dir / "checkpoints" / f"step_00000004{suffix}")["step"] == 4
+
+
+def test_a_tensorboard_dir_that_is_a_file_or_read_only_is_refused_in_one_line(
+    tmp_path: Path, small_disk
+) -> None:
+    """Previously: `<run>/tensorboard` being a file gave SummaryWriter's NotADirectoryError
+    traceback; a read-only one the advice to "free space or quota" there."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "tensorboard").write_text("my notes\n")
+    job = [*SHORT, "logger=tensorboard", "trainer.max_steps=2"]
     with pytest.raises(UserError) as info:
-        train_here(run_dir, *FAST, "trainer.max_steps=8", *big)
+        train_here(run_dir, *job)
     line = _one_line(info)
-    assert "could not write checkpoint" in line and "No space left on device" in line, line
-    assert "step_00000004.pt" in line
-    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert kept == ["step_00000002.pt"], kept  # the one that fit, and no half-written file
-    assert checkpoint.load(run_dir / "checkpoints" / "step_00000002.pt")["step"] == 2
+    assert f"{run_dir / 'tensorboard'} exists but is not a directory" in line, line
+    assert (run_dir / "tensorboard").read_text() == "my notes\n"  # kept as it was
+    (run_dir / "tensorboard").unlink()
+    small_disk("run/tensorboard", "1m", read_only_dirs=("rank0",))
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *job)
+    line = _one_line(info)
+    assert "Read-only file system" in line and "make it writable" in line, line
+    assert "free space" not in line and "quota" not in line, line
 
 
 def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, capsys) -> None:
@@ -236,6 +286,7 @@ def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, caps
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and line.startswith("error: "), line
     assert f"cannot write to the output dir {disk / 'run'}" in line and "Read-only" in line
+    assert "make it writable" in line and "free space" not in line, line  # it is not full
     with pytest.raises(SystemExit) as info:
         _check_run_dir([*SHORT, f"hydra.run.dir={disk / 'new'}"])
     assert info.value.code == 2
@@ -264,3 +315,28 @@ def test_non_finite_metrics_are_written_as_null() -> None:
         "val_acc": 0.5,
         "test_loss": None,
     }
+
+
+def test_inf_and_nan_in_the_stats_lines_stay_apart_and_plot_run_reads_them(
+    tmp_path: Path,
+) -> None:
+    """Previously: ctx.log's inf, -inf and NaN were all written as null in
+    stats/rank<r>.jsonl, so a reader could not tell an overflow from a NaN."""
+    logged = {"up": "inf", "down": "-inf", "none": "nan"}
+    callbacks = [
+        f"+callbacks.{k}={{_target_: helpers.user_log_callbacks.LogValue, key: {k}, value: {v}}}"
+        for k, v in logged.items()
+    ]
+    train_here(tmp_path, *SHORT[:-2], "trainer.max_steps=2", *callbacks)
+    lines = (tmp_path / "stats" / "rank0.jsonl").read_text().splitlines()
+    row: dict = {}
+    for line in lines:
+        row.update(json.loads(line, parse_constant=_no_constant))
+    assert {k: row[k] for k in logged} == logged, row  # strict JSON, and each its own
+    series = plot_run.read_rank_stats(tmp_path / "stats")[0]
+    assert series["up"] == [(2.0, math.inf)] and series["down"] == [(2.0, -math.inf)]
+    assert math.isnan(series["none"][0][1])
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} is not JSON")

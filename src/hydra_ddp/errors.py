@@ -150,9 +150,9 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
         return UserError(file_too_large(e.filename or f"a file in {output_dir}"))
     if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
         return UserError(
-            f"could not write {e.filename or output_dir} ({e.strerror}): free space "
-            "or quota there, or resume in another dir (hydra.run.dir=...); the checkpoints "
-            "already written are intact"
+            f"could not write {os.fsdecode(e.filename) if e.filename else output_dir} "
+            f"({e.strerror}): {write_advice(e.errno)}; the checkpoints already written are "
+            "intact"
         )
     if timed_out(e):
         return UserError(
@@ -162,6 +162,17 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
             "one rank legitimately works that long alone"
         )
     return None
+
+
+def write_advice(code: int | None) -> str:
+    """What to do about a failed write into the run dir, by its errno: a read-only or foreign
+    dir wants no free space."""
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            "it is read-only or not yours: make it writable, or resume in another dir "
+            "(hydra.run.dir=...)"
+        )
+    return "free space or quota there, or resume in another dir (hydra.run.dir=...)"
 
 
 def check_regular(path: Path, what: str, fix: str) -> None:
@@ -195,7 +206,9 @@ def check_archive(path: Path, key: str) -> None:
 
     check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
     if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
-        otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
+        otherwise = {"trainer.resume": f"{key}=never", "ckpt": "ckpt=last or ckpt=best"}.get(
+            key, f"no {key}"
+        )
         raise UserError(
             f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
             f"another format, or a write cut short?): point {key} at another file from "
@@ -323,8 +336,8 @@ def record(e: BaseException, rank: int, errors_dir: Path) -> None:
         why += first_line(e)
     try:
         path.write_text(why.replace("\n", " ") + "\n")
-    except OSError:
-        pass  # a full disk: the rank's log has the error; the launcher names the exit code
+    except OSError:  # a full disk: the rank's log has the error; the launcher names the exit
+        path.unlink(missing_ok=True)  # code (an empty file would read as an empty cause)
 
 
 def exit_code(e: Exception, log: logging.Logger) -> int:
@@ -352,8 +365,9 @@ def worker_failed(
     for p in said_dir.glob("rank*.txt"):
         rank_text = p.stem[len("rank") :]
         try:
-            if rank_text.isdigit():
-                said[int(rank_text)] = (p.stat().st_mtime_ns, p.read_text().strip())
+            # Not a FIFO (it would block the launcher), nor empty (no cause in it).
+            if rank_text.isdigit() and p.is_file() and (text := p.read_text().strip()):
+                said[int(rank_text)] = (p.stat().st_mtime_ns, text)
         except OSError:
             continue
     own = {r: v for r, v in said.items() if LOST_CONTACT not in v[1] and WAITED not in v[1]}

@@ -35,7 +35,7 @@ def export(run: Path, ckpt: str = "last", out: Path | None = None) -> Path:
     if not Path(run).is_dir():
         raise UserError(f"run={run}: no such directory; give a training run's output dir")
     path = checkpoint_file(Request(run=Path(run), ckpt=ckpt))
-    state = checkpoint.load(path)
+    state = checkpoint.load(path, key="ckpt")
     plain = {"model": state["model"], "step": int(state["step"])}
     if "ema" in state:
         plain["ema"] = state["ema"]

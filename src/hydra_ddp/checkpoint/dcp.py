@@ -51,7 +51,8 @@ from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.loa
     left_by_swap,
     load_full,
 )
-from hydra_ddp.checkpoint.files import checkpoint_dir, fsync_dir, write_error
+from hydra_ddp.checkpoint.files import checkpoint_dir, fsync_dir
+from hydra_ddp.disk import remove_quietly, write_failed
 from hydra_ddp.dist import all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
 
@@ -136,8 +137,8 @@ class DCPCheckpointer(Checkpointer):
                 self._pending = (future, tmp, final, name)
                 return
             dcp.save(shards, checkpoint_id=str(tmp), no_dist=not self.env.distributed)
-        except (OSError, RuntimeError) as e:
-            raise _write_failed(e, final) from e
+        except (OSError, RuntimeError, dcp.CheckpointException) as e:
+            raise self._failed(e, tmp, final) from e
         self._complete(tmp, final, name)
 
     def wait(self) -> None:
@@ -149,9 +150,22 @@ class DCPCheckpointer(Checkpointer):
         self._pending = None
         try:
             future.result()
-        except (OSError, RuntimeError) as e:
-            raise _write_failed(e, final) from e
+        except (OSError, RuntimeError, dcp.CheckpointException) as e:
+            raise self._failed(e, tmp, final) from e
         self._complete(tmp, final, name)
+
+    def _failed(self, e: BaseException, tmp: Path, final: Path) -> UserError:
+        """A write of every rank's shards failed (DCP tells each rank, in a CheckpointException
+        that is no Exception: it got past every handler, a traceback from each rank): the
+        partial folder goes, so a full disk gets its space back, and one line names the OS's
+        cause. The rank's log keeps the library's message."""
+        log.info("rank %d: the checkpoint write failed: %s", self.env.rank, first_line(e, 2000))
+        failed = write_failed(e, final, folder=tmp)  # before the space is given back
+        for p in tmp.glob(f"__{self.env.rank}_*"):
+            remove_quietly(p)
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return failed
 
     def _complete(self, tmp: Path, final: Path, name: str | None) -> None:
         """Collective, after every rank's shards are written: CRC each rank's own files, then
@@ -210,6 +224,7 @@ class DCPCheckpointer(Checkpointer):
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:
+            shutil.rmtree(path.parent, ignore_errors=True)
             raise _write_failed(e, path.parent) from e
 
     def _shards(self) -> dict[str, Any]:
@@ -258,10 +273,7 @@ class DCPCheckpointer(Checkpointer):
 
 
 def _write_failed(e: BaseException, path: Path) -> UserError:
-    return UserError(
-        f"could not write checkpoint {path} ({write_error(e, path.parent)}): free space or "
-        "quota there, or resume in another dir; the checkpoints already there are intact"
-    )
+    return write_failed(e, path)
 
 
 def _link_as_best(folder: Path, step: int) -> None:

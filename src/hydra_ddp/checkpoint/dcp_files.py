@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.errors import UserError, check_regular, first_line
 
 SUFFIX = ".dcp"
 NAME = re.compile(r"^step_(\d{8})\.dcp$")
@@ -70,6 +70,7 @@ def _damage(path: str, stats: tuple) -> str | None:
         return f"manifest.json unreadable ({first_line(e, 120)})"
     for name, (length, crc) in files.items():
         file = Path(path) / name
+        check_regular(file, "checkpoint file", f"remove it, or move {path} away")
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != length:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.checkpoint import dcp_files
+from hydra_ddp.disk import check_regular, remove_quietly, why_write_failed, write_failed
 from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 # step_<step>.pt files; step_<step>.dcp folders are ddp=fsdp2's sharded checkpoints (dcp.py).
 _NAME = re.compile(r"^step_(\d{8})\.(?:pt|dcp)$")
 _TMP = re.compile(r"^\.step_\d{8}\.pt\.(\d+)\.tmp$")
+# The fix for a checkpoint name held by a FIFO, a socket or a device (not made by this template).
+_NOT_A_FILE = "remove it, or move it out of {folder} (the template writes only regular files there)"
 
 
 def checkpoint_dir(output_dir: Path) -> Path:
@@ -50,14 +53,11 @@ def save(
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
-        too_large = over_size_limit(e, tmp)
-        tmp.unlink(missing_ok=True)
+        too_large, failed = over_size_limit(e, tmp), write_failed(e, final, folder)
+        remove_quietly(tmp)  # then: a full disk needs the space back (for errors/, the logs)
         if too_large:
             raise UserError(file_too_large(final)) from e
-        raise UserError(
-            f"could not write checkpoint {final} ({write_error(e, folder)}): free space or "
-            "quota there, or resume in another dir; the checkpoints already there are intact"
-        ) from e
+        raise failed from e
     fsync_dir(folder)
     if name is None:
         for old in sorted(c for c in _complete(folder) if c[1].suffix == ".pt")[:-keep]:
@@ -86,16 +86,8 @@ def best(output_dir: Path) -> Path | None:
 
 
 def write_error(e: BaseException, folder: Path) -> str:
-    """Why a write under `folder` failed, in a few words (torch.save's message names no
-    cause, so a full disk is told from the free space left)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    try:
-        if shutil.disk_usage(folder).free < 1 << 20:
-            return "No space left on device"
-    except OSError:
-        pass
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    """Why a write under `folder` failed, in a few words (disk.why_write_failed)."""
+    return why_write_failed(e, folder)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -140,6 +132,7 @@ def damage(path: Path) -> str | None:
     the newest checkpoint and then loading it check it once."""
     if path.is_dir():
         return dcp_files.damage(path)
+    check_regular(path, "checkpoint", _NOT_A_FILE.format(folder=path.parent))
     try:
         st = path.stat()
     except OSError as e:

@@ -64,17 +64,12 @@ def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> 
     if path.is_dir():
         return dcp_files.load_full(path)
     check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
+    other = another(key)
     if path.is_file() and path.stat().st_size == 0:
-        raise UserError(
-            f"{path} is empty (a checkpoint whose write never completed?): point "
-            "trainer.resume at another one, or trainer.resume=never"
-        )
+        raise UserError(f"{path} is empty (a checkpoint whose write never completed?): {other}")
     why = damage(path) if zipfile.is_zipfile(path) else None
     if why is not None:
-        raise UserError(
-            f"{path} is not a readable checkpoint ({why}): point trainer.resume at "
-            "another one, or trainer.resume=never"
-        )
+        raise UserError(f"{path} is not a readable checkpoint ({why}): {other}")
     try:
         with warnings.catch_warnings():
             # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
@@ -91,22 +86,27 @@ def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> 
                 "it. Only load checkpoints you trust, re-saved as plain tensors"
             ) from e
         raise UserError(
-            f"{path} is not a readable checkpoint (not a torch.save archive, or "
-            "corrupt): point trainer.resume at another one, or "
-            "trainer.resume=never"
+            f"{path} is not a readable checkpoint (not a torch.save archive, or corrupt): {other}"
         ) from e
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
         raise UserError(
             f"{path} is not a readable checkpoint ({first_line(e, 160)}): it may be "
-            "truncated or corrupt; point trainer.resume at another one, or "
-            "trainer.resume=never"
+            f"truncated or corrupt; {other}"
         ) from e
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise UserError(
             f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
-            "a file from <output dir>/checkpoints/, or trainer.resume=never"
+            f"a file from <output dir>/checkpoints/; {another(key)}"
         )
     return state
+
+
+def another(key: str) -> str:
+    """What to do instead, for the setting `key` that named an unreadable checkpoint."""
+    if key == "ckpt":  # hydra_ddp.eval's and hydra_ddp.export's
+        return "give another ckpt=<file>, or ckpt=last or ckpt=best"
+    otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
+    return f"point {key} at another one, or {otherwise}"
 
 
 def load_model_state(

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra_ddp.errors import UserError, check_regular
+
 NAME = ".claim"
 HEARTBEAT_S = 30.0
 STALE_S = 4 * HEARTBEAT_S
@@ -81,6 +83,7 @@ def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
+            _refuse_unless_regular(path)
             try:
                 holder = json.loads(path.read_text() or "{}")
             except (OSError, ValueError):
@@ -110,6 +113,17 @@ def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
     raise SystemExit(f"error: could not claim {path}: another job keeps taking it")
 
 
+def _refuse_unless_regular(path: Path) -> None:
+    """Exit 2 with one line when the claim file is a FIFO, a socket or a device: reading it
+    (a FIFO) would wait for ever, and no job of this template made it."""
+    try:
+        check_regular(path, "the claim file", f"delete it (a job's claim on {path.parent} is "
+                      "a regular file that the job writes)")  # fmt: skip
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        raise SystemExit(2) from None
+
+
 def _lock_shared(fd: int) -> None:
     """Hold a shared lock on the claim file through `fd` for the life of this process."""
     try:
@@ -123,7 +137,7 @@ def _still_held(path: Path) -> bool:
     """True while some process (of any host sharing the file system's locks) holds the claim
     file's lock: the job that made it is not gone."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait for a writer
     except OSError:
         return False
     try:
@@ -142,7 +156,7 @@ def join(run_dir: str | Path) -> None:
     too, so the dir is not taken over while this process can still write there."""
     path = Path(run_dir) / NAME
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait for a writer
     except OSError:
         return  # no claim (a run dir from before claims): nothing to hold
     _lock_shared(fd)
@@ -163,6 +177,7 @@ def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
     path = Path(run_dir) / NAME
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        _refuse_unless_regular(path)
         try:
             holder = json.loads(path.read_text() or "{}")
         except (OSError, ValueError):

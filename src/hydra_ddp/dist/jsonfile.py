@@ -13,6 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hydra_ddp.disk import read_regular
+
+_FIX = "remove it, or move it away (the job keeps a regular file there)"
+
 
 def finite_or_none(value: Any) -> Any:
     """`value`, or None for a float that is NaN or infinite."""
@@ -21,9 +25,10 @@ def finite_or_none(value: Any) -> Any:
 
 def read(path: Path) -> Any:
     """The file's content, or None when it is missing or not JSON (the caller treats that as
-    absent)."""
+    absent). A FIFO, socket or device there is refused in one line (opening a FIFO waits for
+    ever)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(read_regular(Path(path), what="file", fix=_FIX))
     except (OSError, ValueError):
         return None
 

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from hydra_ddp.disk import open_regular
 from hydra_ddp.dist import claim, jsonfile, launcher_rank, under_launcher
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, write_advice
 from hydra_ddp.tracking import redact
 
 # At most this many characters in a job dir's name; longer ones end in a hash of the full name.
@@ -115,12 +116,15 @@ def log_file(output_dir: str, stem: str) -> str:
             claim.claim(output_dir)  # one job per run dir: before anything is written there
         else:
             claim.wait_for_own_job(output_dir)  # not into another job's dir, nor its logs
-        with open(path, "a"):
+        with open_regular(Path(path), "a", what="log file", fix="remove it, or move it away"):
             pass
+    except UserError as e:  # a FIFO: the log handler would wait for a reader for ever
+        sys.stderr.write(f"error: {e}\n")
+        raise SystemExit(2) from None
     except OSError as e:
         sys.stderr.write(
-            f"error: cannot write to the output dir {output_dir} ({e.strerror}): make it "
-            "writable, free space there, or choose another with hydra.run.dir=...\n"
+            f"error: cannot write to the output dir {output_dir} ({e.strerror}): "
+            f"{write_advice(e.errno)}\n"
         )
         raise SystemExit(2) from None
     return path

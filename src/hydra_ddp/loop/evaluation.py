@@ -165,7 +165,7 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     source = build(cfg.data, "data")
     split = EvalData(source, request.split, cfg.sampler, env, cfg.trainer.batch_size)
     model = build(cfg.model, "model", **source.spec)
-    state = checkpoint.load(path)
+    state = checkpoint.load(path, key="ckpt")
     weights = state["model"]
     if "ema" in state:  # the run evaluated its average: so do we
         weights = {k[len("module.") :]: v for k, v in state["ema"].items() if k != "n_averaged"}

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
+from hydra_ddp.disk import check_regular, open_regular, read_regular
 from hydra_ddp.dist import DistEnv, jsonfile
 from hydra_ddp.tracking import names
 from hydra_ddp.tracking.sink import Kind, Record, Sink
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 SUPERSEDED = "superseded"  # stats/superseded/: rows a resumed job trained again
 # Records start with their step (see JsonFiles._write): found without a full parse.
 STEP_FIELD = re.compile(r'^\{"step": (-?\d+)[,}]')
+_FIX = "remove it, or move it away (the job appends its stats there, a regular file)"
 
 
 def stats_dir(output_dir: Path) -> Path:
@@ -62,7 +65,7 @@ def drop_rows_after(path: Path, step: int) -> int:
     """Move the rows of `path` whose step is past `step` to stats/superseded/<name> (appended);
     returns how many. The kept rows are rewritten atomically."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        lines = read_regular(path, what="stats file", fix=_FIX).splitlines(keepends=True)
     except FileNotFoundError:
         return 0
     keep, later = [], []
@@ -73,7 +76,7 @@ def drop_rows_after(path: Path, step: int) -> int:
         return 0
     aside = path.parent / SUPERSEDED / path.name
     aside.parent.mkdir(exist_ok=True)
-    with open(aside, "a", encoding="utf-8") as handle:
+    with open_regular(aside, "a", what="stats file", fix=_FIX, encoding="utf-8") as handle:
         handle.writelines(line if line.endswith("\n") else line + "\n" for line in later)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
@@ -89,7 +92,9 @@ def _rank_of(path: Path) -> int:
 
 def append_to(path: Path) -> TextIO:
     """Open a JSON-lines file to append to, first dropping a last line that a crash cut short
-    (appending to it would make both it and the next record unreadable)."""
+    (appending to it would make both it and the next record unreadable). Anything but a
+    regular file is refused in one line (opening a FIFO waits for ever)."""
+    check_regular(path, "stats file", _FIX)
     if path.is_file():
         with open(path, "rb+") as f:
             data = f.read()
@@ -151,7 +156,7 @@ class JsonFiles(Sink):
         merged: Dict[str, Any] = {}
         if path.exists():
             try:
-                merged = json.loads(path.read_text(encoding="utf-8"))
+                merged = json.loads(read_regular(path, what="stats file", fix=_FIX))
             except (OSError, ValueError):
                 logger.warning("could not read %s; rewriting it", path)
         merged.update({k: jsonfile.finite_or_none(float(v)) for k, v in values.items()})
@@ -171,6 +176,12 @@ class JsonFiles(Sink):
             return
         if self.run_id is not None:
             record[names.RUN] = self.run_id
-        clean = {k: jsonfile.finite_or_none(v) for k, v in record.items()}
+        clean = {k: _number(v) for k, v in record.items()}
         handle.write(json.dumps(clean, allow_nan=False) + "\n")
         handle.flush()  # a crashed or killed rank still leaves its stats up to the last interval
+
+
+def _number(value: Any) -> Any:
+    """A stats value as JSON: NaN and infinities as the strings "nan", "inf" and "-inf" (JSON
+    has no such numbers; null would not tell them apart), read back by float()."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value

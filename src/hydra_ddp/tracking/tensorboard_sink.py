@@ -11,6 +11,7 @@ A resumed job purges the steps past its checkpoint from the view (SummaryWriter'
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from hydra_ddp.config import LoggerConfig
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.errors import UserError, write_advice
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
 from hydra_ddp.tracking.values import is_media
 
@@ -34,7 +36,21 @@ class TensorBoardSink(Sink):
         self.rank = env.rank
         folder = Path(info.output_dir) / "tensorboard" / f"rank{env.rank}"
         purge = None if resumed_step is None else resumed_step + 1
-        self.writer: Optional[SummaryWriter] = SummaryWriter(str(folder), purge_step=purge)
+        for path in (folder.parent, folder):  # else NotADirectoryError from SummaryWriter
+            if path.exists() and not path.is_dir():
+                raise UserError(
+                    f"logger=tensorboard: {path} exists but is not a directory, so no event "
+                    "file can be written there: move it away, or logger=none"
+                )
+        try:  # SummaryWriter's thread would print a read-only dir's error as a traceback
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+            self.writer: Optional[SummaryWriter] = SummaryWriter(str(folder), purge_step=purge)
+        except OSError as e:
+            raise UserError(
+                f"logger=tensorboard: cannot write to {folder} ({e.strerror}): "
+                f"{write_advice(e.errno)}, or logger=none"
+            ) from e
 
     def log(self, record: Record, step: int) -> None:
         writer = self.writer

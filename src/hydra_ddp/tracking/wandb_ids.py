@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 
 from hydra_ddp.config import Layout, LoggerConfig
+from hydra_ddp.disk import open_regular, read_regular
 from hydra_ddp.dist import DistEnv
 from hydra_ddp.tracking.files import STEP_FIELD, SUPERSEDED
 from hydra_ddp.tracking.sink import RunInfo
@@ -27,6 +28,7 @@ from hydra_ddp.tracking.wandb_errors import IDS_FILE, clip
 
 logger = logging.getLogger(__name__)
 
+_FIX = "remove it, or move it away (the job keeps a regular file there)"
 Plan = Dict[str, Dict[str, Any]]  # {key: {id, project, entity, name, group, attempt, resume}}
 
 
@@ -44,7 +46,7 @@ def fresh_run_id() -> str:
 def read_ids(path: Path) -> Dict[str, Dict[str, Any]]:
     """The runs recorded in ``wandb_ids.json`` ({} when absent or unreadable)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path, what="W&B run record", fix=_FIX))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
@@ -62,7 +64,7 @@ def last_step(path: Path, run_id: str) -> int:
     best = 0
     for candidate in (path, path.parent / SUPERSEDED / path.name):
         try:
-            with open(candidate, encoding="utf-8") as handle:
+            with open_regular(candidate, what="stats file", fix=_FIX, encoding="utf-8") as handle:
                 for line in handle:
                     found = STEP_FIELD.match(line)
                     if found and f'"run": "{run_id}"' in line:
