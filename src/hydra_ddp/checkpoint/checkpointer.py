@@ -77,6 +77,10 @@ class Checkpointer:
         # Nobody races ahead and dies before the file is complete.
         barrier(env)
 
+    def abandon(self) -> None:
+        """A failed job's background save given up (DCPCheckpointer's async saves; every save
+        here is written at once)."""
+
     def keep_as_best(self, step: int) -> None:
         """Rank 0: the checkpoint just saved at `step` is also checkpoints/best.pt."""
         if self.env.is_main:

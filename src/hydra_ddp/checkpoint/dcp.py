@@ -58,6 +58,9 @@ from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
+# How long a failed job waits for its background save's writer before removing its files.
+_ABANDON_WAIT_S = 30.0
+
 
 def load_sharded(model: torch.nn.Module, path: Path, env: Any) -> None:
     """Collective: trainer.init_from into an already sharded model (ddp.meta_init), without a
@@ -153,6 +156,23 @@ class DCPCheckpointer(Checkpointer):
         except (OSError, RuntimeError, dcp.CheckpointException) as e:
             raise self._failed(e, tmp, final) from e
         self._complete(tmp, final, name)
+
+    def abandon(self) -> None:
+        """A job that failed with a background save under way: that save is not completed
+        (completing it needs every rank, and a rank may be gone), but its partial folder goes,
+        so a disk that filled up gets its space back. Not a collective."""
+        if self._pending is None:
+            return
+        future, tmp, _, _ = self._pending
+        self._pending = None
+        try:  # let this rank's writer finish or fail before its files are removed
+            future.result(timeout=_ABANDON_WAIT_S)
+        except BaseException:  # noqa: B036 - what went wrong is the job's error, said already
+            pass
+        for p in tmp.glob(f"__{self.env.rank}_*"):
+            remove_quietly(p)
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _failed(self, e: BaseException, tmp: Path, final: Path) -> UserError:
         """A write of every rank's shards failed (DCP tells each rank, in a CheckpointException

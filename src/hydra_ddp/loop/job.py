@@ -189,6 +189,8 @@ def _run(job: Job) -> dict[str, Any]:
         if tcfg.detect_anomaly:
             log.warning("autograd anomaly detection is on (trainer.detect_anomaly): slow")
             scope.enter_context(torch.autograd.detect_anomaly())
+        # A job that fails with a background save under way leaves no partial folder.
+        scope.callback(checkpointer.abandon)
         loop = _loop(job, held, step_model, checkpointer, tracker, scope)
         scope.callback(loop.stopper.restore)  # the signal handlers as they were before
         start_step = pos.step

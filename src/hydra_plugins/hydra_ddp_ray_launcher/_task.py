@@ -3,11 +3,11 @@ own (_job.py).
 
 That process has its own session: Ray reuses its worker processes from task to task, and a job
 changes process-wide state (signal handlers of torch's elastic agent, OpenMP threads, caches of
-the resolved job dir). By default that process is forked from a warm parent that imported torch, Hydra and the template once (_warm.py), so a job
-starts in well under a second instead of paying the imports; `hydra.launcher.warm_start=false`
-starts a fresh interpreter per job instead. A stop (Ray's cancel of the task, on Ctrl-C /
-SIGTERM of the sweep) becomes SIGTERM to the job, which then saves a checkpoint and stops, as
-under SIGTERM from a scheduler.
+the resolved job dir). By default it is forked from a warm parent that imported torch, Hydra
+and the template once (_warm.py), so a job starts in well under a second instead of paying the
+imports; `hydra.launcher.warm_start=false` starts a fresh interpreter per job instead. A stop
+(Ray's cancel of the task, on Ctrl-C / SIGTERM of the sweep) becomes SIGTERM to the job, which
+then saves a checkpoint and stops, as under SIGTERM from a scheduler.
 """
 
 from __future__ import annotations
