@@ -21,8 +21,8 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import claim, env_from_environ
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop.job import train
-from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
-from hydra_ddp.dist.torchrun import AGENT_LOGS, drop_stop_notes
+from hydra_ddp.dist.preemption import Preempted, run_dir_override, signal_name
+from hydra_ddp.dist.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,9 @@ def spawn(
         # got it too and are stopped by the agent on its way out.
         raise Preempted(signal.SIGINT, stopped_line("stopped on SIGINT", run.output_dir)) from None
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        stops = {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
-        if codes <= stops:  # the workers themselves were signalled and stopped cleanly
-            signum = max(codes) - 128
+        status = stop_status(f.exitcode for f in e.failures.values())
+        if status is not None:  # the workers themselves were signalled and stopped cleanly
+            signum = status - 128
             how = f"the workers stopped on {signal_name(signum)}"
             raise Preempted(signum, stopped_line(how, run.output_dir)) from None
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -136,6 +135,9 @@ def _launch_config(cfg: TrainConfig) -> Any:
         max_restarts=cfg.dist.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        # The agent forwards these and waits for the workers' checkpoint; a signal it does not
+        # handle (torch leaves out USR1 and USR2) kills it at once, before the workers save.
+        signals_to_handle=AGENT_SIGNALS,
     )
 
 

@@ -56,6 +56,11 @@ class Preempted(Stopped):
         return 128 + self.signum
 
 
+def stop_exit_codes() -> set[int]:
+    """The exit statuses of a worker that stopped on one of STOP_SIGNALS (128 + its number)."""
+    return {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
+
+
 def run_dir_override(output_dir: object) -> str:
     """`hydra.run.dir=<dir>` as it must be typed: quoted when the dir's name holds characters
     of Hydra's override grammar (a sweep job's `0_model=mlp,optim.lr=0.01`)."""
