@@ -101,19 +101,20 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         p.kill()
 
 
-@pytest.mark.slow  # four real 2-rank launches of 1 s steps, about 20 s each
+@pytest.mark.slow  # five real 2-rank launches of 1 s steps, 20-40 s each
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "launcher, signum, to",
+    "launcher, signum, to, loader_workers",
     [
-        ("self-launch", signal.SIGUSR1, "launcher"),  # a scheduler's signal to the main process
-        ("self-launch", signal.SIGUSR2, "group"),  # to every process of the job
-        ("torchrun", signal.SIGUSR2, "launcher"),  # to torchrun's agent
-        ("torchrun", signal.SIGTERM, "workers"),  # to the workers alone (`pkill -f train`)
+        ("self-launch", signal.SIGUSR1, "launcher", 0),  # a scheduler's signal to the main process
+        ("self-launch", signal.SIGUSR2, "group", 0),  # to every process of the job
+        ("self-launch", signal.SIGTERM, "group", 2),  # DataLoader workers too (a SLURM time limit)
+        ("torchrun", signal.SIGUSR2, "launcher", 0),  # to torchrun's agent
+        ("torchrun", signal.SIGTERM, "workers", 0),  # to the workers alone (`pkill -f train`)
     ],
 )
 def test_every_stop_signal_ends_any_launch_with_its_checkpoint_and_status(
-    tmp_path: Path, launcher: str, signum: int, to: str
+    tmp_path: Path, launcher: str, signum: int, to: str, loader_workers: int
 ) -> None:
     """Previously: the self-launch's agent and torchrun's handled only TERM, INT, HUP and QUIT,
     so SIGUSR1/SIGUSR2 (submitit's, many SLURM sites') killed the launching process at once
@@ -121,16 +122,18 @@ def test_every_stop_signal_ends_any_launch_with_its_checkpoint_and_status(
     processes when its main one exits lost the checkpoint. Workers signalled alone made
     torchrun print its `ChildFailedError` report (`failed (exitcode: 143)`) and exit 1. A USR2
     to the self-launch's process group killed multiprocessing's resource tracker, whose
-    successor printed 9 `KeyError` tracebacks. Now each ends as SIGTERM to the agent does: the
-    launcher waits for the workers' checkpoint, exits 128 + the signal, with the stop line and
-    no traceback or agent notes."""
+    successor printed 9 `KeyError` tracebacks; with DataLoader workers, a SIGTERM to the group
+    killed them and their rank failed before the checkpoint. Now each ends as SIGTERM to the
+    agent does: the launcher waits for the workers' checkpoint, exits 128 + the signal, with the
+    stop line and no traceback or agent notes."""
     job = tmp_path / "job"
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "hydra_ddp.dist.torchrun", "--standalone",
                "--nproc_per_node=2", "-m", "hydra_ddp.train"]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "hydra_ddp.train", "dist.nproc_per_node=2"]
-    proc, out = _start([*cmd, *SLOW_STEPS, f"hydra.run.dir={job}"], tmp_path)
+    loader = f"trainer.num_workers={loader_workers}"
+    proc, out = _start([*cmd, *SLOW_STEPS, loader, f"hydra.run.dir={job}"], tmp_path)
     try:
         deadline = time.monotonic() + 240
         while _steps_logged(job) < 2:

@@ -161,20 +161,31 @@ def worker(
     except Preempted as e:
         if not e.logged:
             (log.warning if rank == 0 else log.info)("%s", e)
-        sys.exit(e.exit_code)
+        _exit(e.exit_code)
     except KeyboardInterrupt:
         # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
         # once: the launcher says it once, so this goes to the rank's log file only.
         interrupt.ignore_more()
         log.info("stopped on SIGINT", extra={_FILE_ONLY: True})
-        sys.exit(interrupt.EXIT_CODE)
+        _exit(interrupt.EXIT_CODE)
     except Exception as e:
         # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
         record(e, rank, Path(run.output_dir) / "errors")  # unless `translated` did already
         # A clean exit code rather than a traceback from every worker (the log has it).
-        sys.exit(code)
+        _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End a worker that stops (signal) or failed now, as train.py ends a torchrun worker:
+    everything is written and its process group is gone, but the interpreter's own teardown of
+    torch (garbage collection, C++ destructors) took 10-25 s on a loaded 2-core machine, out of
+    the grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:

@@ -182,6 +182,20 @@ class StopOnSignal:
         self._previous = {}
 
 
+def data_worker_init(worker_id: int) -> None:
+    """A DataLoader worker's `worker_init_fn`: deaf to the stop signals, which its rank handles.
+
+    A signal to the whole job (a SLURM time limit or `scancel` signals every process of the
+    step, `kill -TERM -<pgid>` a process group) otherwise killed the workers at once, and the
+    rank, its batch gone, failed with `DataLoader worker ... is killed by signal` before the
+    checkpoint. The rank stops them as ever when it ends (SIGINT is torch's own business: the
+    worker loop already takes it quietly)."""
+    for name in STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and sig != signal.SIGINT:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def exit_with_parent() -> None:
     """Under torch's elastic agent (torchrun): a worker whose agent dies gets SIGTERM, so it
     stops like a preempted job (checkpoint, exit) instead of training on unsupervised."""
