@@ -3,6 +3,8 @@
 Plain torchrun, on SIGTERM to its agent (a scheduler's stop) or Ctrl-C, forwards the signal,
 waits for its workers' checkpoint, then exits 1 with its own SignalException traceback (see
 docs/when_things_go_wrong.md). The wrapper runs the same torchrun and exits as its workers do.
+Below it, every stop signal (USR1, USR2 too) under both launchers (the wrapper and the
+self-launch), sent to the launcher, the whole process group or the workers alone.
 """
 
 from __future__ import annotations

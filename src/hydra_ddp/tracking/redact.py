@@ -8,10 +8,12 @@ A key is secret when its last part contains `token`, `secret`, `password`/`passw
 (`pad_token`, `bos_token`, `eos_token`, `unk_token`, `sep_token`, `cls_token`, `mask_token`,
 `*_token_id`) and token counts (`max_tokens`, `num_tokens`, `tokens_per_s`). Its value becomes
 `<redacted>`; so does the live `WANDB_API_KEY` wherever it appears. Sweeps blank them in job
-dir names, `sweep_report.json` and `sweep_jobs.jsonl`; `LogFilter` (on every handler of
-conf/train.yaml's logging) blanks `key=value` pairs in log lines, Hydra's own launcher lines
-included. `.hydra/config.yaml` (and a sweep's `multirun.yaml`) on your disk stays complete:
-evaluation and resume rebuild the job from it.
+dir names, `sweep_report.json`, `sweep_jobs.jsonl` and the Optuna sweeper's
+`optimization_results.yaml`; `LogFilter` (on every handler of conf/train.yaml's logging) blanks
+`key=value` pairs (the whole value, blanks included) and `'key': value` items of printed dicts
+in log lines, Hydra's own launcher lines and the sweeper's `Best parameters` included.
+`.hydra/config.yaml` (and a sweep's `multirun.yaml`) on your disk stays complete: evaluation
+and resume rebuild the job from it.
 """
 
 from __future__ import annotations
