@@ -173,6 +173,27 @@ def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path
     assert sweeps.sweep_failed()  # a stopped sweep did not finish: exit status not 0
 
 
+def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> None:
+    """Previously blanked only up to its first blank (`<redacted> WITH\\ SPACE`), and not at all
+    in the Optuna sweeper's `Best parameters: {...}` line."""
+    launcher = "\t#1 : optim.lr=0.004 vars.db_password=PW{}WITH{}SPACE hparams_search=optuna"
+    for blank in ("\\ ", " "):  # Hydra's escaped blank, and the bare one of its launcher line
+        line = launcher.format(blank, blank)
+        assert redact.pairs(line) == (
+            "\t#1 : optim.lr=0.004 vars.db_password=<redacted> hparams_search=optuna"
+        ), line
+    assert (
+        redact.pairs("saving hf_token=a b c\nnext line") == "saving hf_token=<redacted>\nnext line"
+    )
+    best = "Best parameters: {'optim.lr': 0.004, 'vars.db_password': 'PW WITH\\' SPACE', 'n': 64}"
+    assert redact.pairs(best) == (
+        "Best parameters: {'optim.lr': 0.004, 'vars.db_password': '<redacted>', 'n': 64}"
+    )
+    assert redact.pairs('{"api_key": 12345, "pad_token": "x"}') == (
+        '{"api_key": \'<redacted>\', "pad_token": "x"}'
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------
@@ -314,6 +335,45 @@ def test_optuna_search_of_two_rank_jobs(tmp_path: Path) -> None:
     [marked] = [j for j in jobs if j["best"]]
     assert marked["objective"] == best
     assert f"objective val/acc (max): best {best:.6g} ({marked['job']})" in output(proc)
+
+
+@pytest.mark.slow  # a real 2-trial Optuna sweep; the redaction itself is checked in process
+@pytest.mark.timeout(300)
+def test_an_optuna_sweep_of_a_secret_leaves_it_only_in_the_jobs_config_records(
+    tmp_path: Path,
+) -> None:
+    """Previously: a swept `vars.db_password='choice(...)'` was written to
+    optimization_results.yaml and printed in `[HYDRA] Best parameters: {...}`, and a value with
+    a blank was blanked only up to it in the launcher's line. Now no file of the sweep dir
+    holds a value, except the jobs' .hydra/ records (which resume and eval rebuild a job
+    from), and neither does the console."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    # Made at run time, so that no file holds them (see SECRETS above).
+    plain, spaced = (
+        "PWAAA" + "222",
+        " ".join(f"{w}x{n}" for n, w in enumerate("PW WITH SPACE".split())),
+    )
+    proc = ok(python_train(
+        tmp_path, "-m", "hparams_search=digits_optuna", "hydra.sweeper.n_trials=2",
+        f"vars.db_password=choice('{spaced}',{plain})", "trainer.max_steps=2", *FAST, timeout=240,
+    ))  # fmt: skip
+    sweep = next((tmp_path / "multirun").rglob("optimization_results.yaml")).parent
+    used = {
+        str(OmegaConf.load(d / ".hydra" / "config.yaml").vars.db_password) for d in job_dirs(sweep)
+    }
+    assert spaced in used, used  # the jobs got the real values (the sampler's seed picks these)
+    words = [plain, *spaced.split()]
+    for path in sweep.rglob("*"):
+        assert not any(w in str(path) for w in words), path
+        if path.is_file() and ".hydra" not in path.parts:
+            data = path.read_bytes()
+            assert not any(w.encode() in data for w in words), (path, data[-2000:])
+    results = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert results.best_params["vars.db_password"] == "<redacted>" and results.best_value > 0
+    out = output(proc)
+    assert "Best parameters: {" in out and "'vars.db_password': '<redacted>'" in out, out[-3000:]
+    assert "vars.db_password=<redacted> hparams_search=digits_optuna" in out, out[-3000:]
+    assert not any(w in out for w in words), out[-3000:]
 
 
 def test_optuna_direction_must_match_monitor_mode(

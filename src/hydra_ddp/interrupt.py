@@ -31,6 +31,8 @@ EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
 _MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
+# The stop signals the agent handles besides INT and TERM (dist.torchrun.AGENT_SIGNALS).
+_TRACKER_SPARED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def launched() -> bool:
@@ -73,6 +75,24 @@ def quiet_while_starting() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker deaf to the agent's stop signals.
+
+    The tracker ignores SIGINT and SIGTERM itself, but a USR1, USR2, HUP or QUIT sent to the
+    job's process group (a scheduler's stop, `kill -USR2 -<pgid>`) killed it; the agent's next
+    release of its queues then started a new one, which printed a `KeyError` traceback for each
+    (nine, named `/loky-...`: scikit-learn's joblib renames the semaphores). A signal mask
+    survives the tracker's exec, and it unblocks only INT and TERM: these stay blocked there."""
+    from multiprocessing import resource_tracker
+
+    spared = {getattr(signal, n) for n in _TRACKER_SPARED if hasattr(signal, n)}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, spared)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 @contextlib.contextmanager
 def held_for_workers() -> Iterator[None]:
     """Around the agent's run in the launching process: the workers it starts inherit SIGINT
@@ -85,9 +105,7 @@ def held_for_workers() -> Iterator[None]:
     # multiprocessing starts its resource tracker at the first spawn, and unblocks SIGINT in
     # the caller once it has (resource_tracker.ensure_running, bpo-33613): started now, before
     # the block, it leaves the block alone when the agent spawns the workers.
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
+    _start_resource_tracker()
     done = threading.Event()
     # Started before the block, so its own mask keeps SIGINT open.
     catcher = threading.Thread(target=done.wait, name="sigint-catcher", daemon=True)

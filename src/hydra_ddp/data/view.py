@@ -20,6 +20,7 @@ from hydra_ddp.data.eval_batches import EvenBatches
 from hydra_ddp.data.policies import built
 from hydra_ddp.data.sources import DataSource
 from hydra_ddp.dist import DistEnv
+from hydra_ddp.dist.preemption import data_worker_init
 from hydra_ddp.errors import UserError
 
 
@@ -178,6 +179,7 @@ def loader(
         pin_memory=env.device.type == "cuda",
         persistent_workers=num_workers > 0,
         generator=torch.Generator(),
+        worker_init_fn=data_worker_init if num_workers > 0 else None,
     )
     if getattr(source, "per_item", False):
         return DataLoader(

@@ -21,8 +21,8 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.dist import claim, env_from_environ
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop.job import train
-from hydra_ddp.dist.preemption import STOP_SIGNALS, Preempted, run_dir_override, signal_name
-from hydra_ddp.dist.torchrun import AGENT_LOGS, drop_stop_notes
+from hydra_ddp.dist.preemption import Preempted, run_dir_override, signal_name
+from hydra_ddp.dist.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,9 @@ def spawn(
         # got it too and are stopped by the agent on its way out.
         raise Preempted(signal.SIGINT, stopped_line("stopped on SIGINT", run.output_dir)) from None
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        stops = {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
-        if codes <= stops:  # the workers themselves were signalled and stopped cleanly
-            signum = max(codes) - 128
+        status = stop_status(f.exitcode for f in e.failures.values())
+        if status is not None:  # the workers themselves were signalled and stopped cleanly
+            signum = status - 128
             how = f"the workers stopped on {signal_name(signum)}"
             raise Preempted(signum, stopped_line(how, run.output_dir)) from None
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -136,6 +135,9 @@ def _launch_config(cfg: TrainConfig) -> Any:
         max_restarts=cfg.dist.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        # The agent forwards these and waits for the workers' checkpoint; a signal it does not
+        # handle (torch leaves out USR1 and USR2) kills it at once, before the workers save.
+        signals_to_handle=AGENT_SIGNALS,
     )
 
 
@@ -159,20 +161,31 @@ def worker(
     except Preempted as e:
         if not e.logged:
             (log.warning if rank == 0 else log.info)("%s", e)
-        sys.exit(e.exit_code)
+        _exit(e.exit_code)
     except KeyboardInterrupt:
         # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
         # once: the launcher says it once, so this goes to the rank's log file only.
         interrupt.ignore_more()
         log.info("stopped on SIGINT", extra={_FILE_ONLY: True})
-        sys.exit(interrupt.EXIT_CODE)
+        _exit(interrupt.EXIT_CODE)
     except Exception as e:
         # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
         record(e, rank, Path(run.output_dir) / "errors")  # unless `translated` did already
         # A clean exit code rather than a traceback from every worker (the log has it).
-        sys.exit(code)
+        _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End a worker that stops (signal) or failed now, as train.py ends a torchrun worker:
+    everything is written and its process group is gone, but the interpreter's own teardown of
+    torch (garbage collection, C++ destructors) took 10-25 s on a loaded 2-core machine, out of
+    the grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:

@@ -56,6 +56,11 @@ class Preempted(Stopped):
         return 128 + self.signum
 
 
+def stop_exit_codes() -> set[int]:
+    """The exit statuses of a worker that stopped on one of STOP_SIGNALS (128 + its number)."""
+    return {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
+
+
 def run_dir_override(output_dir: object) -> str:
     """`hydra.run.dir=<dir>` as it must be typed: quoted when the dir's name holds characters
     of Hydra's override grammar (a sweep job's `0_model=mlp,optim.lr=0.01`)."""
@@ -175,6 +180,20 @@ class StopOnSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+
+
+def data_worker_init(worker_id: int) -> None:
+    """A DataLoader worker's `worker_init_fn`: deaf to the stop signals, which its rank handles.
+
+    A signal to the whole job (a SLURM time limit or `scancel` signals every process of the
+    step, `kill -TERM -<pgid>` a process group) otherwise killed the workers at once, and the
+    rank, its batch gone, failed with `DataLoader worker ... is killed by signal` before the
+    checkpoint. The rank stops them as ever when it ends (SIGINT is torch's own business: the
+    worker loop already takes it quietly)."""
+    for name in STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and sig != signal.SIGINT:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def exit_with_parent() -> None:

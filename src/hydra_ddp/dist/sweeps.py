@@ -4,7 +4,8 @@
 objective, metrics, and for a failed job why and where its logs are). Job dir names are
 paths.sweep_subdir's; each job's objective is the metric `trainer.monitor` names
 (monitor.monitor_key). The values of secret keys (redact.py) are blanked in the report, its
-table and the journal, as in the job dir names.
+table and the journal, as in the job dir names, and in the Optuna sweeper's
+optimization_results.yaml.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _JOURNAL = "sweep_jobs.jsonl"
 # Set by a launcher that starts a process per job: when it started this job's (time.time()).
 STARTED_ENV = "HYDRA_DDP_JOB_STARTED"
 _JOB_RETURN = "job_return.json"
+_SWEEPER_RESULTS = "optimization_results.yaml"  # the Optuna sweeper's
 
 
 def record_failure(output_dir: Path, message: str, status: str = "FAILED") -> None:
@@ -130,6 +132,7 @@ class SweepReport(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
+            _blank_sweeper_results(Path(config.hydra.sweep.dir))
             self._report(config)
         finally:
             claim.release_sweep()  # the sweep is over: its dir is free for the next
@@ -172,6 +175,24 @@ class SweepReport(Callback):
         log.info(header)
         for job, line in zip(jobs, lines):
             (log.error if job["status"] != "ok" else log.info)(line)
+
+
+def _blank_sweeper_results(sweep_dir: Path) -> None:
+    """The Optuna sweeper writes the best trial's parameters to <sweep dir>/
+    optimization_results.yaml just before this runs (after its last trial): the values of
+    secret keys among them (redact.py) are blanked there, as in the report."""
+    path = sweep_dir / _SWEEPER_RESULTS
+    if not path.is_file():  # another sweeper, or none
+        return
+    try:
+        results = OmegaConf.to_container(OmegaConf.load(path))
+        blanked = redact.config(results)
+        if blanked != results:
+            tmp = path.with_name(f".{path.name}.tmp")
+            OmegaConf.save(OmegaConf.create(blanked), tmp)
+            os.replace(tmp, path)
+    except Exception as e:  # unreadable or unwritable: say so, the report still comes
+        log.warning("could not blank the secret values in %s: %s", path, e)
 
 
 def _check_sweeper_direction(config: DictConfig) -> None:

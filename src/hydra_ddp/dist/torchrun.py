@@ -11,12 +11,22 @@ This runs torchrun itself (`torch.distributed.run.main`, what the `torchrun` com
 the same arguments) and turns that exception into the status of a process stopped by the
 signal, 128 + its number, without a traceback or the agent's shutdown notes: the workers' own
 line (rank 0's `stopped on SIGTERM at step N of M with a checkpoint: ...`) is the last word.
+
+Its agent also handles SIGUSR1 and SIGUSR2 (submitit's and many SLURM sites' preemption signals),
+which torchrun's default `--signals-to-handle` leaves out: there they kill the agent at once,
+and a scheduler that reaps a job's processes when its main one exits loses the checkpoint. An
+explicit `--signals-to-handle` (or `PET_SIGNALS_TO_HANDLE`) still wins. Workers that stop on a
+signal sent to them alone (not to the agent) end the same way: their exit status, not the
+agent's `ChildFailedError` report.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+
+from hydra_ddp.dist.preemption import stop_exit_codes
 
 # torch's elastic agent (torchrun, and the self-launch's agent in launch.py) and what it logs
 # as it stops its workers on a signal: the job's own line says it once.
@@ -29,22 +39,55 @@ _STOP_NOTES = (
     "Closing process %s via signal",
     "Sending process %s closing signal",
 )
+# What torch's agent forwards to its workers and waits for (torchrun's `--signals-to-handle`,
+# the self-launch's LaunchConfig): torch's default, plus the USR signals the workers stop on.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+_SIGNALS_OPTION = ("--signals-to-handle", "--signals_to_handle")
+
+
+_FAILED = "failed (exitcode: %s)"
 
 
 def drop_stop_notes(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_STOP_NOTES)
+    msg = str(record.msg)
+    if msg.startswith(_FAILED):  # a worker that stopped on a signal has not failed
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (args and args[0] in stop_exit_codes())
+    return not msg.startswith(_STOP_NOTES)
+
+
+def stop_status(exit_codes: object) -> int | None:
+    """The status to exit with when every failed worker stopped on one of the stop signals
+    (with its checkpoint): 128 + the signal; None when any failed otherwise."""
+    codes = set(exit_codes)  # type: ignore[call-overload]
+    return max(codes) if codes and codes <= stop_exit_codes() else None
+
+
+def with_agent_signals(argv: list[str]) -> list[str]:
+    """torchrun's arguments, its agent handling `AGENT_SIGNALS` unless told otherwise."""
+    told = any(a.split("=")[0] in _SIGNALS_OPTION for a in argv)
+    if told or "PET_SIGNALS_TO_HANDLE" in os.environ:
+        return argv
+    # First: a later option of the user's, or the script's own arguments, come after it.
+    return [f"{_SIGNALS_OPTION[0]}={AGENT_SIGNALS}", *argv]
 
 
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     for name in AGENT_LOGS:
         logging.getLogger(name).addFilter(drop_stop_notes)
     try:
-        torchrun(argv)
+        torchrun(with_agent_signals(sys.argv[1:] if argv is None else argv))
     except SignalException as e:
         sys.exit(128 + int(e.sigval))
+    except ChildFailedError as e:
+        status = stop_status(f.exitcode for f in e.failures.values())
+        if status is None:
+            raise
+        sys.exit(status)
 
 
 if __name__ == "__main__":

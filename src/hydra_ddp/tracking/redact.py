@@ -8,10 +8,12 @@ A key is secret when its last part contains `token`, `secret`, `password`/`passw
 (`pad_token`, `bos_token`, `eos_token`, `unk_token`, `sep_token`, `cls_token`, `mask_token`,
 `*_token_id`) and token counts (`max_tokens`, `num_tokens`, `tokens_per_s`). Its value becomes
 `<redacted>`; so does the live `WANDB_API_KEY` wherever it appears. Sweeps blank them in job
-dir names, `sweep_report.json` and `sweep_jobs.jsonl`; `LogFilter` (on every handler of
-conf/train.yaml's logging) blanks `key=value` pairs in log lines, Hydra's own launcher lines
-included. `.hydra/config.yaml` (and a sweep's `multirun.yaml`) on your disk stays complete:
-evaluation and resume rebuild the job from it.
+dir names, `sweep_report.json`, `sweep_jobs.jsonl` and the Optuna sweeper's
+`optimization_results.yaml`; `LogFilter` (on every handler of conf/train.yaml's logging) blanks
+`key=value` pairs (the whole value, blanks included) and `'key': value` items of printed dicts
+in log lines, Hydra's own launcher lines and the sweeper's `Best parameters` included.
+`.hydra/config.yaml` (and a sweep's `multirun.yaml`) on your disk stays complete: evaluation
+and resume rebuild the job from it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ _NOT_SECRET = re.compile(
 # `key=value` in free text: a dotted config key (with Hydra's +/~ prefixes), then the value up
 # to the next blank.
 _PAIR = re.compile(r"(?<![\w.])([+~]{0,2}[A-Za-z_][\w.@/-]*)=(\S+)")
+# A secret's value may hold blanks (Hydra writes `PW\ WITH\ SPACE`, or the bare `PW WITH SPACE`
+# in its launcher's line): it runs to the next `key=` pair, or the end of the line.
+_SECRET_VALUE = re.compile(r"\S.*?(?=\s+[+~]{0,2}[A-Za-z_][\w.@/-]*=|\s*$)", re.MULTILINE)
+# `'key': value` in a printed dict (the Optuna sweeper's `Best parameters: {...}`): the value
+# quoted (escapes included) or up to the next `,`, `}` or blank.
+_ITEM = re.compile(
+    r"""(['"])([+~]{0,2}[A-Za-z_][\w.@/-]*)\1(\s*:\s*)"""
+    r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^,}\]\s]+)"""
+)
 
 
 def is_secret(key: str) -> bool:
@@ -72,8 +83,19 @@ def text(value: str, live_key: str | None = None) -> str:
 
 
 def pairs(message: str) -> str:
-    """`message` with the value of each secret `key=value` pair in it blanked."""
-    return _PAIR.sub(lambda m: f"{m[1]}={REDACTED}" if is_secret(m[1]) else m[0], message)
+    """`message` with the value of each secret `key=value` pair, and of each secret
+    `'key': value` item of a printed dict, blanked."""
+    out, end = [], 0
+    for m in _PAIR.finditer(message):
+        if m.start() < end or not is_secret(m[1]):
+            continue
+        value = _SECRET_VALUE.match(message, m.start(2))
+        out += [message[end : m.start(2)], REDACTED]
+        end = value.end() if value else m.end()
+    message = "".join(out) + message[end:]
+    return _ITEM.sub(
+        lambda m: f"{m[1]}{m[2]}{m[1]}{m[3]}'{REDACTED}'" if is_secret(m[2]) else m[0], message
+    )
 
 
 class LogFilter(logging.Filter):
