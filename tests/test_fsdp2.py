@@ -28,7 +28,7 @@ from helpers.runs import assert_close, final_weights, global_losses, losses
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import dcp
 from hydra_ddp.errors import UserError
-from hydra_ddp.export import export
+from hydra_ddp.export.writer import export
 
 GPT = [
     *FAST,

@@ -232,6 +232,9 @@ class TrainerConfig:
     init_from: Optional[str] = None
     # false: load only the tensors whose names and shapes match (a new head), naming the rest.
     init_strict: bool = True
+    # init_from's tensor names renamed, a prefix each: {transformer.:""} (docs/weights.md).
+    # Any, not Dict[str, str]: omegaconf 2.3 cannot override an empty typed dict.
+    init_map: Any = None
     # What a NaN/inf loss does.
     nan_policy: NanPolicy = NanPolicy.stop
     # DataLoader worker processes per rank (0: load in the training process).
@@ -279,6 +282,14 @@ class TrainerConfig:
         )
         _require(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
         _check_grad_clip(self.grad_clip)
+        _require(
+            self.init_map is None
+            or isinstance(self.init_map, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.init_map.items()),
+            "trainer.init_map",
+            "a mapping of name prefixes, e.g. {transformer.:''}",
+            self.init_map,
+        )
         _require(self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval)
         _require(
             self.eval_interval >= 0,
@@ -412,11 +423,6 @@ class TrainConfig:
                 "trainer.async_ckpt=true needs ddp=fsdp2 (its sharded checkpoints are written "
                 "by every rank; DDP's single file is written by rank 0): add ddp=fsdp2, or drop "
                 "trainer.async_ckpt"
-            )
-        if self.ddp.meta_init and self.trainer.init_from and not self.trainer.init_strict:
-            raise UserError(
-                "trainer.init_strict=false with ddp.meta_init=true: a partial init_from is "
-                "loaded into whole weights before sharding, so drop ddp.meta_init"
             )
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
             raise UserError(

@@ -1,6 +1,6 @@
 """Reading a checkpoint: which one `trainer.resume` / `trainer.init_from` names, read safely
 (`torch.load(weights_only=True)`, every failure one line naming the file and the key), and
-its weights loaded into a model."""
+its weights loaded into a model on resume. (`trainer.init_from`'s other formats: weights.py.)"""
 
 from __future__ import annotations
 
@@ -63,23 +63,36 @@ def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> 
     path = Path(path)
     if path.is_dir():
         return dcp_files.load_full(path)
+    state = read_archive(path, key, map_location)
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise UserError(
+            f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
+            f"a file from <output dir>/checkpoints/, or {_otherwise(key)}"
+        )
+    return state
+
+
+def _otherwise(key: str) -> str:
+    """What else a user can do about a bad file named by `key`."""
+    return "trainer.resume=never" if key == "trainer.resume" else f"no {key}"
+
+
+def read_archive(path: Path, key: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """What a torch.save file holds, read with `torch.load(weights_only=True)` (`mmap`: tensors
+    read from the file when used); every failure is one line naming the file and `key`."""
+    path = Path(path)
+    point = f"point {key} at another one, or {_otherwise(key)}"
     check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
     if path.is_file() and path.stat().st_size == 0:
-        raise UserError(
-            f"{path} is empty (a checkpoint whose write never completed?): point "
-            "trainer.resume at another one, or trainer.resume=never"
-        )
+        raise UserError(f"{path} is empty (a checkpoint whose write never completed?): {point}")
     why = damage(path) if zipfile.is_zipfile(path) else None
     if why is not None:
-        raise UserError(
-            f"{path} is not a readable checkpoint ({why}): point trainer.resume at "
-            "another one, or trainer.resume=never"
-        )
+        raise UserError(f"{path} is not a readable checkpoint ({why}): {point}")
     try:
         with warnings.catch_warnings():
             # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
             warnings.simplefilter("ignore", UserWarning)
-            state = torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # weights_only names a forbidden global ("unsupported GLOBAL posix.system") when the
         # file asks to import and call code; any other unpickling failure means bad bytes.
@@ -91,22 +104,13 @@ def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> 
                 "it. Only load checkpoints you trust, re-saved as plain tensors"
             ) from e
         raise UserError(
-            f"{path} is not a readable checkpoint (not a torch.save archive, or "
-            "corrupt): point trainer.resume at another one, or "
-            "trainer.resume=never"
+            f"{path} is not a readable checkpoint (not a torch.save archive, or corrupt): {point}"
         ) from e
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
         raise UserError(
             f"{path} is not a readable checkpoint ({first_line(e, 160)}): it may be "
-            "truncated or corrupt; point trainer.resume at another one, or "
-            "trainer.resume=never"
+            f"truncated or corrupt; {point}"
         ) from e
-    if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise UserError(
-            f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
-            "a file from <output dir>/checkpoints/, or trainer.resume=never"
-        )
-    return state
 
 
 def load_model_state(
@@ -128,27 +132,3 @@ def load_model_state(
             f"{path} is a checkpoint of a different model ({detail[:300]}): resume with "
             f"the model config it was trained with (its run's .hydra/config.yaml), {hint}"
         ) from e
-
-
-def init_weights(model: torch.nn.Module, source: str, strict: bool) -> Path:
-    """trainer.init_from: load the model weights of a checkpoint file, or of the newest one in
-    a run dir, into `model`; nothing else. With `strict` false, only the tensors whose names and
-    shapes match, and one line each for the rest. Returns the file read."""
-    path = file_or_newest(source, "trainer.init_from", "no trainer.init_from")
-    state = load(path, key="trainer.init_from")
-    if strict:
-        load_model_state(model, state, path, hint="or trainer.init_strict=false")
-        return path
-    saved, mine = state["model"], model.state_dict()
-    fits = {k: v for k, v in saved.items() if k in mine and mine[k].shape == v.shape}
-    model.load_state_dict(fits, strict=False)
-    reshaped = sorted(k for k in saved if k in mine and k not in fits)
-    for what, keys in (
-        ("not in the checkpoint (kept as initialised)", sorted(set(mine) - set(saved))),
-        ("in the checkpoint only (unused)", sorted(set(saved) - set(mine))),
-        ("of another shape (kept as initialised)", reshaped),
-    ):
-        if keys:
-            log.warning("trainer.init_from: %d tensor(s) %s: %s", len(keys), what, ", ".join(keys))
-    log.info("trainer.init_from: %d of %d tensors loaded from %s", len(fits), len(mine), path)
-    return path
