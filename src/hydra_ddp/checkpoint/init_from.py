@@ -41,22 +41,19 @@ class Plan:
     unexpected: list[str] = field(default_factory=list)  # the file's, unused
     reshaped: list[str] = field(default_factory=list)  # same name, another shape: refused
 
-    def line(self) -> str:
-        """The load line: counts, then the first few names of each kind of mismatch."""
+    def summary(self) -> str:
+        """Counts, then the first few names of each kind of mismatch."""
         counts = (
             f"{len(self.pairs)} matched, {len(self.missing)} missing, "
-            f"{len(self.unexpected)} unexpected, {len(self.reshaped)} reshaped-refused"
+            f"{len(self.unexpected)} unexpected, {len(self.reshaped)} reshaped-refused tensors"
         )
-        shown = "".join(
-            f"; {what}: {_first(names)}"
-            for what, names in (
-                ("missing", self.missing),
-                ("unexpected", self.unexpected),
-                ("reshaped-refused", self.reshaped),
-            )
-            if names
-        )
-        return f"{KEY}: {self.weights.path} ({self.weights.kind}): {counts} tensors{shown}"
+        kinds = (("missing", self.missing), ("unexpected", self.unexpected),
+                 ("reshaped-refused", self.reshaped))  # fmt: skip
+        return counts + "".join(f"; {what}: {_first(names)}" for what, names in kinds if names)
+
+    def line(self) -> str:
+        """The load line."""
+        return f"{KEY}: {self.weights.path} ({self.weights.kind}): {self.summary()}"
 
 
 def rename(name: str, init_map: Mapping[str, str]) -> str:
@@ -96,7 +93,8 @@ def plan(
     )
     if strict and (result.missing or result.unexpected or result.reshaped):
         raise UserError(
-            f"{result.line().replace(': ', ' does not fit this model: ', 1)}. Give weights of "
+            f"{KEY}={weights.path} ({weights.kind}) does not fit this model: "
+            f"{result.summary()}. Give weights of "
             "this model, rename the file's keys with trainer.init_map (a prefix each, e.g. "
             "'trainer.init_map={transformer.:\"\"}'), or load what fits with "
             "trainer.init_strict=false"

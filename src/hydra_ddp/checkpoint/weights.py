@@ -168,7 +168,17 @@ def _dcp(path: Path) -> Weights:
         for k, m in metadata.items()
         if k.startswith("model.") and isinstance(m, dcp.TensorStorageMetadata)
     }
-    whole = functools.cache(lambda: dcp_files.load_full(path)["model"])
+
+    @functools.cache
+    def whole() -> dict[str, torch.Tensor]:  # a whole model's load: every tensor at once
+        wanted = {f"model.{k}": torch.empty(v, dtype=metadata[f"model.{k}"].properties.dtype)
+                  for k, v in shapes.items()}  # fmt: skip
+        with warnings.catch_warnings():
+            # "torch.distributed is ... uninitialized, assuming ... a single process": just so.
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
+        return {k[len("model.") :]: v for k, v in wanted.items()}
+
     return Weights(path, "checkpoint, sharded", shapes, lambda n: whole()[n], dcp_folder=path)
 
 

@@ -1,0 +1,59 @@
+"""trainer.init_from's loading on real gloo ranks (helpers/ranks.py), each format into a whole
+model (what a DDP rank loads before the wrap) and into ddp=fsdp2's shards after the wrap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hydra_ddp.checkpoint.dcp_files import MANIFEST, _crc
+from hydra_ddp.checkpoint.init_from import apply, plan
+from hydra_ddp.checkpoint.weights import open_weights
+from hydra_ddp.config import DDPConfig, Wrapper
+from hydra_ddp.dist.fsdp import full, wrap
+from hydra_ddp.models import GPT
+
+
+def sharded_folder(env: Any, model: torch.nn.Module, folder: Path) -> None:
+    """Collective: `model`'s shards as a checkpoint folder of this template (DCP's files and
+    the manifest that says it is whole)."""
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
+    torch.distributed.barrier()
+    if env.is_main:
+        files = {p.name: [p.stat().st_size, _crc(p)] for p in folder.iterdir()}
+        (folder / MANIFEST).write_text(json.dumps({"files": files}))
+    torch.distributed.barrier()
+
+
+def load_each(
+    env: Any, sources: dict[str, tuple[str, dict, bool]], args: dict, reference: str, tmp: str
+) -> dict[str, tuple[str, float]]:
+    """Each source (path, init_map, strict) loaded into a whole model and into a sharded one:
+    its load line and the largest difference of a loaded tensor from `reference` (the state
+    dict the sources were all made from)."""
+    expected = torch.load(reference, weights_only=True)
+    fsdp2 = DDPConfig(wrapper=Wrapper.fsdp2)
+    # The sharded checkpoint folder, written by these ranks from the reference.
+    writer = GPT(**args)
+    writer.load_state_dict(expected)
+    wrap(writer, env, fsdp2)
+    sharded_folder(env, writer, Path(tmp) / "from_fsdp2.dcp")
+    sources = {**sources, "dcp": (str(Path(tmp) / "from_fsdp2.dcp"), {}, True)}
+    results = {}
+    for sharded in (False, True):
+        for name, (path, init_map, strict) in sources.items():
+            torch.manual_seed(env.rank)  # what a rank starts from must not matter
+            model = GPT(**args)
+            planned = plan(model, open_weights(path), init_map, strict)
+            if sharded:
+                wrap(model, env, fsdp2)
+                assert all(p.to_local().numel() < p.numel() for p in model.parameters())
+            apply(model, planned, distributed=True)  # collective
+            state = {k: full(v) for k, v in model.state_dict().items()}  # collective
+            diff = max((state[k] - expected[k]).abs().max().item() for k in planned.pairs)
+            results[f"{'fsdp2' if sharded else 'whole'} {name}"] = (planned.line(), diff)
+    return results
