@@ -16,6 +16,7 @@ import torch
 from hydra_ddp.checkpoint import dcp_files
 from hydra_ddp.checkpoint.files import damage, latest
 from hydra_ddp.errors import UserError, check_archive, first_line
+from hydra_ddp.export.folder import CONFIG, read_state
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,11 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
 
 def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> dict[str, Any]:
     """Read a checkpoint safely; every failure is one line naming the file and `key`. A sharded
-    checkpoint folder (ddp=fsdp2) is read whole: its model (and EMA) and step."""
+    checkpoint folder (ddp=fsdp2) is read whole: its model (and EMA) and step; so is an export
+    folder (its model and step)."""
     path = Path(path)
+    if path.is_dir() and (path / CONFIG).is_file():  # python -m hydra_ddp.export's folder
+        return read_state(path)
     if path.is_dir():
         return dcp_files.load_full(path)
     state = read_archive(path, key, map_location)

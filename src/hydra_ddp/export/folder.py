@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model
 
 from hydra_ddp.errors import UserError
 
@@ -65,6 +66,19 @@ def load(folder: str | Path, device: str | torch.device = "cpu", strict: bool = 
     model = build(config["model"], config.get("spec") or {})
     load_model(model, str(Path(folder) / WEIGHTS), strict=strict, device=str(device))
     return model.to(device).eval()
+
+
+def read_state(folder: str | Path) -> dict[str, Any]:
+    """The export as a checkpoint's `{"model": state_dict, "step": step}`, tied tensors under
+    each of their names again (save_model's metadata names the one each was stored as): for
+    `python -m hydra_ddp.eval ckpt=<export folder>`."""
+    config = read_config(folder)
+    file = str(Path(folder) / WEIGHTS)
+    state = load_file(file)
+    with safe_open(file, framework="pt") as f:
+        stored_as = f.metadata() or {}
+    state.update({k: state[v] for k, v in stored_as.items() if v in state and k not in state})
+    return {"model": state, "step": int(config[MARK].get("step", 0))}
 
 
 @dataclass
