@@ -225,10 +225,10 @@ class TrainerConfig:
     # auto: continue from the newest checkpoint in the output dir if there is one;
     # never: always start fresh; or a path to a checkpoint file.
     resume: str = "auto"
-    # Fine-tuning: start from the model weights of this checkpoint file (or the newest
-    # checkpoint of this run dir) with a fresh optimizer, schedule and loop position. A
-    # checkpoint in the job's own output dir (trainer.resume=auto) still wins: a restarted
-    # fine-tune continues.
+    # Fine-tuning: start from these model weights (a checkpoint, a run dir's newest one, a
+    # state dict, .safetensors, a save_pretrained or export folder: docs/weights.md) with a
+    # fresh optimizer, schedule and loop position. A checkpoint in the job's own output dir
+    # (trainer.resume=auto) still wins: a restarted fine-tune continues.
     init_from: Optional[str] = None
     # false: load only the tensors whose names and shapes match (a new head), naming the rest.
     init_strict: bool = True

@@ -18,14 +18,18 @@ from hydra_ddp.dist.fsdp import full, wrap
 from hydra_ddp.models import GPT
 
 
-def sharded_folder(env: Any, model: torch.nn.Module, folder: Path) -> None:
-    """Collective: `model`'s shards as a checkpoint folder of this template (DCP's files and
-    the manifest that says it is whole)."""
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder))
+def write_sharded(env: Any, args: dict, reference: str, folder: str) -> None:
+    """Collective: the GPT of `args` with the `reference` weights, sharded by fully_shard and
+    saved as a checkpoint folder of this template (DCP's files, and the manifest that says it
+    is whole)."""
+    model = GPT(**args)
+    model.load_state_dict(torch.load(reference, weights_only=True))
+    wrap(model, env, DDPConfig(wrapper=Wrapper.fsdp2))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
     torch.distributed.barrier()
     if env.is_main:
-        files = {p.name: [p.stat().st_size, _crc(p)] for p in folder.iterdir()}
-        (folder / MANIFEST).write_text(json.dumps({"files": files}))
+        files = {p.name: [p.stat().st_size, _crc(p)] for p in Path(folder).iterdir()}
+        (Path(folder) / MANIFEST).write_text(json.dumps({"files": files}))
     torch.distributed.barrier()
 
 
@@ -37,12 +41,9 @@ def load_each(
     dict the sources were all made from)."""
     expected = torch.load(reference, weights_only=True)
     fsdp2 = DDPConfig(wrapper=Wrapper.fsdp2)
-    # The sharded checkpoint folder, written by these ranks from the reference.
-    writer = GPT(**args)
-    writer.load_state_dict(expected)
-    wrap(writer, env, fsdp2)
-    sharded_folder(env, writer, Path(tmp) / "from_fsdp2.dcp")
-    sources = {**sources, "dcp": (str(Path(tmp) / "from_fsdp2.dcp"), {}, True)}
+    folder = str(Path(tmp) / "from_fsdp2.dcp")  # written by these ranks from the reference
+    write_sharded(env, args, reference, folder)
+    sources = {**sources, "dcp": (folder, {}, True)}
     results = {}
     for sharded in (False, True):
         for name, (path, init_map, strict) in sources.items():
