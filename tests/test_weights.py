@@ -22,7 +22,7 @@ import torch
 from conftest import summary, user_env
 from helpers import ranks
 from helpers.inproc import FAST, compose, train_here, train_ranks, typed
-from helpers.weights_ranks import load_each, write_sharded
+from helpers.weights_ranks import META, load_each, write_sharded
 from omegaconf import OmegaConf
 from safetensors.torch import save_file, save_model
 
@@ -77,12 +77,12 @@ def test_every_format_loads_whole_and_into_fsdp2_shards_on_two_ranks(
     made: dict[str, Path],
 ) -> None:
     """Every format into a whole model and, on 2 gloo ranks, into fully_shard's shards (each
-    rank its own slices; a .dcp folder read per shard by DCP): the weights loaded equal, and
-    the load line's counts."""
+    rank its own slices; a .dcp folder read per shard by DCP), also of a model built on the
+    meta device (ddp.meta_init, with init_strict=false too): the weights loaded equal, and the
+    load line's counts."""
     root = made["root"]
     sources = {
         "checkpoint": (str(made["checkpoint"]), {}, True),
-        "run dir": (str(made["run"]), {}, True),
         "bare": (str(root / "bare.pt"), {}, True),
         "bin": (str(root / "bin" / "pytorch_model.bin"), {}, True),
         "safetensors": (str(root / "model.safetensors"), {}, True),
@@ -95,11 +95,13 @@ def test_every_format_loads_whole_and_into_fsdp2_shards_on_two_ranks(
     out = ranks.run(load_each, sources, args, str(made["state"]), str(root), timeout=180)
     for rank in out:
         assert rank == out[0]  # the same line and values on every rank
-    kinds = {"checkpoint": "checkpoint", "run dir": "checkpoint", "bare": "state dict",
+    kinds = {"checkpoint": "checkpoint", "bare": "state dict",
              "bin": "state dict", "safetensors": "safetensors", "hf": "Hugging Face",
              "export": "export", "dcp": "checkpoint, sharded"}  # fmt: skip
-    for wrapper in ("whole", "fsdp2"):
+    for wrapper in ("whole", "fsdp2", "meta"):
         for name, kind in kinds.items():
+            if wrapper == "meta" and name not in META:
+                continue
             line, diff = out[0][f"{wrapper} {name}"]
             # 29 names; a safetensors file holds the tied head once (28), which still loads it.
             stored = 28 if kind in ("safetensors", "Hugging Face", "export") else 29
