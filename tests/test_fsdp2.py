@@ -22,13 +22,14 @@ import psutil
 import pytest
 import torch
 from conftest import ok, only_job_dir, run, summary, torchrun, user_env
-from helpers.inproc import FAST, train_here, train_ranks, typed
+from helpers.inproc import FAST, compose, train_here, train_ranks, typed
 from helpers.runs import assert_close, final_weights, global_losses, losses
+from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import dcp
 from hydra_ddp.errors import UserError
-from hydra_ddp.export import export
+from hydra_ddp.export.writer import export
 
 GPT = [
     *FAST,
@@ -59,8 +60,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pair")
     jobs = {"ddp": root / "ddp", "fsdp2": root / "fsdp2"}
     train_ranks(jobs["ddp"], *SAME_AS_DDP, timeout=300)
-    train_ranks(jobs["fsdp2"], *SAME_AS_DDP, "ddp=fsdp2", "trainer.ckpt_interval=10",
-                "trainer.keep_ckpts=3", "trainer.async_ckpt=true", timeout=300)  # fmt: skip
+    fsdp2 = [*SAME_AS_DDP, "ddp=fsdp2", "trainer.ckpt_interval=10", "trainer.keep_ckpts=3",
+             "trainer.async_ckpt=true"]  # fmt: skip
+    train_ranks(jobs["fsdp2"], *fsdp2, timeout=300)
+    # What Hydra writes for a run of the CLI, which the export rebuilds the model from.
+    (jobs["fsdp2"] / ".hydra").mkdir()
+    OmegaConf.save(compose(*fsdp2), jobs["fsdp2"] / ".hydra" / "config.yaml")
     return jobs
 
 
@@ -69,9 +74,9 @@ def test_fsdp2_matches_ddp_with_half_the_state(pair: dict[str, Path]) -> None:
     la, lb = losses(pair["ddp"]), losses(pair["fsdp2"])
     assert sorted(la) == sorted(lb) == list(range(5, 51, 5))
     assert max(abs(la[s] - lb[s]) for s in la) < 1e-5
-    exported = export(pair["fsdp2"])
-    assert exported == pair["fsdp2"] / "export" / "step_00000050.pt"
-    plain = torch.load(exported, weights_only=True)
+    exported = export(pair["fsdp2"])  # assembled on the CPU from the sharded checkpoint
+    assert exported == pair["fsdp2"] / "export" / "step_00000050"
+    plain = checkpoint.load(exported)
     assert plain["step"] == 50
     assert_close(plain["model"], final_weights(pair["ddp"]), atol=1e-5)
     # Every job records its state bytes; fsdp2's are about half of DDP's on 2 ranks (the
@@ -121,12 +126,13 @@ def test_init_from_across_ddp_and_fsdp2(pair: dict[str, Path], tmp_path: Path) -
     into_fsdp = train_ranks(
         tmp_path / "b", *short, "ddp=fsdp2", f"trainer.init_from={pair['ddp']}"
     )[0]
-    # ddp.meta_init: loaded into the shards, not into a whole model per rank (rank 0 reads the
-    # file and broadcasts it; a .dcp folder is read by every rank, its own parts only).
+    # ddp.meta_init: loaded into the shards, not into a whole model per rank (each rank reads
+    # its own slices of the file's tensors; a .dcp folder's own parts only, through DCP).
     meta = [*short, "ddp=fsdp2", "ddp.meta_init=true"]
     meta_from_file = train_ranks(tmp_path / "c", *meta, f"trainer.init_from={pair['ddp']}")
     meta_from_dcp = train_ranks(tmp_path / "d", *meta, f"trainer.init_from={pair['fsdp2']}")
-    assert "loaded into the shards" in meta_from_file.logs[0]
+    for done in (meta_from_file, meta_from_dcp):
+        assert "29 matched, 0 missing, 0 unexpected, 0 reshaped-refused" in done.logs[0]
     # lr 0: the weights stay as loaded, and evaluate to the test loss of the run they came from.
     for done, source in ((into_ddp, "fsdp2"), (into_fsdp, "ddp"), (meta_from_file[0], "ddp"),
                          (meta_from_dcp[0], "fsdp2")):  # fmt: skip
@@ -235,8 +241,8 @@ def test_torchrun_fsdp2_exits_cleanly_and_eval_reproduces_its_test_loss(tmp_path
         assert json.loads((job / "eval_test.json").read_text())["loss"] == pytest.approx(
             test_loss, abs=1e-6
         )
-    ok(run([sys.executable, "-m", "hydra_ddp.export", f"run={job}", "out=w.pt"], tmp_path))
-    ok(run([sys.executable, "-m", "hydra_ddp.eval", f"run={job}", f"ckpt={tmp_path / 'w.pt'}"],
+    ok(run([sys.executable, "-m", "hydra_ddp.export", f"run={job}", "out=w"], tmp_path))
+    ok(run([sys.executable, "-m", "hydra_ddp.eval", f"run={job}", f"ckpt={tmp_path / 'w'}"],
            tmp_path, timeout=300))  # fmt: skip
     assert json.loads((job / "eval_test.json").read_text())["loss"] == pytest.approx(test_loss)
 

@@ -97,7 +97,7 @@ def test_fine_tuning_resume_changes_and_evaluation(tmp_path: Path, caplog) -> No
     s = train_here(tuned, *FAST, "trainer.max_steps=20", f"trainer.init_from={base}", "optim=sgd")
     assert s["steps"] == 20 and s["test_acc"] > 0.8, "started from the trained weights"
     # A changed hidden size: strict refuses in one line, non-strict names what it skipped.
-    with pytest.raises(UserError, match=r"different model .*trainer.init_strict=false"):
+    with pytest.raises(UserError, match=r"does not fit this model: .*trainer.init_strict=false"):
         train_here(other, *FAST, "trainer.max_steps=5", f"trainer.init_from={base}",
                    "model.hidden=32")  # fmt: skip
     # Non-strict: the tensors that fit load, and one line names each kind of the rest.
@@ -108,21 +108,20 @@ def test_fine_tuning_resume_changes_and_evaluation(tmp_path: Path, caplog) -> No
                    f"trainer.init_from={base}", f"model.depth={depth}",
                    "trainer.init_strict=false")  # fmt: skip
         report = [r.getMessage() for r in caplog.records if "trainer.init_from:" in r.getMessage()]
-        shallow = [  # net.0 fits; net.3 is now the (10, 256) head; net.6 is gone
-            "trainer.init_from: 2 tensor(s) in the checkpoint only (unused): net.6.bias, "
-            "net.6.weight",
-            "trainer.init_from: 2 tensor(s) of another shape (kept as initialised): net.3.bias, "
-            "net.3.weight",
-            f"trainer.init_from: 2 of 4 tensors loaded from {checkpoint.latest(base)}",
-        ]
-        deep = [  # net.0 and net.3 fit; net.6 is now a hidden layer; net.9, the head, is new
-            "trainer.init_from: 2 tensor(s) not in the checkpoint (kept as initialised): "
-            "net.9.bias, net.9.weight",
-            "trainer.init_from: 2 tensor(s) of another shape (kept as initialised): net.6.bias, "
-            "net.6.weight",
-            f"trainer.init_from: 4 of 8 tensors loaded from {checkpoint.latest(base)}",
-        ]
-        assert report == (shallow if depth == 1 else deep), report
+        # One line: the counts, then the names of each kind of mismatch.
+        shallow = (  # net.0 fits; net.3 is now the (10, 256) head; net.6 is gone
+            "2 matched, 0 missing, 2 unexpected, 2 reshaped-refused tensors; unexpected: "
+            "net.6.weight, net.6.bias; reshaped-refused: net.3.weight ("
+        )
+        deep = (  # net.0 and net.3 fit; net.6 is now a hidden layer; net.9, the head, is new
+            "4 matched, 2 missing, 0 unexpected, 2 reshaped-refused tensors; missing: "
+            "net.9.weight, net.9.bias; reshaped-refused: net.6.weight ("
+        )
+        assert len(report) == 1, report
+        assert report[0].startswith(
+            f"trainer.init_from: {checkpoint.latest(base)} (checkpoint): "
+            + (shallow if depth == 1 else deep)
+        ), report
     # Resuming an AdamW run with SGD: one line, before any step.
     with pytest.raises(UserError, match=r"another optimizer .*trainer.init_from="):
         train_here(base, *FAST, "trainer.max_steps=80", "optim=sgd")

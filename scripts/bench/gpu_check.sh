@@ -87,7 +87,7 @@ fi
 # ---- ddp=fsdp2 on NCCL: bf16 parameters, fp32 gradient reduce, beside DDP on the same GPT ----
 # (issue 27; a block of its own.) Both on as many ranks as GPUs allow (2 at most): tokens/s,
 # state_bytes_per_rank and each rank's CUDA peak memory are printed side by side below. Then
-# the sharded run resumes on 1 rank (another world size) and is exported to one file.
+# the sharded run resumes on 1 rank (another world size) and is exported (a folder).
 G=(data=text model=gpt model.n_layer=6 model.n_embd=384 model.n_head=6 data.block_size=256 trainer.batch_size=64 trainer.max_steps=300 trainer.log_interval=50 trainer.ckpt_interval=100)
 NP=$(( $(nvidia-smi -L | wc -l) >= 2 ? 2 : 1 ))
 run gpt_ddp_bf16 "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" trainer.precision=bf16 hydra.run.dir="$W/gpt_ddp_bf16"
@@ -108,7 +108,7 @@ PY
 run gpt_fsdp2_meta "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.meta_init=true trainer.max_steps=100 hydra.run.dir="$W/gpt_fsdp2_meta"
 run gpt_fsdp2_1rank "${R[@]}" --nproc_per_node=1 "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.param_dtype=bf16 trainer.max_steps=400 hydra.run.dir="$W/gpt_fsdp2"
 run gpt_fsdp2_export "$PY" -m hydra_ddp.export run="$W/gpt_fsdp2"
-run gpt_fsdp2_eval "$PY" -m hydra_ddp.eval run="$W/gpt_fsdp2" ckpt="$W/gpt_fsdp2/export/step_00000400.pt"
+run gpt_fsdp2_eval "$PY" -m hydra_ddp.eval run="$W/gpt_fsdp2" ckpt="$W/gpt_fsdp2/export/step_00000400"
 grep -h "resumed from\|export\]\|test step" "$W/gpt_fsdp2_1rank.log" "$W/gpt_fsdp2_export.log" "$W/gpt_fsdp2_eval.log" | cut -c 1-300
 $PY - "$W" <<'PY'
 import json, sys, pathlib

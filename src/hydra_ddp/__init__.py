@@ -3,8 +3,9 @@
 Read it in this order (README, "Layout", has every module):
 
 - Entry points: `train` (`python -m hydra_ddp.train`), `eval` (evaluate or predict with a saved
-  checkpoint), `export` (one plain weights file). `config` is the typed schema of the template's
-  own keys and the one place their defaults live; `components` builds what a `_target_` names.
+  checkpoint), `export` (a folder anyone can load, and its loader). `config` is the typed schema
+  of the template's own keys and the one place their defaults live; `components` builds what a
+  `_target_` names.
 - What you copy and edit: `models`, `losses`, `metrics`, `optim` (parameter groups, schedules),
   `callbacks` (hooks into the loop), `step` (the training step, for a step of your own), the data
   sources in `data`, and `examples/` (worked projects: images, text, GAN, contrastive, ...).

@@ -8,11 +8,9 @@ Cross-field checks live in `__post_init__`, which runs when `OmegaConf.to_object
 composed config into these objects at the entry point: before any process group exists. Choices
 are `Enum`s because hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
 
-What a user swaps in (data, model, optim, scheduler, loss, metrics, the sampler policy and the
-DDP comm hook `ddp.comm_hook`) is not typed here: each is `_target_` plus keyword arguments in
-its own `conf/<group>/<name>.yaml`, built by `hydra_ddp.components.build`, and its defaults
-live in that YAML; a bad argument fails in one line naming the key (the sampler's in the
-launching process, the comm hook's when each rank wraps the model).
+What a user swaps in (data, model, optim, scheduler, loss, metrics, the sampler policy, the
+comm hook `ddp.comm_hook`) is `_target_` plus keyword arguments in its own YAML, built by
+`hydra_ddp.components.build`; a bad argument fails in one line naming the key.
 """
 
 from __future__ import annotations
@@ -74,10 +72,9 @@ class DDPConfig:
     enabled: bool = True
     # Re-broadcast rank 0's buffers (e.g. BatchNorm stats) at every forward.
     broadcast_buffers: bool = True
-    # Both wrappers: BatchNorm layers as torch's SyncBatchNorm, their batch statistics computed
-    # over all ranks (one all-gather per layer and forward). GPU only: refused on CPU with more
-    # than one process. Without it each rank normalises by its own batch; either way every
-    # rank takes rank 0's running statistics before each evaluation and save (dist/ddp.py).
+    # BatchNorm as SyncBatchNorm: batch statistics over all ranks (GPU only; refused on CPU
+    # with several processes). Either way every rank takes rank 0's running statistics before
+    # each evaluation and save (dist/ddp.py).
     sync_batchnorm: bool = False
     # Gradient bucket size in MiB: bigger buckets mean fewer, larger all-reduces.
     bucket_cap_mb: float = 25.0
@@ -230,13 +227,15 @@ class TrainerConfig:
     # auto: continue from the newest checkpoint in the output dir if there is one;
     # never: always start fresh; or a path to a checkpoint file.
     resume: str = "auto"
-    # Fine-tuning: start from the model weights of this checkpoint file (or the newest
-    # checkpoint of this run dir) with a fresh optimizer, schedule and loop position. A
-    # checkpoint in the job's own output dir (trainer.resume=auto) still wins: a restarted
-    # fine-tune continues.
+    # Fine-tuning: start from these weights (a checkpoint or run dir, a state dict,
+    # .safetensors, a save_pretrained or export folder: docs/weights.md), with a fresh
+    # optimizer, schedule and position; a checkpoint of the job's own (resume=auto) wins.
     init_from: Optional[str] = None
     # false: load only the tensors whose names and shapes match (a new head), naming the rest.
     init_strict: bool = True
+    # init_from's tensor names renamed, a prefix each: {transformer.:""} (docs/weights.md).
+    # Any, not Dict[str, str]: omegaconf 2.3 cannot override an empty typed dict.
+    init_map: Any = None
     # What a NaN/inf loss does.
     nan_policy: NanPolicy = NanPolicy.stop
     # DataLoader worker processes per rank (0: load in the training process).
@@ -284,6 +283,14 @@ class TrainerConfig:
         )
         _require(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
         _check_grad_clip(self.grad_clip)
+        _require(
+            self.init_map is None
+            or isinstance(self.init_map, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.init_map.items()),
+            "trainer.init_map",
+            "a mapping of name prefixes, e.g. {transformer.:''}",
+            self.init_map,
+        )
         _require(self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval)
         _require(
             self.eval_interval >= 0,
@@ -417,11 +424,6 @@ class TrainConfig:
                 "trainer.async_ckpt=true needs ddp=fsdp2 (its sharded checkpoints are written "
                 "by every rank; DDP's single file is written by rank 0): add ddp=fsdp2, or drop "
                 "trainer.async_ckpt"
-            )
-        if self.ddp.meta_init and self.trainer.init_from and not self.trainer.init_strict:
-            raise UserError(
-                "trainer.init_strict=false with ddp.meta_init=true: a partial init_from is "
-                "loaded into whole weights before sharding, so drop ddp.meta_init"
             )
         if self.precision_needs_cuda and self.dist.device == Device.cpu:
             raise UserError(

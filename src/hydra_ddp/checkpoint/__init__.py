@@ -8,13 +8,15 @@
   `dcp`: ddp=fsdp2's sharded folders (every rank writes its shards); both read the table.
 - `files`: atomic writes, keep-K, the newest intact one, damage checks, set-aside;
   `reading`: which checkpoint a key names, read safely (`torch.load(weights_only=True)`);
+  `weights`: what trainer.init_from may name (any format), `init_from`: loading it;
   `safe_state`: state made plain at save so that reading it runs no code; `dcp_files`: reading
   a sharded folder without a process group.
 """
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
 from hydra_ddp.checkpoint.files import best, checkpoint_dir, latest, save, set_aside, write_error
-from hydra_ddp.checkpoint.reading import init_weights, load, resolve_resume
+from hydra_ddp.checkpoint.init_from import init_weights
+from hydra_ddp.checkpoint.reading import load, resolve_resume
 
 __all__ = [
     "Checkpointer",

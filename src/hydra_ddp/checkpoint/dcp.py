@@ -15,8 +15,8 @@ Checked before resume:
 a folder whose files differ from its manifest is skipped for the newest intact one
 (checkpoint.latest). The data position is kept in rows, and DCP reshards the model and the
 optimizer state on load, so a run resumes on another number of ranks. `load_full` reads the
-whole model back without a process group: for `hydra_ddp.eval`, `trainer.init_from` and
-`hydra_ddp.export`.
+whole model back without a process group: for `hydra_ddp.eval` and `hydra_ddp.export`
+(`trainer.init_from` reads each rank's parts: checkpoint/init_from.py).
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 
 from hydra_ddp.checkpoint import safe_state, state
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
@@ -60,34 +55,6 @@ log = logging.getLogger(__name__)
 
 # How long a failed job waits for its background save's writer before removing its files.
 _ABANDON_WAIT_S = 30.0
-
-
-def load_sharded(model: torch.nn.Module, path: Path, env: Any) -> None:
-    """Collective: trainer.init_from into an already sharded model (ddp.meta_init), without a
-    whole copy on every rank. A .dcp folder: each rank reads only its own parts of each
-    tensor; a single file: rank 0 reads it and broadcasts each tensor, which the ranks shard."""
-    path = Path(path)
-    try:
-        if is_checkpoint(path):
-            why = damage(path)
-            if why is not None:
-                raise UserError(f"trainer.init_from={path}: not a readable checkpoint ({why})")
-            state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(path), no_dist=not env.distributed)
-            set_model_state_dict(model, state["model"])
-        else:
-            from hydra_ddp.checkpoint.reading import load
-
-            full = load(path)["model"] if env.is_main or not env.distributed else {}
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
-            set_model_state_dict(model, full, options=options)
-    except (KeyError, RuntimeError, ValueError) as e:
-        raise UserError(
-            f"trainer.init_from={path} is a checkpoint of a different model "
-            f"({first_line(e)}): give one of this model, or drop ddp.meta_init and set "
-            "trainer.init_strict=false"
-        ) from e
-    log.info("trainer.init_from: %s loaded into the shards", path)
 
 
 class DCPCheckpointer(Checkpointer):

@@ -1,6 +1,6 @@
 """Reading a checkpoint: which one `trainer.resume` / `trainer.init_from` names, read safely
 (`torch.load(weights_only=True)`, every failure one line naming the file and the key), and
-its weights loaded into a model."""
+its weights loaded into a model on resume. (`trainer.init_from`'s other formats: weights.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from hydra_ddp.checkpoint import dcp_files
 from hydra_ddp.checkpoint.files import damage, latest
 from hydra_ddp.errors import UserError, check_archive, first_line
+from hydra_ddp.export.folder import CONFIG, read_state
 
 log = logging.getLogger(__name__)
 
@@ -59,40 +60,14 @@ def file_or_newest(value: str, key: str, otherwise: str) -> Path:
 
 def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> dict[str, Any]:
     """Read a checkpoint safely; every failure is one line naming the file and `key`. A sharded
-    checkpoint folder (ddp=fsdp2) is read whole: its model (and EMA) and step."""
+    checkpoint folder (ddp=fsdp2) is read whole: its model (and EMA) and step; so is an export
+    folder (its model and step)."""
     path = Path(path)
+    if path.is_dir() and (path / CONFIG).is_file():  # python -m hydra_ddp.export's folder
+        return read_state(path)
     if path.is_dir():
         return dcp_files.load_full(path)
-    check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
-    other = another(key)
-    if path.is_file() and path.stat().st_size == 0:
-        raise UserError(f"{path} is empty (a checkpoint whose write never completed?): {other}")
-    why = damage(path) if zipfile.is_zipfile(path) else None
-    if why is not None:
-        raise UserError(f"{path} is not a readable checkpoint ({why}): {other}")
-    try:
-        with warnings.catch_warnings():
-            # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
-            warnings.simplefilter("ignore", UserWarning)
-            state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        # weights_only names a forbidden global ("unsupported GLOBAL posix.system") when the
-        # file asks to import and call code; any other unpickling failure means bad bytes.
-        banned = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln.upper()), None)
-        if banned is not None:
-            raise UserError(
-                f"refusing to load {path}: it holds objects that would run code "
-                f"when unpickled ({banned}); torch.load(weights_only=True) rejected "
-                "it. Only load checkpoints you trust, re-saved as plain tensors"
-            ) from e
-        raise UserError(
-            f"{path} is not a readable checkpoint (not a torch.save archive, or corrupt): {other}"
-        ) from e
-    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
-        raise UserError(
-            f"{path} is not a readable checkpoint ({first_line(e, 160)}): it may be "
-            f"truncated or corrupt; {other}"
-        ) from e
+    state = read_archive(path, key, map_location)
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise UserError(
             f"{path} is not a hydra-ddp checkpoint (no model/step entries): give "
@@ -107,6 +82,42 @@ def another(key: str) -> str:
         return "give another ckpt=<file>, or ckpt=last or ckpt=best"
     otherwise = f"{key}=never" if key == "trainer.resume" else f"no {key}"
     return f"point {key} at another one, or {otherwise}"
+
+
+def read_archive(path: Path, key: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """What a torch.save file holds, read with `torch.load(weights_only=True)` (`mmap`: tensors
+    read from the file when used); every failure is one line naming the file and `key`."""
+    path = Path(path)
+    point = another(key)
+    check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"{path} is empty (a checkpoint whose write never completed?): {point}")
+    why = damage(path) if zipfile.is_zipfile(path) else None
+    if why is not None:
+        raise UserError(f"{path} is not a readable checkpoint ({why}): {point}")
+    try:
+        with warnings.catch_warnings():
+            # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        # weights_only names a forbidden global ("unsupported GLOBAL posix.system") when the
+        # file asks to import and call code; any other unpickling failure means bad bytes.
+        banned = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln.upper()), None)
+        if banned is not None:
+            raise UserError(
+                f"refusing to load {path}: it holds objects that would run code "
+                f"when unpickled ({banned}); torch.load(weights_only=True) rejected "
+                "it. Only load checkpoints you trust, re-saved as plain tensors"
+            ) from e
+        raise UserError(
+            f"{path} is not a readable checkpoint (not a torch.save archive, or corrupt): {point}"
+        ) from e
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError) as e:
+        raise UserError(
+            f"{path} is not a readable checkpoint ({first_line(e, 160)}): it may be "
+            f"truncated or corrupt; {point}"
+        ) from e
 
 
 def load_model_state(
@@ -128,27 +139,3 @@ def load_model_state(
             f"{path} is a checkpoint of a different model ({detail[:300]}): resume with "
             f"the model config it was trained with (its run's .hydra/config.yaml), {hint}"
         ) from e
-
-
-def init_weights(model: torch.nn.Module, source: str, strict: bool) -> Path:
-    """trainer.init_from: load the model weights of a checkpoint file, or of the newest one in
-    a run dir, into `model`; nothing else. With `strict` false, only the tensors whose names and
-    shapes match, and one line each for the rest. Returns the file read."""
-    path = file_or_newest(source, "trainer.init_from", "no trainer.init_from")
-    state = load(path, key="trainer.init_from")
-    if strict:
-        load_model_state(model, state, path, hint="or trainer.init_strict=false")
-        return path
-    saved, mine = state["model"], model.state_dict()
-    fits = {k: v for k, v in saved.items() if k in mine and mine[k].shape == v.shape}
-    model.load_state_dict(fits, strict=False)
-    reshaped = sorted(k for k in saved if k in mine and k not in fits)
-    for what, keys in (
-        ("not in the checkpoint (kept as initialised)", sorted(set(mine) - set(saved))),
-        ("in the checkpoint only (unused)", sorted(set(saved) - set(mine))),
-        ("of another shape (kept as initialised)", reshaped),
-    ):
-        if keys:
-            log.warning("trainer.init_from: %d tensor(s) %s: %s", len(keys), what, ", ".join(keys))
-    log.info("trainer.init_from: %d of %d tensors loaded from %s", len(fits), len(mine), path)
-    return path

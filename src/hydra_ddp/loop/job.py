@@ -23,9 +23,10 @@ import torch
 from hydra_ddp import checkpoint, tracking
 from hydra_ddp.callbacks import Callbacks, Context
 from hydra_ddp.checkpoint import Checkpointer, state
-from hydra_ddp.checkpoint.dcp import DCPCheckpointer, load_sharded
+from hydra_ddp.checkpoint.dcp import DCPCheckpointer
 from hydra_ddp.checkpoint.files import check_folder
-from hydra_ddp.checkpoint.reading import file_or_newest
+from hydra_ddp.checkpoint.init_from import apply, plan
+from hydra_ddp.checkpoint.weights import open_weights
 from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, TrainConfig, Wrapper
 from hydra_ddp.data import EvalData, TrainData, check_source, epoch_rows
@@ -92,10 +93,12 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
         checkpoint.set_aside(run.output_dir)
         tracking.set_aside(run.output_dir)  # the stats files and summary.json
     init_sharded = None
-    if tcfg.init_from and resume_from is None and cfg.ddp.meta_init:  # no weights to load into yet
-        init_sharded = file_or_newest(tcfg.init_from, "trainer.init_from", "no trainer.init_from")
-    elif tcfg.init_from and resume_from is None:
-        checkpoint.init_weights(parts.model, tcfg.init_from, tcfg.init_strict)
+    if tcfg.init_from and resume_from is None:  # names and shapes checked here, before any group
+        weights = open_weights(tcfg.init_from)
+        init_sharded = plan(parts.model, weights, tcfg.init_map, tcfg.init_strict)
+        if cfg.ddp.wrapper != Wrapper.fsdp2:  # fsdp2: into each rank's shards, after the wrap
+            apply(parts.model, init_sharded)
+            init_sharded = None
     elif tcfg.init_from:
         log.info("trainer.init_from=%s not used: resuming %s", tcfg.init_from, resume_from)
     return Job(
@@ -141,7 +144,7 @@ def _run(job: Job) -> dict[str, Any]:
         compile_units=tcfg.compile and sharded,
     )  # fmt: skip
     if job.init_sharded is not None:
-        load_sharded(parts.model, job.init_sharded, env)  # collective
+        apply(parts.model, job.init_sharded, env.distributed)  # collective
     if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
         parts.optimizers = Optimizers.build(
             cfg.optim, cfg.scheduler, model, job.total_steps,

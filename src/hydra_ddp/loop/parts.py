@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from hydra_ddp.callbacks import Callbacks
+from hydra_ddp.checkpoint.init_from import Plan
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, EvalData, TrainData
@@ -78,5 +79,5 @@ class Job:
     total_micro: int | None  # micro-batches of trainer.epochs (None: trainer.max_steps)
     callbacks: Callbacks
     resume_from: Path | None
-    # ddp.meta_init: the trainer.init_from checkpoint, loaded into the shards after the wrap.
-    init_sharded: Path | None = None
+    # ddp=fsdp2: trainer.init_from's planned tensors, loaded into the shards after the wrap.
+    init_sharded: Plan | None = None

@@ -1,0 +1,12 @@
+"""A run's weights in, a model out, for anyone: `python -m hydra_ddp.export run=<dir>` writes a
+self-describing folder (writer.py), and `load(folder)` rebuilds the model from it with torch,
+safetensors and the model's own class only (folder.py; importing this package imports nothing
+else of the template). docs/weights.md has both, and a script that generates text from one.
+
+    from hydra_ddp.export import load, vocabulary
+    model, vocab = load("outputs/<run>/export/step_00000600"), vocabulary(...)
+"""
+
+from hydra_ddp.export.folder import Vocabulary, load, read_config, vocabulary
+
+__all__ = ["Vocabulary", "load", "read_config", "vocabulary"]

@@ -1,0 +1,162 @@
+"""`python -m hydra_ddp.export`: a run's checkpoint as a folder anyone can load (folder.py).
+
+    python -m hydra_ddp.export run=outputs/2026-12-02/08-00-00     # newest checkpoint
+    python -m hydra_ddp.export run=<dir> ckpt=best                 # or ckpt=<path>
+    python -m hydra_ddp.export run=<dir> out=<folder> --format hf  # save_pretrained's layout
+    python -m hydra_ddp.export run=<dir> weights=model             # not the EMA
+
+The model is rebuilt on the CPU from the run's .hydra/config.yaml and loaded with the
+checkpoint's weights (a ddp=fsdp2 run's shards assembled by DCP on the CPU: no GPU, no process
+group), then written to `<run>/export/<checkpoint name>/` (or `out=`): with `--format hf`,
+`save_pretrained` of a `transformers` model (`AutoModel.from_pretrained(folder)` reads it).
+When the run kept an EMA of the weights, the export holds the average (what the run evaluated)
+unless `weights=model`. The folder is written whole next to its place and then renamed into
+it; an earlier export there is replaced, anything else is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_model
+
+from hydra_ddp import checkpoint
+from hydra_ddp.checkpoint.reading import load_model_state
+from hydra_ddp.components import build
+from hydra_ddp.errors import UserError, exit_code
+from hydra_ddp.eval import job_config
+from hydra_ddp.export.folder import CONFIG, MARK, VOCAB, WEIGHTS
+from hydra_ddp.loop.evaluation import Request, checkpoint_file
+
+log = logging.getLogger("hydra_ddp.export")
+
+USAGE = (
+    "usage: python -m hydra_ddp.export run=<run dir> [ckpt=last|best|<path>] [out=<folder>] "
+    "[weights=ema|model] [--format folder|hf]"
+)
+FORMATS = ("folder", "hf")
+
+
+def export(
+    run: Path,
+    ckpt: str = "last",
+    out: Path | None = None,
+    format: str = "folder",
+    weights: str = "ema",
+) -> Path:
+    """Write the checkpoint `ckpt` of `run` as an export folder; return its path."""
+    run = Path(run)
+    if not run.is_dir():
+        raise UserError(f"run={run}: no such directory; give a training run's output dir")
+    path = checkpoint_file(Request(run=run, ckpt=ckpt))
+    cfg = job_config(run, [])
+    source = build(cfg.data, "data")
+    with torch.device("cpu"):
+        model = build(cfg.model, "model", **source.spec)
+    state = checkpoint.load(path, key="ckpt")
+    use_ema = "ema" in state and weights == "ema"
+    if use_ema:  # what the run evaluated, and what eval loads
+        state = {"model": {k[len("module.") :]: v for k, v in state["ema"].items()
+                           if k != "n_averaged"}, "step": state["step"]}  # fmt: skip
+    load_model_state(model, state, path, hint="or export another checkpoint (ckpt=)")
+    out = Path(out) if out else run / "export" / path.name.split(".")[0]
+    about = {"run": str(run.resolve()), "checkpoint": str(path.resolve()),
+             "step": int(state["step"]), "weights": "ema" if use_ema else "model"}  # fmt: skip
+    tokens = _tokens(source)
+    tmp = _start(out)
+    try:
+        if format == "hf":
+            _hf(model, tmp, about)
+        else:
+            save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            config = {
+                MARK: about,
+                "model": OmegaConf.to_container(OmegaConf.create(dict(cfg.model)), resolve=True),
+                "spec": dict(source.spec),
+                "vocabulary": VOCAB if tokens else None,
+            }
+            (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str) + "\n")
+        if tokens:
+            (tmp / VOCAB).write_text(json.dumps({"tokens": tokens}, ensure_ascii=False) + "\n")
+        _finish(tmp, out)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"could not write {out} ({checkpoint.write_error(e, out.parent)}): "
+            "give another out=<folder>"
+        ) from e
+    count = sum(p.numel() for p in model.parameters())
+    log.info("%s (step %d, %s, %d parameters) -> %s%s", path, about["step"], about["weights"],
+             count, out, " (Hugging Face layout)" if format == "hf" else "")  # fmt: skip
+    return out
+
+
+def _tokens(source: Any) -> list[str] | None:
+    """The data's vocabulary by id, where it has one (the text example's characters)."""
+    chars = getattr(source, "chars", None)
+    return list(chars) if isinstance(chars, (str, list)) and chars else None
+
+
+def _hf(model: torch.nn.Module, folder: Path, about: dict[str, Any]) -> None:
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained):
+        raise UserError(
+            f"--format hf needs a transformers PreTrainedModel; this run's model is "
+            f"{type(model).__module__}.{type(model).__qualname__}: export it without --format"
+        )
+    model.config.hydra_ddp = about  # kept in its config.json: where the weights came from
+    save_pretrained(str(folder), safe_serialization=True)
+
+
+def _start(out: Path) -> Path:
+    """A fresh temporary folder beside `out`; refuses an `out` that is not an earlier export."""
+    if out.exists() and not (out / CONFIG).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"out={out} exists and is not an export folder: give another out=")
+    if (out / CONFIG).is_file() and MARK not in (out / CONFIG).read_text():
+        raise UserError(f"out={out} holds another config.json: give another out=")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.replace(out, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(name)s][%(levelname)s] - %(message)s")
+    try:
+        args: dict[str, str] = {}
+        given = list(sys.argv[1:] if argv is None else argv)
+        while given:
+            arg = given.pop(0)
+            if arg == "--format" and given:  # also --format=hf and format=hf
+                arg = f"format={given.pop(0)}"
+            key, eq, value = arg.removeprefix("--").partition("=")
+            if not eq or key not in ("run", "ckpt", "out", "format", "weights"):
+                raise UserError(f"{arg!r} is not run=, ckpt=, out=, weights= or --format. {USAGE}")
+            args[key] = value
+        if "run" not in args:
+            raise UserError(f"run=<run dir> is missing. {USAGE}")
+        if args.get("format", "folder") not in FORMATS:
+            raise UserError(f"--format {args['format']}: use folder (default) or hf. {USAGE}")
+        if args.get("weights", "ema") not in ("ema", "model"):
+            raise UserError(f"weights={args['weights']}: use ema (default) or model. {USAGE}")
+        out = args.get("out")
+        export(Path(args["run"]), args.get("ckpt", "last"), Path(out) if out else None,
+               args.get("format", "folder"), args.get("weights", "ema"))  # fmt: skip
+    except Exception as e:
+        sys.exit(exit_code(e, log))
