@@ -47,6 +47,7 @@ class Monitor:
         self.best_step = 0
         self.bad_evals = 0  # evaluations in a row without an improvement
         self.stopped_early = False
+        self.pruned = False  # stopped by a pruning sweep's pruner (pruning.py)
 
     def update(self, step: int, val: dict[str, float], env: DistEnv) -> bool:
         """Record an evaluation at `step`; True when it is the best so far."""
@@ -79,12 +80,26 @@ class Monitor:
             self.best_step,
         )
 
+    def prune(self, step: int, value: float) -> None:
+        """A pruning sweep stops this trial at `step`: it ends as an early stop does."""
+        self.stopped_early = self.pruned = True
+        log.info(
+            "pruned at step %d: %s %.6g is behind the sweep's other trials at this step "
+            "(hydra.sweeper.pruner); best %.6g at step %d",
+            step,
+            self.name,
+            value,
+            self.best,
+            self.best_step,
+        )
+
     def summary(self) -> dict[str, Any]:
         return {
             "monitor": self.name,
             "best": None if math.isnan(self.best) else self.best,
             "best_step": self.best_step,
             "stopped_early": self.stopped_early,
+            "pruned": self.pruned,
         }
 
     def state_dict(self) -> dict[str, Any]:
