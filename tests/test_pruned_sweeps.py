@@ -210,7 +210,8 @@ def test_a_pruned_sweep_killed_after_two_trials_continues_to_n_trials(tmp_path: 
     # Run once more: the study is complete, nothing runs again.
     third_run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                                timeout=300)  # fmt: skip
-    assert third_run.returncode == 0 and "0 to go" in third_run.stderr, third_run.stderr[-3000:]
+    again = third_run.stdout + third_run.stderr
+    assert third_run.returncode == 0 and "0 to go" in again, again[-3000:]
     assert len(_trials(sweep)) == 6 and len(job_dirs(sweep)) == 6
 
 

@@ -5,7 +5,9 @@ at every evaluation. An improvement makes that step the best one (its checkpoint
 `checkpoints/best.pt`, never rotated away); `trainer.early_stop_patience` evaluations in a row
 without one end the run. The state lives in the checkpoint, so a resumed run keeps its best
 score and its patience count. Validation metrics are reduced over ranks, so every rank reaches
-the same decision; rank 0's is still the one taken (see `Monitor.update`).
+the same decision; rank 0's is still the one taken (see `Monitor.update`). A job that is a
+trial of a pruning sweep (pruning.py) is stopped the same way when the sweep's pruner says so
+(`Monitor.prune`; `pruned: true` in summary.json).
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ class Monitor:
         """A pruning sweep stops this trial at `step`: it ends as an early stop does."""
         self.stopped_early = self.pruned = True
         log.info(
-            "pruned at step %d: %s %.6g is behind the sweep's other trials at this step "
-            "(hydra.sweeper.pruner); best %.6g at step %d",
+            "pruned at step %d: the sweep's pruner (hydra.sweeper.pruner) stops this trial at "
+            "%s %.6g; best %.6g at step %d",
             step,
             self.name,
             value,
