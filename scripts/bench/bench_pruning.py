@@ -5,7 +5,8 @@ trials, steps, evaluations). Variants alternate, so a change in the machine's lo
 
     python scripts/bench/bench_pruning.py                       # 16 trials, 300 steps, seed 1234
     python scripts/bench/bench_pruning.py --trials 16 --steps 300 --seeds 1234 7 --out p.json
-    python scripts/bench/bench_pruning.py --pruner successive_halving
+    python scripts/bench/bench_pruning.py --pruner successive_halving \
+        --pruner-set reduction_factor=2
 
 Per variant: the training steps of all trials (summary.json's `steps`), the wall time, the best
 value and, for the unpruned sweep, the spread (standard deviation) of its trials' final values.
@@ -35,8 +36,9 @@ def sweep_command(pruned: bool, args: argparse.Namespace, seed: int) -> list[str
     cmd += [f"hydra.sweeper.n_trials={args.trials}", f"hydra.sweeper.sampler.seed={seed}"]
     if not pruned:
         cmd += NO_PRUNER
-    elif args.pruner:
-        cmd += [f"hydra/sweeper/pruner={args.pruner}"]
+    else:
+        cmd += [f"hydra/sweeper/pruner={args.pruner}"] if args.pruner else []
+        cmd += [f"hydra.sweeper.pruner.{setting}" for setting in args.pruner_set]
     return cmd
 
 
@@ -73,6 +75,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="trainer.max_steps of each trial")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234], help="sampler seeds")
     parser.add_argument("--pruner", default=None, help="median or successive_halving")
+    parser.add_argument(
+        "--pruner-set",
+        nargs="*",
+        default=[],
+        help="KEY=VALUE of the pruner, e.g. reduction_factor=2",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     print(f"{args.trials} trials x {args.steps} steps; seeds {args.seeds}; {os.cpu_count()} CPUs")
