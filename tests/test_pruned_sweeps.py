@@ -52,14 +52,17 @@ def test_pruned_preset_composes_and_its_pruner_swaps() -> None:
     cfg = _compose("hparams_search=digits_optuna_pruned")
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_.endswith("PrunedOptunaSweeper"), sweeper._target_
-    assert sweeper.pruner._target_ == "optuna.pruners.MedianPruner"
+    assert sweeper.pruner._target_ == "optuna.pruners.SuccessiveHalvingPruner"
+    assert sweeper.pruner.reduction_factor == 2
     assert sweeper.direction.name == "maximize" and cfg.trainer.monitor == "val/acc"
     assert sweeper.n_trials == 16 and set(sweeper.params) == {"optim.lr", "model.hidden"}
     assert cfg.trainer.eval_interval > 0
     # No timestamp in the sweep dir: the same command continues the same study.
     assert cfg.hydra.sweep.dir == "multirun/digits_mlp_pruned"
-    cfg = _compose("hparams_search=digits_optuna_pruned", "hydra/sweeper/pruner=successive_halving")
-    assert cfg.hydra.sweeper.pruner._target_ == "optuna.pruners.SuccessiveHalvingPruner"
+    cfg = _compose("hparams_search=digits_optuna_pruned", "hydra/sweeper/pruner=median")
+    assert OmegaConf.to_container(cfg.hydra.sweeper.pruner) == {
+        "_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 4, "n_warmup_steps": 0
+    }  # fmt: skip
     cfg = _compose("hparams_search=digits_optuna_pruned", *ALWAYS_AT_20_CLI)
     assert OmegaConf.to_container(cfg.hydra.sweeper.pruner) == ALWAYS_AT_20
 
@@ -145,7 +148,8 @@ SWEEP = [
     "trainer.eval_interval=10",
     "trainer.ckpt_interval=10",
     "hydra.sweeper.n_trials=6",
-    # Judged against 2 finished trials from the 3rd on.
+    # Judged against the median of 2 finished trials from the 3rd on.
+    "hydra/sweeper/pruner=median",
     "hydra.sweeper.pruner.n_startup_trials=2",
 ]
 
@@ -219,7 +223,7 @@ def test_a_pruned_sweep_killed_after_two_trials_continues_to_n_trials(tmp_path: 
 @pytest.mark.timeout(600)
 def test_submitit_two_rank_jobs_are_pruned_on_both_ranks(tmp_path: Path) -> None:
     cmd = [
-        sys.executable, "-m", "hydra_ddp.train", *SWEEP[:-2], "hydra.sweeper.n_trials=2",
+        sys.executable, "-m", "hydra_ddp.train", *SWEEP[:-3], "hydra.sweeper.n_trials=2",
         "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", "dist.device=cpu",
         *ALWAYS_AT_20_CLI,
     ]  # fmt: skip
