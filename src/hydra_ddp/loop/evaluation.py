@@ -90,9 +90,10 @@ class Evaluator:
             self.checkpointer.save(name="best.pt")  # collective
         elif self.monitor.should_stop:
             self.monitor.stop(position.step)
-        value = val[self.monitor.metric]
-        if self.pruning is not None and self.pruning.should_prune(position.step, value):
-            self.monitor.prune(position.step, value)  # collective (above)
+        if self.pruning is not None:  # a trial of a pruning sweep: report, maybe stop here
+            value = val[self.monitor.metric]
+            if self.pruning.should_prune(position.step, value):  # collective
+                self.monitor.prune(position.step, value)
         return val
 
     def final_validation(self, position: Any) -> dict[str, float]:
