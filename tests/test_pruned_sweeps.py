@@ -148,9 +148,10 @@ SWEEP = [
     "trainer.eval_interval=10",
     "trainer.ckpt_interval=10",
     "hydra.sweeper.n_trials=6",
-    # Judged against the median of 2 finished trials from the 3rd on.
+    # Judged against the median of 3 finished trials from the 4th on: the third, stopped by
+    # the kill below, cannot have been pruned before it.
     "hydra/sweeper/pruner=median",
-    "hydra.sweeper.pruner.n_startup_trials=2",
+    "hydra.sweeper.pruner.n_startup_trials=3",
 ]
 
 
