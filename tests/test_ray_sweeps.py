@@ -389,3 +389,38 @@ def _describe(p: psutil.Process) -> str:
         return f"{p.pid} {' '.join(p.cmdline())[:120]}"
     except psutil.Error:
         return str(p.pid)
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(600)
+def test_a_pruned_optuna_sweep_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
+    """hydra/sweeper=optuna_pruned on Ray: two trials at a time, each reporting from its own
+    process to the sweep's SQLite study and stopped by the pruner (a threshold no accuracy
+    reaches: every trial, at its evaluation of step 20)."""
+    optuna = pytest.importorskip("optuna")
+    address, _ = head
+    proc = _sweep(
+        tmp_path,
+        address,
+        "hparams_search=digits_optuna_pruned",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=2",
+        "~hydra/sweeper/pruner",
+        "+hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,lower:1.1,n_warmup_steps:15}",
+        *SHORT,
+        "trainer.eval_interval=10",
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    sweep = _sweep_dir(tmp_path)
+    times = _journal(sweep)
+    assert _overlap(times[0], times[1]) and _overlap(times[2], times[3]), times
+    study = optuna.load_study(
+        study_name="digits_mlp_pruned", storage=f"sqlite:///{sweep}/optuna.db"
+    )
+    assert [t.state.name for t in study.trials] == ["PRUNED"] * 4
+    assert all(sorted(t.intermediate_values) == [10, 20] for t in study.trials)
+    report = json.loads((sweep / "sweep_report.json").read_text())
+    assert [(j["status"], j["steps"]) for j in report] == [("PRUNED", 20)] * 4, report
+    for j in report:
+        assert (Path(j["dir"]) / "checkpoints" / "step_00000020.pt").is_file()

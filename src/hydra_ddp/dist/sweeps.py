@@ -1,7 +1,8 @@
 """Sweeps of DDP jobs: a failed job's record, and the report at the end.
 
 `SweepReport` is a Hydra callback that tables every job at the end of a multirun (status,
-objective, metrics, and for a failed job why and where its logs are). Job dir names are
+objective, metrics, and for a failed job why and where its logs are; a job a pruning sweep
+stopped early is PRUNED, with the step it reached, and counts as no failure). Job dir names are
 paths.sweep_subdir's; each job's objective is the metric `trainer.monitor` names
 (monitor.monitor_key). The values of secret keys (redact.py) are blanked in the report, its
 table and the journal, as in the job dir names, and in the Optuna sweeper's
@@ -35,6 +36,9 @@ _sweep_failed = False
 _JOURNAL = "sweep_jobs.jsonl"
 # Set by a launcher that starts a process per job: when it started this job's (time.time()).
 STARTED_ENV = "HYDRA_DDP_JOB_STARTED"
+# A job a pruning sweep stopped early on purpose: reported, not failed.
+PRUNED = "PRUNED"
+_FINE = ("ok", PRUNED)
 _JOB_RETURN = "job_return.json"
 _SWEEPER_RESULTS = "optimization_results.yaml"  # the Optuna sweeper's
 
@@ -160,12 +164,14 @@ class SweepReport(Callback):
         for j in jobs:
             j["best"] = j is best
         jsonfile.write(sweep_dir / "sweep_report.json", jobs)
-        failed = [j for j in jobs if j["status"] != "ok"]
+        failed = [j for j in jobs if j["status"] not in _FINE]
         _sweep_failed = bool(failed)
+        pruned = sum(j["status"] == PRUNED for j in jobs)
         log.info(
-            "sweep done: %d job(s), %d failed; objective %s (%s): %s; report: %s",
+            "sweep done: %d job(s), %d failed%s; objective %s (%s): %s; report: %s",
             len(jobs),
             len(failed),
+            f", {pruned} pruned" if pruned else "",
             monitor,
             mode,
             f"best {best['objective']:.6g} ({best['job']})" if best else "no job has one",
@@ -174,7 +180,7 @@ class SweepReport(Callback):
         header, *lines = _table(jobs, monitor, mode)
         log.info(header)
         for job, line in zip(jobs, lines):
-            (log.error if job["status"] != "ok" else log.info)(line)
+            (log.error if job["status"] not in _FINE else log.info)(line)
 
 
 def _blank_sweeper_results(sweep_dir: Path) -> None:
@@ -317,6 +323,8 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
         if failure is not None:
             status = str(failure.get("status", "FAILED"))
             detail = _scrub(str(failure.get("error", failure)), secrets)
+        elif summary.get("pruned"):  # a pruning sweep's pruner stopped it (loop/pruning.py)
+            status, detail = PRUNED, f"pruned at step {summary.get('steps')}"
         elif summary:
             status, detail = "ok", None
         else:
@@ -333,6 +341,8 @@ def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str)
         "num": num,
         "overrides": swept,
         "status": status,
+        # The step it reached (a pruned job's is where it was stopped).
+        "steps": summary.get("steps"),
         "monitor": monitor,
         "mode": mode,
         "objective": objective,
@@ -365,7 +375,9 @@ def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
     lines = []
     for j, row in zip([None, *jobs], [header, *rows]):
         line = "  " + " ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-        if j is not None and j["status"] != "ok":
+        if j is not None and j["status"] == PRUNED:
+            line += f"  {j['detail']}"
+        elif j is not None and j["status"] != "ok":
             # The whole error is in the JSON report; here a line stays a line.
             line += (
                 f"  {_ellipsize(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"

@@ -27,6 +27,7 @@ from hydra_ddp.dist.ddp import sync_buffers
 from hydra_ddp.errors import UserError, translated_evaluation
 from hydra_ddp.loop.monitor import Monitor
 from hydra_ddp.loop.predict import predict
+from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.scoring import evaluate
 from hydra_ddp.metrics import Metric
 from hydra_ddp.step import autocast_for
@@ -53,13 +54,16 @@ class Evaluator:
         checkpointer: Checkpointer,
         tracker: Tracker,
         console: Console,
+        pruning: Pruning | None = None,
     ) -> None:
-        """`model` is the module evaluated: the raw one, or the EMA average."""
+        """`model` is the module evaluated: the raw one, or the EMA average; `pruning`: the
+        trial of a pruning sweep this job is (pruning.py)."""
         self.env, self.splits, self.model = env, splits, model
         self.scoring = (loss_fn, metrics, autocast, limit)
         self.interval, self.total_steps = interval, total_steps
         self.monitor, self.checkpointer = monitor, checkpointer
         self.tracker, self.console = tracker, console
+        self.pruning = pruning
         self.last: dict[str, float] = {}  # the newest validation's metrics
         self._improved = False  # the final validation improved the monitor (see finish)
 
@@ -69,7 +73,8 @@ class Evaluator:
 
     @property
     def stopped(self) -> bool:
-        """Early stopping has stopped the run (the monitor's patience ran out at a validation)."""
+        """Early stopping has stopped the run (the monitor's patience ran out at a validation,
+        or a pruning sweep's pruner stopped it)."""
         return self.monitor.stopped_early
 
     def evaluate(self, split: str) -> dict[str, float]:
@@ -88,6 +93,10 @@ class Evaluator:
             self.checkpointer.save(name="best.pt")  # collective
         elif self.monitor.should_stop:
             self.monitor.stop(position.step)
+        if self.pruning is not None:  # a trial of a pruning sweep: report, maybe stop here
+            value = val[self.monitor.metric]
+            if self.pruning.should_prune(position.step, value):  # collective
+                self.monitor.prune(position.step, value)
         return val
 
     def final_validation(self, position: Any) -> dict[str, float]:

@@ -51,6 +51,7 @@ from hydra_ddp.loop.monitor import Monitor, monitor_key
 from hydra_ddp.loop.parts import Job, build_components
 from hydra_ddp.loop.position import Counting, Position, PositionState, epoch_length
 from hydra_ddp.loop.profiling import step_profiler
+from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.optim import Optimizers
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for, scaler_for
 from hydra_ddp.tracking import RunInfo, Tracker, make_tracker, redact
@@ -227,6 +228,7 @@ def _loop(
         checkpointer=checkpointer,
         tracker=tracker,
         console=job.console,
+        pruning=Pruning(env),  # a no-op unless a pruning sweep started this job
     )
     stats = StepStats(
         env=env,

@@ -5,7 +5,9 @@ at every evaluation. An improvement makes that step the best one (its checkpoint
 `checkpoints/best.pt`, never rotated away); `trainer.early_stop_patience` evaluations in a row
 without one end the run. The state lives in the checkpoint, so a resumed run keeps its best
 score and its patience count. Validation metrics are reduced over ranks, so every rank reaches
-the same decision; rank 0's is still the one taken (see `Monitor.update`).
+the same decision; rank 0's is still the one taken (see `Monitor.update`). A job that is a
+trial of a pruning sweep (pruning.py) is stopped the same way when the sweep's pruner says so
+(`Monitor.prune`; `pruned: true` in summary.json).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Monitor:
         self.best_step = 0
         self.bad_evals = 0  # evaluations in a row without an improvement
         self.stopped_early = False
+        self.pruned = False  # stopped by a pruning sweep's pruner (pruning.py)
 
     def update(self, step: int, val: dict[str, float], env: DistEnv) -> bool:
         """Record an evaluation at `step`; True when it is the best so far."""
@@ -79,12 +82,26 @@ class Monitor:
             self.best_step,
         )
 
+    def prune(self, step: int, value: float) -> None:
+        """A pruning sweep stops this trial at `step`: it ends as an early stop does."""
+        self.stopped_early = self.pruned = True
+        log.info(
+            "pruned at step %d: the sweep's pruner (hydra.sweeper.pruner) stops this trial at "
+            "%s %.6g; best %.6g at step %d",
+            step,
+            self.name,
+            value,
+            self.best,
+            self.best_step,
+        )
+
     def summary(self) -> dict[str, Any]:
         return {
             "monitor": self.name,
             "best": None if math.isnan(self.best) else self.best,
             "best_step": self.best_step,
             "stopped_early": self.stopped_early,
+            "pruned": self.pruned,
         }
 
     def state_dict(self) -> dict[str, Any]:
