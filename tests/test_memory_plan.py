@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.inproc import FAST, train_here, typed
+from helpers.inproc import FAST, train_here, train_ranks, typed
 
 from hydra_ddp import memory
 from hydra_ddp.components import build
@@ -83,3 +83,35 @@ def test_plan_of_a_wider_gpt_and_the_command(tmp_path):
 def test_device_memory_sizes():
     assert parse_bytes("16GiB") == parse_bytes("16G") == parse_bytes("16gb") == 16 * 2**30
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "wrapper",
+    [
+        "default",
+        pytest.param(
+            "fsdp2",
+            # Known gap: on gloo ranks the plan is ~0.64 of the measured peak (14.1 vs 22.1 MB
+            # for this GPT): FSDP2's all-gather and reduce-scatter make more unit-sized copies
+            # than the plan's rule (root + 3 units) counts. Strict: passes when it is fixed.
+            marks=pytest.mark.xfail(strict=True, reason="fsdp2's gathered units undercounted"),
+        ),
+    ],
+)
+def test_plan_on_two_ranks(tmp_path, wrapper):
+    """On 2 gloo ranks: ddp's plan adds its buckets (not in the profiler's window: made at the
+    wrap), fsdp2's shards the state and adds the gathered units."""
+    # Without text_gpt's SampleText: under fsdp2 its rank-0-only forward is a collective that
+    # rank 1 never joins (gloo aborts at the end of the run).
+    overrides = [*FAST, *SHORT, *PEAK, *GPT, "~callbacks.sample_text", "model.n_embd=128",
+                 f"ddp={wrapper}"]  # fmt: skip
+    summaries = train_ranks(tmp_path, *overrides)
+    cfg = typed(*overrides)
+    planned = memory.plan(memory.count(cfg, build(cfg.data, "data")), cfg, 2, cfg.ddp.wrapper)
+    assert summaries[0]["memory_plan"] == planned.as_dict()
+    for rank in (0, 1):
+        peak = json.loads((tmp_path / f"tensor_peak_rank{rank}.json").read_text())
+        state = summaries[0]["state_bytes_per_rank"][rank] - peak["grads"]
+        measured = state + peak["buffers"] + peak["above_start"] + planned.buckets
+        assert 0.75 <= planned.peak / measured <= 1.25, (planned, measured)
