@@ -48,7 +48,7 @@ LIBRARY_CLASSES = set(
     LayerNorm Embedding Tensor CosineAnnealingLR LambdaLR PowerSGDState DefaultSavePlanner Enum
     MISSING DictConfig ListConfig BaseSweeper Launcher Process PyTorch OmegaConf
     ZeroRedundancyOptimizer TensorBoard GitHub OpenBLAS DeepSpeed Lightning
-    TorchDistributedEnvironment GraceTime KillWait NopPruner
+    TorchDistributedEnvironment GraceTime KillWait NopPruner VmHWM
     """.split()
 )
 # Typos the docs show being refused, on purpose.

@@ -4,6 +4,7 @@
     python scripts/bench/bench_speed.py --repeats 15 --no-wandb --out /tmp/speed.json
     python scripts/bench/bench_speed.py --alt patched=/tmp/copy/src  # also time a patched checkout
     python scripts/bench/bench_speed.py --step-costs   # per-step cost: ours vs the minimal loop
+    python scripts/bench/bench_speed.py --stop-cost    # ours with vs without the stop agreement
 
 Every job is started the way a user starts it, with torchrun, from a scratch directory under
 /tmp (so Hydra's outputs land there):
@@ -16,6 +17,13 @@ Every job is started the way a user starts it, with torchrun, from a scratch dir
   ours-startup   the same with trainer.log_interval=1 trainer.max_steps=S (first step time)
   wandb          ours with logger=wandb (the default), W&B forced offline, its dirs isolated
   wandb-startup  likewise with trainer.log_interval=1 trainer.max_steps=S
+  ours-noagree   (--stop-cost) ours started through scripts/bench/no_stop_agreement.py: the
+                     same job without the ranks' stop agreement (StopOnSignal.agreed answers
+                     from the rank's own flag, no all-reduce)
+  ours-everystep (--stop-cost) likewise, with the ranks agreeing at every step (the default
+                     agrees about every 0.1 s of steps): the agreement's cost undiluted.
+                     --stop-cost runs only minimal, ours, ours-noagree and ours-everystep and
+                     reports ours/ours-noagree and ours-everystep/ours-noagree
 
 One repeat runs each variant once; the order rotates from repeat to repeat, so slow phases of a
 shared machine hit every variant alike. Ratios are taken within a repeat and their median is
@@ -63,7 +71,9 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = REPO / "scripts" / "bench" / "minimal_ddp.py"
+NO_AGREEMENT = REPO / "scripts" / "bench" / "no_stop_agreement.py"
 VARIANTS = ("minimal", "ours", "ours-startup", "wandb", "wandb-startup")
+STOP_COST_VARIANTS = ("minimal", "ours", "ours-noagree", "ours-everystep")
 
 
 def user_env(scratch: Path, wandb: bool, src: str | None = None) -> dict[str, str]:
@@ -96,7 +106,9 @@ def command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
     if variant == "minimal":
         return torchrun + [str(MINIMAL), "--epochs", str(args.epochs), "--skip", str(args.skip)]
-    cmd = torchrun + ["-m", "hydra_ddp.train", "trainer.progress=false", f"hydra.run.dir={run_dir}"]
+    shim = variant in ("ours-noagree", "ours-everystep")
+    entry = [str(NO_AGREEMENT)] if shim else ["-m", "hydra_ddp.train"]
+    cmd = torchrun + entry + ["trainer.progress=false", f"hydra.run.dir={run_dir}"]
     cmd.append("logger=wandb" if variant.startswith("wandb") else "logger=none")
     if variant.endswith("startup"):
         cmd += ["trainer.log_interval=1", f"trainer.max_steps={args.startup_steps}"]
@@ -174,6 +186,7 @@ def run_one(variant: str, args: argparse.Namespace, scratch: Path, rep: int) -> 
     run_dir = scratch / "runs" / f"{variant}-{rep}"
     cmd = command(variant, args, run_dir)
     env = user_env(scratch, wandb=variant.startswith("wandb"), src=args.alt.get(variant))
+    env["BENCH_STOP_AGREEMENT"] = "every_step" if variant == "ours-everystep" else "off"
     minimal = variant == "minimal"
     for attempt in range(args.retries + 1):
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -424,6 +437,12 @@ def main() -> int:
         help="instead: time the loop body's pieces in one process (no torchrun)",
     )
     p.add_argument(
+        "--stop-cost",
+        action="store_true",
+        help="instead: minimal, ours and ours without the ranks' stop agreement "
+        "(scripts/bench/no_stop_agreement.py), interleaved; reports ours/ours-noagree",
+    )
+    p.add_argument(
         "extra", nargs="*", help="extra overrides for our jobs (e.g. trainer.grad_clip=0)"
     )
     args = p.parse_args()
@@ -434,6 +453,8 @@ def main() -> int:
         p.error("--skip must be a multiple of the default trainer.log_interval (10)")
 
     variants = [v for v in VARIANTS if not (args.no_wandb and v.startswith("wandb"))]
+    if args.stop_cost:
+        variants, args.no_wandb = list(STOP_COST_VARIANTS), True
     args.alt = dict(a.split("=", 1) for a in args.alt)
     variants += list(args.alt)
     scratch = Path(tempfile.mkdtemp(prefix="bench_speed_", dir="/tmp"))
@@ -513,12 +534,16 @@ def main() -> int:
         )
 
     speed_lines("ours", "minimal", ">= 0.95", lambda m: m >= 0.95)
-    line(
-        "first step ours - minimal (s)",
-        paired(rows, "ours-startup", "minimal", "first_step_s", diff=True),
-        "<= 2.0",
-        lambda m: m <= 2.0,
-    )
+    if args.stop_cost:
+        speed_lines("ours", "ours-noagree", "(report: 1.0 = free)", None)
+        speed_lines("ours-everystep", "ours-noagree", "(report)", None)
+    else:
+        line(
+            "first step ours - minimal (s)",
+            paired(rows, "ours-startup", "minimal", "first_step_s", diff=True),
+            "<= 2.0",
+            lambda m: m <= 2.0,
+        )
     for name in args.alt:
         speed_lines(name, "minimal", "(report)", None)
         line(
@@ -545,6 +570,13 @@ def main() -> int:
         f"\nratio of medians, steady ours/minimal: "
         f"{median(rows, 'ours', 'steady_sps') / median(rows, 'minimal', 'steady_sps'):.3f}"
     )
+    if args.stop_cost:
+        base = median(rows, "ours-noagree", "steady_sps")
+        print(
+            f"ratio of medians, steady ours/ours-noagree: "
+            f"{median(rows, 'ours', 'steady_sps') / base:.3f}, ours-everystep/ours-noagree: "
+            f"{median(rows, 'ours-everystep', 'steady_sps') / base:.3f}"
+        )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if not args.keep and not list(scratch.glob("stderr-*.log")):

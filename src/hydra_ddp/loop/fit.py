@@ -19,6 +19,7 @@ the other ranks); putting one under `if env.is_main:` hangs the job.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hydra_ddp import memory
 from hydra_ddp.callbacks import Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.config import TrainerConfig
@@ -40,6 +42,7 @@ from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.step import NonFiniteCheck, StepTools
 from hydra_ddp.tracking import Tracker
+from hydra_ddp.tracking.peak import PeakMeter, held_bytes
 from hydra_ddp.tracking.stats import StepStats
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class Loop:
     stopper: StopOnSignal
     profiler: Any
     ctx: Context
+    meter: PeakMeter | None = None  # this rank's peak memory, from fit's start
 
 
 def fit(loop: Loop) -> float:
@@ -80,6 +84,8 @@ def fit(loop: Loop) -> float:
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
+    loop.meter = PeakMeter(env.device)
+    held = functools.partial(held_bytes, loop.raw_model, parts.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
         if signum:
@@ -103,6 +109,7 @@ def fit(loop: Loop) -> float:
         if loop.ema is not None:
             loop.ema.update(loop.raw_model)
         loop.profiler.step()
+        loop.meter.step(held)
         pos.step += 1
         batch_rows = sum(rows(b) for b in micro_batches)
         pos.samples_seen += batch_rows
@@ -163,6 +170,8 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     val, test = loop.evaluator.finish(pos)  # collective
     summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
+    if loop.meter is not None:  # the memory plan, checked by this run
+        summary.update(memory.checked(job.cfg, job.parts.source, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     if env.is_main:
         jsonfile.write(run.output_dir / "summary.json", json_safe(summary))

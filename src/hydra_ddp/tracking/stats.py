@@ -16,7 +16,7 @@ import psutil
 import torch
 
 from hydra_ddp.dist import DistEnv
-from hydra_ddp.tracking import Tracker, names
+from hydra_ddp.tracking import Tracker, names, peak
 from hydra_ddp.tracking.console import Console
 
 
@@ -115,6 +115,8 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         stats["cuda_mem_mb"] = torch.cuda.memory_allocated(device) / _MB
         stats["cuda_peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / _MB
-        # Per interval: the next call reports the peak since this one.
+        # Per interval: the next call reports the peak since this one (the run's peak is kept
+        # for summary.json).
+        peak.keep_cuda_peak(device)
         torch.cuda.reset_peak_memory_stats(device)
     return stats

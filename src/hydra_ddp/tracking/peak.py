@@ -1,0 +1,114 @@
+"""The measured peak memory of one rank's training, which summary.json sets beside the memory
+plan (hydra_ddp/memory.py) so that every run checks the plan.
+
+CUDA: torch.cuda.max_memory_allocated, the allocator's own peak of tensor bytes: what the plan
+counts. The per-interval stats reset that peak (stats.memory_stats), so they hand it here first.
+
+CPU: there is no allocator peak to read, so the parameters and optimizer state held when the
+loop starts, plus how far the process's peak resident memory (Linux's VmHWM, reset at the start
+through /proc/self/clear_refs, after malloc_trim hands freed heap memory back) rose above its
+resident memory then. That counts everything the process touched: allocator slack, the batches,
+evaluation, and a few MiB of code and thread stacks the first step pages in; not DDP's buckets,
+allocated at the wrap, before the start. None where /proc cannot be read or reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+import sys
+from typing import Callable, Iterable
+
+import torch
+
+from hydra_ddp.dist.fsdp import local
+
+_cuda_peak: dict[str, int] = {}  # device -> the run's peak before the stats reset it
+
+
+def keep_cuda_peak(device: torch.device) -> None:
+    """Call before resetting CUDA's peak statistics: the run's peak survives the reset."""
+    key = str(device)
+    _cuda_peak[key] = max(_cuda_peak.get(key, 0), torch.cuda.max_memory_allocated(device))
+
+
+def held_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """This rank's bytes of parameters, buffers and optimizer state (local shards only)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for o in optimizers for s in o.state.values() for v in s.values()]
+    return sum(
+        local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t)
+    )  # fmt: skip
+
+
+class PeakMeter:
+    """The peak over a window of training steps: `step()` after each step of the loop starts
+    it after the first (which pages in code and makes the optimizer state) and ends it
+    `STEPS` steps later (a steady step repeats itself; evaluation and checkpoints come
+    later), `peak()` reads it (a window cut short by the run's end too)."""
+
+    STEPS = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.held = 0
+        self.base: int | None = None
+        self.steps = 0
+        self.frozen: int | None = None
+        self.method = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth"
+
+    def step(self, held: Callable[[], int]) -> None:
+        """After each training step; `held()`: the bytes held at the window's start."""
+        self.steps += 1
+        if self.steps == 1:
+            self.start(held())
+        elif self.steps == 1 + self.STEPS:
+            self.frozen = self._read()
+
+    def start(self, held: int) -> None:
+        if self.device.type == "cuda":
+            _cuda_peak.pop(str(self.device), None)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = 0
+            return
+        self.held = held
+        _trim()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        except OSError:
+            return
+        self.base = _status("VmRSS")
+
+    def peak(self) -> int | None:
+        """The peak bytes of the window; None where they cannot be measured (or no step ran
+        after the first)."""
+        if self.frozen is not None:
+            return self.frozen
+        return self._read() if self.steps > 1 else None
+
+    def _read(self) -> int | None:
+        if self.base is None:
+            return None
+        if self.device.type == "cuda":
+            keep_cuda_peak(self.device)
+            return _cuda_peak[str(self.device)]
+        hwm = _status("VmHWM")
+        return None if hwm is None else self.held + hwm - self.base
+
+
+def _status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            found = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return None
+    return int(found.group(1)) * 1024 if found else None
+
+
+def _trim() -> None:
+    """glibc keeps freed memory for reuse; hand it back, so the growth counts this run only."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).malloc_trim(0)

@@ -1,0 +1,117 @@
+"""The memory plan (hydra_ddp/memory.py, `python -m hydra_ddp.plan`) against what training
+measures: the CPU tensor peak of real steps (helpers/tensor_peak.py: torch's profiler over steps
+2-5), within 25 %, for the digits MLP and the example GPT at two widths; the same plan in
+summary.json beside the run's own measured peak."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers.inproc import FAST, train_here, train_ranks, typed
+
+from hydra_ddp import memory
+from hydra_ddp.components import build
+from hydra_ddp.config import Wrapper
+from hydra_ddp.plan import parse_bytes
+
+PEAK = ["+callbacks.peak._target_=helpers.tensor_peak.TensorPeak", "+callbacks.peak.steps=3"]
+SHORT = ["trainer.max_steps=5", "trainer.limit_eval_batches=1", "trainer.ckpt_interval=0"]
+MLP = ["model.hidden=1024", "model.depth=3"]  # ~34 MiB of training state: above the noise
+GPT = ["experiment=text_gpt", "data.block_size=32", "model.n_layer=2", "trainer.batch_size=16"]
+
+
+def measured_and_planned(tmp_path, *overrides: str) -> tuple[int, memory.MemoryPlan, dict]:
+    summary = train_here(tmp_path, *FAST, *SHORT, *PEAK, *overrides)
+    peak = json.loads((tmp_path / "tensor_peak_rank0.json").read_text())
+    # Parameters and optimizer state (summary.json's state bytes count the gradients too: the
+    # profiler counts them again when the next backward makes them) + the peak above them.
+    state = summary["state_bytes_per_rank"][0] - peak["grads"]
+    measured = state + peak["buffers"] + peak["above_start"]
+    cfg = typed(*FAST, *SHORT, *overrides)
+    planned = memory.plan(memory.count(cfg, build(cfg.data, "data")), cfg, 1, Wrapper.ddp)
+    return measured, planned, summary
+
+
+@pytest.mark.parametrize(
+    "overrides", [MLP, [*GPT, "model.n_embd=64"]], ids=["digits_mlp", "gpt_width64"]
+)
+def test_plan_is_within_a_quarter_of_the_measured_peak(tmp_path, overrides):
+    measured, planned, summary = measured_and_planned(tmp_path, *overrides)
+    assert 0.75 <= planned.peak / measured <= 1.25, (planned, measured)
+    # summary.json carries the same plan, next to the run's own measure of its peak.
+    assert summary["memory_plan"] == planned.as_dict()
+    assert summary["memory_peak_measure"] == "cpu_rss_growth"
+    assert summary["memory_peak_per_rank"][0] > 0
+    assert summary["memory_peak_over_plan"] == summary["memory_peak_per_rank"][0] / planned.peak
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["memory_plan"]["peak"] == planned.peak
+
+
+@pytest.mark.slow
+def test_plan_of_a_wider_gpt_and_the_command(tmp_path):
+    measured, planned, _ = measured_and_planned(tmp_path, *GPT, "model.n_embd=192")
+    assert 0.75 <= planned.peak / measured <= 1.25, (planned, measured)
+    assert planned.activations > planned.params  # the activations matter at this width
+    # The command a user types: both wrappers, the largest batch for the memory given.
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.plan", *GPT, "model.n_embd=192", "--ranks", "2",
+         "--device-mem", "1GiB"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    lines = {ln[:24].strip(): ln[24:].split() for ln in out.splitlines()[1:]}
+    assert lines[""] == ["ddp", "fsdp2"]
+    cfg = typed(*GPT, "model.n_embd=192")
+    counted = memory.count(cfg, build(cfg.data, "data"))
+    ddp, fsdp2 = (memory.plan(counted, cfg, 2, w) for w in (Wrapper.ddp, Wrapper.fsdp2))
+    assert fsdp2.optimizer * 2 == pytest.approx(ddp.optimizer, rel=1e-3)
+    assert lines["largest batch_size"] == [
+        str(ddp.largest_batch(2**30)),
+        str(fsdp2.largest_batch(2**30)),
+    ]
+    assert ddp.at(ddp.largest_batch(2**30)).peak <= 2**30 < ddp.at(
+        ddp.largest_batch(2**30) + 1).peak  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.plan", "--device-mem", "lots"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --device-mem 'lots'")
+
+
+def test_device_memory_sizes():
+    assert parse_bytes("16GiB") == parse_bytes("16G") == parse_bytes("16gb") == 16 * 2**30
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "wrapper",
+    [
+        "default",
+        pytest.param(
+            "fsdp2",
+            # Known gap: on gloo ranks the plan is ~0.64 of the measured peak (14.1 vs 22.1 MB
+            # for this GPT): FSDP2's all-gather and reduce-scatter make more unit-sized copies
+            # than the plan's rule (root + 3 units) counts. Strict: passes when it is fixed.
+            marks=pytest.mark.xfail(strict=True, reason="fsdp2's gathered units undercounted"),
+        ),
+    ],
+)
+def test_plan_on_two_ranks(tmp_path, wrapper):
+    """On 2 gloo ranks: ddp's plan adds its buckets (not in the profiler's window: made at the
+    wrap), fsdp2's shards the state and adds the gathered units."""
+    # Without text_gpt's SampleText: under fsdp2 its rank-0-only forward is a collective that
+    # rank 1 never joins (gloo aborts at the end of the run).
+    overrides = [*FAST, *SHORT, *PEAK, *GPT, "~callbacks.sample_text", "model.n_embd=128",
+                 f"ddp={wrapper}"]  # fmt: skip
+    summaries = train_ranks(tmp_path, *overrides)
+    cfg = typed(*overrides)
+    planned = memory.plan(memory.count(cfg, build(cfg.data, "data")), cfg, 2, cfg.ddp.wrapper)
+    assert summaries[0]["memory_plan"] == planned.as_dict()
+    for rank in (0, 1):
+        peak = json.loads((tmp_path / f"tensor_peak_rank{rank}.json").read_text())
+        state = summaries[0]["state_bytes_per_rank"][rank] - peak["grads"]
+        measured = state + peak["buffers"] + peak["above_start"] + planned.buckets
+        assert 0.75 <= planned.peak / measured <= 1.25, (planned, measured)
