@@ -42,7 +42,7 @@ from hydra_ddp.components import build
 from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.dist import DistEnv, all_gather_floats
-from hydra_ddp.dist.fsdp import find_units
+from hydra_ddp.dist.fsdp import find_units, local
 from hydra_ddp.loop.objective import to_device
 from hydra_ddp.loop.parts import build_components
 from hydra_ddp.step import StepTools
@@ -246,26 +246,60 @@ def _own_bytes(unit: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
-        _nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        _nbytes(local(v))
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
     )
 
 
-def checked(cfg: TrainConfig, source: DataSource, env: DistEnv, meter: PeakMeter) -> dict:
-    """Collective: summary.json's memory entries: the plan of this job (its wrapper, ranks and
-    batch size), every rank's measured peak (tracking/peak.py), and the largest over the plan."""
+def of_this_run(
+    cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, optimizers: Any, meter: PeakMeter
+) -> MemoryPlan | None:
+    """The plan's sum for this run, from what it holds (this rank's shards, its optimizer
+    state) and what its own step saved for the backward (`meter.saving`), with no step or
+    data read of its own: a user's model and data see nothing more than training did."""
+    if meter.activations is None:
+        return None
+    params = [*model.parameters()]
+    trainable = sum(_local_bytes(p) for p in params if p.requires_grad)
+    sharded = cfg.ddp.wrapper == Wrapper.fsdp2 and env.distributed
+    gathered = 0
+    if sharded:
+        units = find_units(model, cfg.ddp)
+        unit_bytes = [_own_bytes(unit, units) for _, unit in units]
+        root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
+        unit_dtype = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
+        gathered = int(unit_dtype * (root + 3 * max(unit_bytes, default=0)))
+    ddp = cfg.ddp.wrapper == Wrapper.ddp and env.distributed and cfg.ddp.enabled
+    return MemoryPlan(
+        wrapper=cfg.ddp.wrapper.value,
+        world_size=env.world_size,
+        batch_size=cfg.trainer.batch_size,
+        params=sum(_local_bytes(t) for t in (*params, *model.buffers())),
+        grads=trainable,
+        optimizer=sum(_state_bytes(o) for o in optimizers),
+        buckets=trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
+        gathered=gathered,
+        activations=meter.activations,
+        activations_per_row=meter.activations / max(meter.rows, 1),
+        where="run",
+    )
+
+
+def checked(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMeter) -> dict:
+    """Collective: summary.json's memory entries: this run's plan (`of_this_run`), every rank's
+    measured peak (tracking/peak.py), and the largest over the plan."""
     peaks = [int(p[0]) for p in all_gather_floats([meter.peak() or -1], env)]
-    try:
-        job_plan: MemoryPlan | None = plan(
-            count(cfg, source), cfg, env.world_size, cfg.ddp.wrapper, env.distributed
-        )
-    except Exception as e:  # the run's results matter more than its plan
-        log.warning("no memory plan in summary.json: %s: %s", type(e).__name__, e)
-        job_plan = None
     out: dict[str, Any] = {
-        "memory_plan": job_plan.as_dict() if job_plan else None,
+        "memory_plan": plan_of_run.as_dict() if plan_of_run else None,
         "memory_peak_per_rank": [p if p >= 0 else None for p in peaks],
         "memory_peak_measure": meter.method,
     }
-    if job_plan and min(peaks) >= 0:
-        out["memory_peak_over_plan"] = max(peaks) / job_plan.peak
+    if plan_of_run and min(peaks) >= 0:
+        out["memory_peak_over_plan"] = max(peaks) / plan_of_run.peak
     return out
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    return _nbytes(local(t))

@@ -98,10 +98,11 @@ def fit(loop: Loop) -> float:
             micro_batches.append(batch)
         data_wait = time.perf_counter() - t_step
         micro_batches = [to_device(b, env.device) for b in micro_batches]
-        losses = parts.step_fn(
-            loop.tools, loop.step_model, micro_batches, parts.objective,
-            parts.optimizers.optimizers,
-        )  # fmt: skip
+        with loop.meter.saving(loop.raw_model, rows(micro_batches[0]), len(micro_batches)):
+            losses = parts.step_fn(
+                loop.tools, loop.step_model, micro_batches, parts.objective,
+                parts.optimizers.optimizers,
+            )  # fmt: skip
         grad_norm = loop.tools.update()
         outputs, loop.tools.outputs = loop.tools.outputs, []
         loop.health.observe(pos.step + 1, losses["loss"], grad_norm)
@@ -171,7 +172,10 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
     if loop.meter is not None:  # the memory plan, checked by this run
-        summary.update(memory.checked(job.cfg, job.parts.source, env, loop.meter))  # collective
+        planned = memory.of_this_run(
+            job.cfg, env, loop.raw_model, job.parts.optimizers.optimizers.values(), loop.meter
+        )
+        summary.update(memory.checked(planned, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     if env.is_main:
         jsonfile.write(run.output_dir / "summary.json", json_safe(summary))

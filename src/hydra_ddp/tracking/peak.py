@@ -18,9 +18,10 @@ import contextlib
 import ctypes
 import re
 import sys
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
 from hydra_ddp.dist.fsdp import local
 
@@ -57,6 +58,36 @@ class PeakMeter:
         self.steps = 0
         self.frozen: int | None = None
         self.method = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth"
+        # What the window's first step saved for the backward, and its micro-batch's rows.
+        self.activations: int | None = None
+        self.rows = 0
+
+    def saving(
+        self, model: torch.nn.Module, rows: int, micro_batches: int
+    ) -> contextlib.AbstractContextManager:
+        """Around the step that opens the window: count what autograd saves for the backward,
+        each storage once and not the parameters' (nor views of them; under fsdp2 the
+        parameters a unit gathered for its forward), per micro-batch of `rows` (each
+        micro-batch's backward frees what its forward saved)."""
+        if self.steps != 1:
+            return contextlib.nullcontext()
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            # The module's parameters as they are now: fsdp2 swaps in the gathered ones.
+            if all(id(local(p).untyped_storage()) != id(storage) for p in model.parameters()):
+                saved[id(storage)] = storage.nbytes()
+            return t
+
+        @contextlib.contextmanager
+        def counting() -> Iterator[None]:
+            with saved_tensors_hooks(pack, lambda t: t):
+                yield
+            self.rows = rows
+            self.activations = sum(saved.values()) // max(micro_batches, 1)
+
+        return counting()
 
     def step(self, held: Callable[[], int]) -> None:
         """After each training step; `held()`: the bytes held at the window's start."""
