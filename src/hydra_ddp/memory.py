@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.fsdp import FSDPModule
 
 from hydra_ddp.components import build
 from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
@@ -265,8 +266,8 @@ def of_this_run(
     trainable = sum(_local_bytes(p) for p in params if p.requires_grad)
     sharded = cfg.ddp.wrapper == Wrapper.fsdp2 and env.distributed
     gathered = 0
-    if sharded:
-        units = find_units(model, cfg.ddp)
+    if sharded:  # the units as fully_shard made them (their classes renamed FSDP<name>)
+        units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
         unit_bytes = [_own_bytes(unit, units) for _, unit in units]
         root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
         unit_dtype = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
@@ -285,6 +286,15 @@ def of_this_run(
         activations_per_row=meter.activations / max(meter.rows, 1),
         where="run",
     )
+
+
+def of_this_run_or_none(*args: Any) -> MemoryPlan | None:
+    """`of_this_run`, or None with a warning: the run's results matter more than its plan."""
+    try:
+        return of_this_run(*args)
+    except Exception as e:
+        log.warning("no memory plan in summary.json: %s: %s", type(e).__name__, e)
+        return None
 
 
 def checked(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMeter) -> dict:

@@ -172,7 +172,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
     if loop.meter is not None:  # the memory plan, checked by this run
-        planned = memory.of_this_run(
+        planned = memory.of_this_run_or_none(
             job.cfg, env, loop.raw_model, job.parts.optimizers.optimizers.values(), loop.meter
         )
         summary.update(memory.checked(planned, env, loop.meter))  # collective
