@@ -5,6 +5,7 @@ user types. Variants alternate, so a change in the machine's load hits both.
     python scripts/bench/bench_sweep.py                        # 8 jobs x 1 rank, 2 repeats
     python scripts/bench/bench_sweep.py --jobs 8 --steps 400 --repeats 3 --out sweep.json
     python scripts/bench/bench_sweep.py --cold                 # + Ray without warm starts
+    python scripts/bench/bench_sweep.py --joined               # + Ray already running
 
 Each variant runs in a scratch dir under /tmp with W&B off and OMP_NUM_THREADS=1; the Ray
 variant starts and stops its own Ray inside the timed command (its start-up is part of what a
@@ -17,6 +18,7 @@ docs/benchmarks.md with the exact command and the machine's load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -25,18 +27,39 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 
-def sweep_command(launcher: str, jobs: int, steps: int, nproc: int) -> list[str]:
+def sweep_command(
+    launcher: str, jobs: int, steps: int, nproc: int, address: str | None = None
+) -> list[str]:
     rates = ",".join(f"{0.001 * (i + 1):g}" for i in range(jobs))
     cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", f"optim.lr={rates}"]
     cmd += ["logger=none", "trainer.progress=false", f"trainer.max_steps={steps}"]
     cmd += [f"dist.nproc_per_node={nproc}", "trainer.log_interval=1"]
-    if launcher in ("ray", "ray-cold"):
+    if launcher.startswith("ray"):
         cmd += ["hydra/launcher=ray"]
     if launcher == "ray-cold":
         cmd += ["hydra.launcher.warm_start=false"]
+    if launcher == "ray-joined":  # a Ray already running on this machine: its start not timed
+        cmd += [f"hydra.launcher.address={address}"]
     return cmd
+
+
+@contextlib.contextmanager
+def ray_head(tmp: Path) -> Iterator[str]:
+    """`ray start --head` on this machine (its CPUs, no dashboard), stopped at the end."""
+    port = 6390
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0")
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+           f"--num-cpus={os.cpu_count()}", "--num-gpus=0", "--include-dashboard=false",
+           "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop = [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"]
+        subprocess.run(stop, cwd=tmp, env=env, capture_output=True)
 
 
 def startups(sweep_dir: Path) -> list[float]:
@@ -57,8 +80,10 @@ def startups(sweep_dir: Path) -> list[float]:
 
 def run_once(launcher: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench_sweep_{launcher}_") as tmp:
-        cmd = sweep_command(launcher, args.jobs, args.steps, args.nproc)
+        cmd = sweep_command(launcher, args.jobs, args.steps, args.nproc, args.address)
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+        if launcher == "ray-joined":
+            env["RAY_AUTH_MODE"] = "disabled"
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun and the basic sweep's ranks get
         load = os.getloadavg()[0]
         start = time.monotonic()
@@ -88,8 +113,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cold", action="store_true", help="also Ray with warm_start=false")
+    parser.add_argument(
+        "--joined", action="store_true", help="also Ray joined: a `ray start --head` made first"
+    )
     args = parser.parse_args()
     variants = ["basic", "ray"] + (["ray-cold"] if args.cold else [])
+    variants += ["ray-joined"] if args.joined else []
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        args.address = stack.enter_context(ray_head(Path(tmp))) if args.joined else None
+        _repeats(args, variants)
+
+
+def _repeats(args: argparse.Namespace, variants: list[str]) -> None:
     print(f"{args.jobs} jobs x {args.nproc} rank(s), {args.steps} steps; {os.cpu_count()} CPUs")
     runs = []
     for repeat in range(args.repeats):

@@ -6,7 +6,10 @@ A job of a sweep is short; importing torch, Hydra and the project in a fresh int
 job would pay every time. So each Ray worker keeps one of these (per thread count), started on
 its first job, and each job runs in a child forked from it: the imports are done, and the
 child starts from the same untouched state every time (the parent never runs a job), so nothing
-one job sets (a global, a seed, a signal handler, a cache) reaches the next.
+one job sets (a global, a seed, a signal handler, a cache) reaches the next. After each job the
+parent also imports the installed libraries that job loaded as it ran (a data set's
+scikit-learn, torch's lazily loaded parts; never the template's or a user's modules, which may
+change between sweeps), so the next job does not pay them either.
 
 What a fresh `python -m` process would have, the child sets before the job runs: its own
 session (its ranks are its process group, which the task clears at the end), the job's
@@ -21,6 +24,8 @@ ends (status as `subprocess` gives it: -signal when killed).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import select
@@ -30,6 +35,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+# Beside a job's result file: the libraries it imported (`_tell_imported`).
+_IMPORTED = ".imported"
 
 
 def fingerprint() -> str:
@@ -172,7 +180,35 @@ def _child(request: dict[str, Any], protocol: int) -> int:
         torch.set_num_threads(int(threads))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
-    return _job.main(request["spec"], request["result"])
+    before = set(sys.modules)
+    try:
+        return _job.main(request["spec"], request["result"])
+    finally:
+        _tell_imported(sorted(set(sys.modules) - before), request["result"] + _IMPORTED)
+
+
+def _tell_imported(names: list[str], path: str) -> None:
+    """The installed libraries this job imported as it ran (a data set's scikit-learn, torch's
+    lazily loaded parts): the parent imports them too, so the next job does not pay them. Not
+    the template's own modules nor a user's (outside the installed prefixes): those may change
+    between two sweeps, the libraries only with an install."""
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    libraries = [
+        n
+        for n in names
+        if str(getattr(sys.modules.get(n), "__file__", None) or "").startswith(prefixes)
+        and not n.startswith(("hydra_ddp", "__main__"))
+    ]
+    with contextlib.suppress(OSError):
+        Path(path).write_text("\n".join(libraries))
+
+
+def _import_quietly(names: list[str]) -> None:
+    """What a job imported, imported here too; a module that fails to import is left out."""
+    for name in names:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
 
 
 def _serve() -> None:
@@ -191,30 +227,34 @@ def _serve() -> None:
     os.dup2(2, 1)
     reply = os.fdopen(protocol, "w", buffering=1)
     reply.write("ready\n")
-    children: set[int] = set()
+    children: dict[int, Path] = {}  # pid -> where it lists the libraries it imported
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], 0.2)
         if ready:
             line = sys.stdin.readline()
             if not line:  # the task's worker is gone: so is this parent (its children are
                 break  # in sessions of their own; the task's end kills them)
+            request = json.loads(line)
             pid = os.fork()
             if pid == 0:
                 code = 1
                 try:
-                    code = _child(json.loads(line), protocol)
+                    code = _child(request, protocol)
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(code)
-            children.add(pid)
+            children[pid] = Path(request["result"] + _IMPORTED)
             reply.write(f"pid {pid}\n")
-        for pid in list(children):
+        for pid, imported in list(children.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                children.discard(pid)
+                del children[pid]
+                # Read before the task hears of the exit (it then removes the job's files).
+                names = imported.read_text().split() if imported.is_file() else []
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 reply.write(f"exit {pid} {code}\n")
+                _import_quietly(names)
 
 
 if __name__ == "__main__":
