@@ -5,8 +5,9 @@
 
 In place, in the repository root (or --root), it
 
-  * renames the package directory src/hydra_ddp -> src/NAME, and the Ray launcher plugin
-    src/hydra_plugins/hydra_ddp_ray_launcher -> NAME_ray_launcher (`git mv` in a git work tree);
+  * renames the package directory src/hydra_ddp -> src/NAME, and the Hydra plugins
+    src/hydra_plugins/hydra_ddp_* (the Ray launcher, the pruning sweeper) -> NAME_* (`git mv`
+    in a git work tree);
   * rewrites every text file (git's tracked and untracked-but-not-ignored files; without git,
     the tree minus .git, .venv, outputs, multirun, wandb and caches): hydra_ddp -> NAME,
     hydra-ddp -> NAME with dashes (the distribution, the console script <dashed>-train, the W&B
@@ -170,12 +171,14 @@ def main() -> None:
         if count := sum(text.count(s) for s in (OLD, "hydra-ddp", "HYDRA_DDP")):
             plan[rel] = count
 
-    # The package dir and the Ray launcher's plugin dir (its name carries the package's, so
-    # two renamed projects in one environment do not shadow each other's launcher).
+    # The package dir and the Hydra plugins' dirs (the Ray launcher, the pruning sweeper: their
+    # names carry the package's, so two renamed projects in one environment do not shadow
+    # each other's plugins).
     renames = {Path("src", OLD): Path("src", name)}
-    plugin = Path("src", "hydra_plugins", f"{OLD}_ray_launcher")
-    if (root / plugin).is_dir():
-        renames[plugin] = Path("src", "hydra_plugins", f"{name}_ray_launcher")
+    for plugin in sorted((root / "src" / "hydra_plugins").glob(f"{OLD}_*")):
+        if plugin.is_dir():
+            new_name = name + plugin.name[len(OLD) :]
+            renames[plugin.relative_to(root)] = Path("src", "hydra_plugins", new_name)
 
     def moved(rel: Path) -> Path:  # a file's path after the renames
         for old, new in renames.items():

@@ -106,6 +106,18 @@ def python_train(
     return run([sys.executable, "-m", "hydra_ddp.train", *overrides], cwd, env=env, timeout=timeout)
 
 
+def start_logged(cmd: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """`cmd` started in its own session (a test signals its group), tests/ importable (the
+    helpers' models and callbacks), stdout and stderr in <tmp_path>/console.log."""
+    env = user_env(tmp_path)
+    env["PYTHONPATH"] += os.pathsep + str(TESTS)
+    out = tmp_path / "console.log"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    return proc, out
+
+
 def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"

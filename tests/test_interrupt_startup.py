@@ -19,23 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST, REPO, user_env
+from conftest import FAST, start_logged, user_env
 
 SLOW_START = [
     *FAST,
     "model._target_=helpers.slow_start_model.SlowStartMLP",
     "+model.start_s=120",  # far longer than the test waits: a stop must cut it short
 ]
-
-
-def _start(cmd: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    env = user_env(tmp_path)
-    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
-    out = tmp_path / "console.log"
-    with open(out, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    return proc, out
 
 
 def _wait(proc: subprocess.Popen, out: Path, ready, what: str, timeout: float = 240) -> None:
@@ -133,7 +123,7 @@ def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, wh
     job = tmp_path / "job"
     cmd = [sys.executable, "-m", "hydra_ddp.train", *SLOW_START, "dist.nproc_per_node=2",
            f"hydra.run.dir={job}"]  # fmt: skip
-    proc, out = _start(cmd, tmp_path)
+    proc, out = start_logged(cmd, tmp_path)
     _wait(proc, out, lambda: "starting 2 workers" in out.read_text(), "started the workers")
     if when == "importing":
         # At once when both workers' interpreters exist: they are starting up or importing.
@@ -164,7 +154,7 @@ def test_ctrl_c_while_torchrun_workers_build_the_model_is_one_line(tmp_path: Pat
     job = tmp_path / "job"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "hydra_ddp.train", *SLOW_START, f"hydra.run.dir={job}"]  # fmt: skip
-    proc, out = _start(cmd, tmp_path)
+    proc, out = start_logged(cmd, tmp_path)
     _wait(proc, out, lambda: (job / ".hydra" / "config.yaml").is_file(), "composed its config")
     time.sleep(2)  # in the model's constructor (it sleeps 120 s)
     rc, text, took = _ctrl_c(proc, out)

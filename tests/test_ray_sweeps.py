@@ -35,6 +35,10 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="
 # Ray's token auth writes ~/.ray/auth_token by default; the tests leave $HOME alone.
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 SHORT = [*FAST, "trainer.max_steps=30", "trainer.log_interval=10"]
+# Jobs long enough (a few seconds) that two started side by side overlap whatever the jitter of
+# their starts: a warm job starts in well under a second, and a worker's parent imports what its
+# first job loaded before it forks the next.
+PAIRED = [*FAST, "trainer.max_steps=800", "trainer.log_interval=100"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,14 +193,14 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 @pytest.mark.timeout(600)
 def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) -> None:
     address, _ = head
-    proc = _sweep(tmp_path, address, *SHORT, "optim.lr=0.01,0.02,0.03,0.04")
+    proc = _sweep(tmp_path, address, *PAIRED, "optim.lr=0.01,0.02,0.03,0.04")
     assert proc.returncode == 0, proc.stderr[-6000:]
     sweep = _sweep_dir(tmp_path)
     dirs = job_dirs(sweep)
     assert len(dirs) == 4, dirs
     for job in dirs:
         s = summary(job)
-        assert s["steps"] == 30 and s["world_size"] == 1, s
+        assert s["steps"] == 800 and s["world_size"] == 1, s
         assert (job / "stats" / "rank0.jsonl").is_file() and (job / ".hydra").is_dir()
         assert (job / "stats" / "summary.json").is_file()
     report = json.loads((sweep / "sweep_report.json").read_text())
@@ -295,7 +299,7 @@ def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
         "hparams_search=digits_optuna",
         "hydra.sweeper.n_trials=4",
         "hydra.sweeper.n_jobs=2",
-        *SHORT,
+        *PAIRED,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     sweep = _sweep_dir(tmp_path)

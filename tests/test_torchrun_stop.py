@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST, REPO, user_env
+from conftest import FAST, start_logged
 
 from hydra_ddp import checkpoint
 
@@ -51,12 +51,7 @@ def test_a_stopped_torchrun_exits_like_its_workers_with_a_checkpoint(
     cmd = [sys.executable, "-m", "hydra_ddp.dist.torchrun", "--standalone",
            "--nproc_per_node=2", "-m", "hydra_ddp.train", *SLOW_STEPS,
            f"hydra.run.dir={job}"]  # fmt: skip
-    env = user_env(tmp_path)
-    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
-    out = tmp_path / "console.log"
-    with open(out, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+    proc, out = start_logged(cmd, tmp_path)
     try:
         deadline = time.monotonic() + 240
         while _steps_logged(job) < 2:
@@ -82,16 +77,6 @@ def test_a_stopped_torchrun_exits_like_its_workers_with_a_checkpoint(
     step = checkpoint.load(newest)["step"]
     name = signal.Signals(signum).name
     assert f"stopped on {name} at step {step} of 60 with a checkpoint" in text, text[-3000:]
-
-
-def _start(cmd: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    env = user_env(tmp_path)
-    env["PYTHONPATH"] += os.pathsep + str(REPO / "tests")
-    out = tmp_path / "console.log"
-    with open(out, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    return proc, out
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -135,7 +120,7 @@ def test_every_stop_signal_ends_any_launch_with_its_checkpoint_and_status(
     else:
         cmd = [sys.executable, "-m", "hydra_ddp.train", "dist.nproc_per_node=2"]
     loader = f"trainer.num_workers={loader_workers}"
-    proc, out = _start([*cmd, *SLOW_STEPS, loader, f"hydra.run.dir={job}"], tmp_path)
+    proc, out = start_logged([*cmd, *SLOW_STEPS, loader, f"hydra.run.dir={job}"], tmp_path)
     try:
         deadline = time.monotonic() + 240
         while _steps_logged(job) < 2:
