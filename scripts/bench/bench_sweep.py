@@ -119,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = ["basic", "ray"] + (["ray-cold"] if args.cold else [])
     variants += ["ray-joined"] if args.joined else []
-    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         args.address = stack.enter_context(ray_head(Path(tmp))) if args.joined else None
         _repeats(args, variants)
 
