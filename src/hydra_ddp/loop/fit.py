@@ -98,7 +98,8 @@ def fit(loop: Loop) -> float:
             micro_batches.append(batch)
         data_wait = time.perf_counter() - t_step
         micro_batches = [to_device(b, env.device) for b in micro_batches]
-        with loop.meter.saving(loop.raw_model, rows(micro_batches[0]), len(micro_batches)):
+        micro_rows = [rows(b) for b in micro_batches]
+        with loop.meter.saving(loop.raw_model, micro_rows[0], len(micro_batches)):
             losses = parts.step_fn(
                 loop.tools, loop.step_model, micro_batches, parts.objective,
                 parts.optimizers.optimizers,
@@ -112,7 +113,7 @@ def fit(loop: Loop) -> float:
         loop.profiler.step()
         loop.meter.step(held)
         pos.step += 1
-        batch_rows = sum(rows(b) for b in micro_batches)
+        batch_rows = sum(micro_rows)
         pos.samples_seen += batch_rows
         loop.stats.add_step(losses, batch_rows, time.perf_counter() - t_step, data_wait)
         _periodic(loop, grad_norm)  # collective
