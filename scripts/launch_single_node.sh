@@ -31,7 +31,7 @@ fi
 
 # torchrun itself, whose stop on SIGTERM / Ctrl-C exits 143 / 130 without a traceback (plain
 # torchrun: status 1 and torch's SignalException traceback, after the same checkpoint).
-cmd=("$PYTHON" -m hydra_ddp.dist.torchrun --standalone --nproc_per_node="$nproc"
+cmd=("$PYTHON" -m hydra_ddp.distributed.torchrun --standalone --nproc_per_node="$nproc"
      -m hydra_ddp.train "$@")
 if [[ -n "${DRY_RUN:-}" ]]; then
     printf '%q ' "${cmd[@]}"

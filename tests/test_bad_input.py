@@ -417,7 +417,7 @@ def test_more_processes_per_node_than_gpus(monkeypatch: pytest.MonkeyPatch) -> N
     patched to report 2 GPUs: the only patch in these tests, and it touches no
     torch.distributed code."""
     from hydra_ddp.config import Device, DistConfig
-    from hydra_ddp.dist.env import _pick_device
+    from hydra_ddp.distributed.env import _pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -1,4 +1,4 @@
-"""One job per run dir (hydra_ddp/dist/claim.py), in process: a live holder on this host refuses a
+"""One job per run dir (hydra_ddp/rundir/claim.py), in process: a live holder on this host refuses a
 second job in one line naming it; a dead holder, an earlier attempt of the same launcher job,
 or a holder on another host whose heartbeat stopped is taken over with a warning; a finished
 job gives its claim back."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hydra_ddp.dist import claim
-from hydra_ddp.dist.paths import SWEPT_KEYS_FILE
+from hydra_ddp.rundir import claim
+from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE
 
 
 @pytest.fixture(autouse=True)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from helpers import ranks
 
 from hydra_ddp.config import MonitorMode, TrainerConfig
-from hydra_ddp.dist import DistEnv
-from hydra_ddp.dist.preemption import StopOnSignal
+from hydra_ddp.distributed import DistEnv
+from hydra_ddp.distributed.preemption import StopOnSignal
 from hydra_ddp.errors import UserError
 from hydra_ddp.loop.monitor import Monitor
 from hydra_ddp.loop.scoring import evaluate
@@ -207,7 +207,7 @@ def test_every_signal_is_remembered_and_each_earlier_handler_runs_after_the_chec
     first). A different second signal is not "asked twice": it does not stop at once."""
     import signal
 
-    from hydra_ddp.dist import DistEnv
+    from hydra_ddp.distributed import DistEnv
 
     called: list[int] = []
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}

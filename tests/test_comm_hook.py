@@ -21,7 +21,7 @@ POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_ra
 def _restore_hook(env, cfg, run, path: str) -> dict:
     """A rank: a fresh DDP wrap with the PowerSGD hook, restored from `path`; its state."""
     from hydra_ddp.checkpoint import Checkpointer, state
-    from hydra_ddp.dist.ddp import wrap_model
+    from hydra_ddp.distributed.ddp import wrap_model
     from hydra_ddp.loop.job import prepare
 
     job_ = prepare(cfg, env, run)
@@ -72,7 +72,7 @@ def test_a_comm_hook_name_that_is_not_built_in_is_refused_at_compose() -> None:
 
 
 def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
-    from hydra_ddp.dist import comm_hooks
+    from hydra_ddp.distributed import comm_hooks
 
     with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built a "
                        r"Counter without hook\(state, bucket\)") as e:  # fmt: skip
@@ -82,7 +82,7 @@ def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
         UserError, match=r"ddp\.comm_hook \(.*PowerSGD\): ddp\.comm_hook\.start_iter"
     ):
         comm_hooks.built(
-            {"_target_": "hydra_ddp.dist.comm_hooks.PowerSGD", "rank": 1, "start_iter": 1},
+            {"_target_": "hydra_ddp.distributed.comm_hooks.PowerSGD", "rank": 1, "start_iter": 1},
             2,
             10,
             "cpu",

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
 from hydra_ddp.components import build
-from hydra_ddp.dist.paths import register_resolvers
 from hydra_ddp.errors import UserError
 from hydra_ddp.loop.parts import build_components
+from hydra_ddp.rundir.paths import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = {
@@ -138,10 +138,10 @@ def test_presets_set_what_they_say() -> None:
     assert typed("ddp=static_graph").ddp.static_graph
     assert typed("ddp=none").ddp.enabled is False
     bf16 = typed("ddp=bf16_compress").ddp.comm_hook
-    assert bf16["_target_"] == "hydra_ddp.dist.comm_hooks.BF16Compress"
+    assert bf16["_target_"] == "hydra_ddp.distributed.comm_hooks.BF16Compress"
     powersgd = typed("ddp=powersgd", "ddp.powersgd_rank=3").ddp.comm_hook
     assert powersgd == {
-        "_target_": "hydra_ddp.dist.comm_hooks.PowerSGD",
+        "_target_": "hydra_ddp.distributed.comm_hooks.PowerSGD",
         "rank": 3,
         "start_iter": 10,
     }

@@ -1,4 +1,5 @@
-"""A gather with gradients (`hydra_ddp.dist.all_gather_with_grad`) and the contrastive example
+"""A gather with gradients (`hydra_ddp.distributed.all_gather_with_grad`) and the contrastive
+example
 built on it (`experiment=contrastive`: NT-Xent with negatives from every rank). The gradient
 each rank gets equals a one-process reference; trained on 2 gloo ranks, the first loss is
 ln(2·world·batch − 1) and evaluation works, also with a loss that gathers over uneven
@@ -16,7 +17,7 @@ import torch
 from helpers import ranks
 from helpers.inproc import FAST, train_ranks
 
-from hydra_ddp.dist import DistEnv, all_gather_with_grad
+from hydra_ddp.distributed import DistEnv, all_gather_with_grad
 from hydra_ddp.errors import UserError
 from hydra_ddp.examples.contrastive import nt_xent
 
@@ -101,7 +102,7 @@ def _mismatched_collective(env: DistEnv) -> None:
     import torch.distributed as dist
 
     from hydra_ddp.config import DistConfig
-    from hydra_ddp.dist import process_group
+    from hydra_ddp.distributed import process_group
 
     with process_group(env, DistConfig(timeout_s=20)):
         mine = torch.zeros(2 + 2 * env.rank)

@@ -14,7 +14,7 @@ import torch
 from conftest import summary
 from helpers.inproc import isolated, job, train, train_here, train_ranks
 
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.loop.scoring import evaluate
 from hydra_ddp.models import MLP
 

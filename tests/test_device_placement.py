@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hydra_ddp.config import NanPolicy
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.scoring import score

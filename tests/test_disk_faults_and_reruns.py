@@ -28,8 +28,8 @@ from helpers.inproc import train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
-from hydra_ddp.dist import sweeps
 from hydra_ddp.errors import LOST_CONTACT, UserError, worker_failed
+from hydra_ddp.rundir import sweeps
 from hydra_ddp.train import _check_run_dir
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))

@@ -211,7 +211,7 @@ def test_the_checks_catch_drift(tmp_path, monkeypatch):
     page = tmp_path / "page.md"
     page.write_text(
         "`config.LoggerBackend` and loop/loop.py's `train`, `trainer.no_such_key`,\n"
-        "`hydra_ddp.dist.no_such_function`, `src/hydra_ddp/gone.py`, `NoSuchClass`,\n"
+        "`hydra_ddp.distributed.no_such_function`, `src/hydra_ddp/gone.py`, `NoSuchClass`,\n"
         "but `trainer.max_steps`, `loop/fit.py`, `hydra_ddp.loop.fit.fit` and `DistEnv` exist.\n"
     )
     assert _problems(page) == [
@@ -220,5 +220,5 @@ def test_the_checks_catch_drift(tmp_path, monkeypatch):
         "file loop/loop.py",
         "file src/hydra_ddp/gone.py",
         "name config.LoggerBackend",
-        "name hydra_ddp.dist.no_such_function",
+        "name hydra_ddp.distributed.no_such_function",
     ]

@@ -683,7 +683,7 @@ def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path)
     assert line.startswith("worker rank 1 failed: killed by SIGABRT"), line
 
     # A rank that stopped on a signal records nothing: a stop is not a failure to blame.
-    from hydra_ddp.dist.preemption import Preempted
+    from hydra_ddp.distributed.preemption import Preempted
     from hydra_ddp.errors import record
 
     record(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)

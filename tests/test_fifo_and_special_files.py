@@ -21,10 +21,10 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
 from hydra_ddp.data import SyntheticArrays
-from hydra_ddp.dist import claim, paths
 from hydra_ddp.errors import UserError, worker_failed
 from hydra_ddp.eval import main as evaluate_main
 from hydra_ddp.export.writer import main as export_main
+from hydra_ddp.rundir import claim, paths
 
 pytestmark = pytest.mark.timeout(60)  # before the fix, the FIFO cases hung for ever
 

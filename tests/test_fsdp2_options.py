@@ -16,7 +16,7 @@ from helpers.inproc import FAST, compose, train_ranks
 
 from hydra_ddp.components import build
 from hydra_ddp.config import DDPConfig, Wrapper
-from hydra_ddp.dist import fsdp
+from hydra_ddp.distributed import fsdp
 from hydra_ddp.errors import UserError
 
 GPT = [*FAST, "data=text", "model=gpt", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",

@@ -112,3 +112,19 @@ def test_every_package_of_src_ships_in_the_wheel() -> None:
     packages = {name for name, path in _modules().items() if path.name == "__init__.py"}
     missing = sorted(packages - listed)
     assert not missing, f"pyproject.toml [tool.setuptools] packages lacks: {', '.join(missing)}"
+
+
+# The directories GitHub's standard Python .gitignore treats as build output: a package by one of
+# these names drops out of the commits of a user who adds that .gitignore to their clone.
+BUILD_OUTPUT_DIRS = {"build", "dist", "develop-eggs", "downloads", "eggs", "lib", "lib64", "parts"}
+BUILD_OUTPUT_DIRS |= {"sdist", "var", "wheels"}
+
+
+def test_no_directory_is_named_like_build_output() -> None:
+    named = sorted(
+        str(path.relative_to(SRC.parent))
+        for top in ("src", "conf", "scripts", "tests", "docs")
+        for path in (SRC.parent / top).rglob("*")
+        if path.is_dir() and path.name in BUILD_OUTPUT_DIRS
+    )
+    assert not named, f"rename these: the standard Python .gitignore hides them: {named}"

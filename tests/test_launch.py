@@ -88,7 +88,7 @@ def test_launch_single_node_script_builds_the_torchrun_command(tmp_path: Path) -
         )
     ).stdout
     assert (
-        "-m hydra_ddp.dist.torchrun --standalone --nproc_per_node=2 -m hydra_ddp.train "
+        "-m hydra_ddp.distributed.torchrun --standalone --nproc_per_node=2 -m hydra_ddp.train "
         "model=cnn optim.lr=1e-3" in out
     ), out
     # No -n: one rank per visible GPU, and 1 (with a note) where there is none.
@@ -126,7 +126,7 @@ def test_slurm_example_builds_one_torchrun_per_node(tmp_path: Path) -> None:
     out = ok(run(["bash", script, "model=cnn"], tmp_path, env=env, timeout=60)).stdout
     for part in (
         "srun --kill-on-bad-exit=1 --cpus-per-task=32",
-        "-m hydra_ddp.dist.torchrun --nnodes=2",  # torchrun that exits 143 on a preemption
+        "-m hydra_ddp.distributed.torchrun --nnodes=2",  # torchrun that exits 143 on a preemption
         "--nnodes=2",
         "--nproc_per_node=4",
         "--rdzv-backend=c10d",
@@ -545,7 +545,7 @@ _LAUNCH_VARS = (
 def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No launcher variables for the test; the environment as it was afterwards. Run in
     tmp_path: resolving a job dir creates it."""
-    from hydra_ddp.dist import paths as hdist
+    from hydra_ddp.rundir import paths as hdist
 
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
@@ -564,7 +564,7 @@ def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) -> None:
     import torch.distributed as dist
 
-    from hydra_ddp.dist.paths import job_dir
+    from hydra_ddp.rundir.paths import job_dir
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     os.environ.update(
@@ -591,7 +591,7 @@ def test_job_dir_agreed_through_agent_store_and_kept_across_restarts(clean_env) 
 
 
 def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
-    from hydra_ddp.dist.paths import job_dir
+    from hydra_ddp.rundir.paths import job_dir
 
     assert job_dir("outputs/d/t") == "outputs/d/t"
     job_dir.cache_clear()
@@ -610,14 +610,14 @@ def test_job_dir_without_agent_store_or_launcher(clean_env) -> None:
     ],
 )
 def test_only_global_rank0_dumps_hydra(clean_env, env: dict, rank: int) -> None:
-    from hydra_ddp.dist.paths import hydra_subdir
+    from hydra_ddp.rundir.paths import hydra_subdir
 
     os.environ.update(env)
     assert hydra_subdir(".hydra", "out") == (".hydra" if rank == 0 else None)
 
 
 def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_path: Path) -> None:
-    from hydra_ddp.dist.paths import hydra_subdir
+    from hydra_ddp.rundir.paths import hydra_subdir
 
     (tmp_path / "run" / ".hydra").mkdir(parents=True)
     assert hydra_subdir(".hydra", str(tmp_path / "run")) == ".hydra.2"
@@ -627,7 +627,7 @@ def test_a_later_run_in_a_dir_keeps_the_first_runs_hydra_dump(clean_env, tmp_pat
 
 
 def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
-    from hydra_ddp.dist.paths import claim_dir
+    from hydra_ddp.rundir.paths import claim_dir
 
     assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00"
     assert claim_dir("outputs/d/10-00-00") == "outputs/d/10-00-00-2"
@@ -660,7 +660,7 @@ def test_same_second_job_dirs_are_claimed_in_turn(clean_env) -> None:
     ],
 )
 def test_each_rank_logs_to_its_own_file(clean_env, tmp_path, env: dict, name: str) -> None:
-    from hydra_ddp.dist.paths import log_file
+    from hydra_ddp.rundir.paths import log_file
 
     os.environ.update(env)
     assert log_file(str(tmp_path), "train") == str(tmp_path / f"{name}.log")
@@ -668,7 +668,7 @@ def test_each_rank_logs_to_its_own_file(clean_env, tmp_path, env: dict, name: st
 
 def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
     from hydra_ddp.config import Device, DistConfig
-    from hydra_ddp.dist import env_from_environ, export_submitit_env, under_launcher
+    from hydra_ddp.distributed import env_from_environ, export_submitit_env, under_launcher
 
     os.environ.update(
         SUBMITIT_EXECUTOR="local",

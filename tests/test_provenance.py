@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from hydra_ddp.dist import provenance
+from hydra_ddp.rundir import provenance
 
 
 def _git(repo: Path, *args: str) -> str:

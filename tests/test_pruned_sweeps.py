@@ -23,8 +23,8 @@ import pytest
 from conftest import FAST, job_dirs, summary, user_env
 from omegaconf import OmegaConf
 
-from hydra_ddp.dist import sweeps
 from hydra_ddp.loop import pruning
+from hydra_ddp.rundir import sweeps
 from hydra_ddp.train import find_own_plugins
 
 optuna = pytest.importorskip("optuna")

@@ -89,7 +89,7 @@ def test_a_requeued_batch_job_resumes_in_the_same_dir(tmp_path: Path) -> None:
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 0, out[-4000:]
     assert "time limit near (USR1)" in out and f"requeued job {env['SLURM_JOB_ID']}" in out
-    assert "Traceback" not in out, out[-4000:]  # hydra_ddp.dist.torchrun: no SignalException
+    assert "Traceback" not in out, out[-4000:]  # hydra_ddp.distributed.torchrun: no SignalException
     assert (tmp_path / "standin.log").read_text().split() == ["requeue", env["SLURM_JOB_ID"]]
     logs = "".join(p.read_text() for p in run_dir.glob("train_rank*.log"))
     assert "stopped on SIGTERM at step" in logs, logs[-3000:]

@@ -21,7 +21,7 @@ from conftest import FAST, REPO, TESTS, job_dirs, ok, python_train, summary, use
 from helpers import wandb_records
 from omegaconf import OmegaConf
 
-from hydra_ddp.dist import paths, sweeps
+from hydra_ddp.rundir import paths, sweeps
 from hydra_ddp.tracking import redact
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
@@ -291,7 +291,7 @@ def test_optuna_search_composes() -> None:
     from hydra import compose, initialize_config_dir
 
     from hydra_ddp.config import MonitorMode, register_configs
-    from hydra_ddp.dist.paths import register_resolvers
+    from hydra_ddp.rundir.paths import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -404,7 +404,7 @@ def test_a_submitit_task_gets_its_cpu_share_of_threads(monkeypatch: pytest.Monke
 
     import torch
 
-    from hydra_ddp.dist import share_cpus_in_submitit_task
+    from hydra_ddp.distributed import share_cpus_in_submitit_task
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

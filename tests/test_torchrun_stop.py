@@ -1,4 +1,5 @@
-"""`python -m hydra_ddp.dist.torchrun`: torchrun whose stop on a signal exits 128 + the signal.
+"""`python -m hydra_ddp.distributed.torchrun`: torchrun whose stop on a signal exits 128 + the
+signal.
 
 Plain torchrun, on SIGTERM to its agent (a scheduler's stop) or Ctrl-C, forwards the signal,
 waits for its workers' checkpoint, then exits 1 with its own SignalException traceback (see
@@ -48,7 +49,7 @@ def test_a_stopped_torchrun_exits_like_its_workers_with_a_checkpoint(
     tmp_path: Path, how: str
 ) -> None:
     job = tmp_path / "job"
-    cmd = [sys.executable, "-m", "hydra_ddp.dist.torchrun", "--standalone",
+    cmd = [sys.executable, "-m", "hydra_ddp.distributed.torchrun", "--standalone",
            "--nproc_per_node=2", "-m", "hydra_ddp.train", *SLOW_STEPS,
            f"hydra.run.dir={job}"]  # fmt: skip
     proc, out = start_logged(cmd, tmp_path)
@@ -115,7 +116,7 @@ def test_every_stop_signal_ends_any_launch_with_its_checkpoint_and_status(
     stop line and no traceback or agent notes."""
     job = tmp_path / "job"
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "hydra_ddp.dist.torchrun", "--standalone",
+        cmd = [sys.executable, "-m", "hydra_ddp.distributed.torchrun", "--standalone",
                "--nproc_per_node=2", "-m", "hydra_ddp.train"]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "hydra_ddp.train", "dist.nproc_per_node=2"]

@@ -23,7 +23,7 @@ from helpers._tracking_worker import STEPS, resume_attempt, run_job, sequential
 from helpers.inproc import job, train_ranks
 
 from hydra_ddp.config import WandbMode
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
 from hydra_ddp.tracking import STEP_METRIC as STEP
 from hydra_ddp.tracking import resolve_mode

@@ -5,9 +5,10 @@
 
 Each configuration runs on real gloo ranks (torch.multiprocessing): the GPT is built (on the
 meta device for fsdp2, so no rank ever holds the whole model), wrapped as the template wraps it
-(`hydra_ddp.dist.ddp.wrap_model`), and trained for two AdamW steps. Then every rank reports
+(`hydra_ddp.distributed.ddp.wrap_model`), and trained for two AdamW steps. Then every rank reports
 
-- state: its bytes of parameters + gradients + optimizer state (`hydra_ddp.dist.fsdp.state_bytes`,
+- state: its bytes of parameters + gradients + optimizer state
+  (`hydra_ddp.distributed.fsdp.state_bytes`,
   the `state_bytes_per_rank` of summary.json), next to the analytic figure: 16 bytes per
   parameter for fp32 AdamW (4 weight + 4 gradient + 8 moments), divided by N under fsdp2;
 - rss: the growth of its peak resident memory over what it held before building the model
@@ -32,9 +33,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from hydra_ddp.config import DDPConfig, Wrapper  # noqa: E402
-from hydra_ddp.dist import DistEnv  # noqa: E402
-from hydra_ddp.dist.ddp import wrap_model  # noqa: E402
-from hydra_ddp.dist.fsdp import state_bytes  # noqa: E402
+from hydra_ddp.distributed import DistEnv  # noqa: E402
+from hydra_ddp.distributed.ddp import wrap_model  # noqa: E402
+from hydra_ddp.distributed.fsdp import state_bytes  # noqa: E402
 from hydra_ddp.models import GPT  # noqa: E402
 
 VOCAB, BLOCK, LAYERS, HEADS = 256, 64, 4, 4

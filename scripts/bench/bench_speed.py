@@ -318,7 +318,7 @@ def step_costs(rounds: int) -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from hydra_ddp.data import Digits, Strided, TrainData
-    from hydra_ddp.dist import DistEnv
+    from hydra_ddp.distributed import DistEnv
     from hydra_ddp.losses import CrossEntropy
     from hydra_ddp.models import MLP
     from hydra_ddp.optim import param_groups, warmup_cosine

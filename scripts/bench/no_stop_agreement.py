@@ -12,7 +12,7 @@ benchmarks only), or (`every_step`) the ranks agree at every step instead of abo
 import os
 
 from hydra_ddp import train
-from hydra_ddp.dist import preemption
+from hydra_ddp.distributed import preemption
 
 
 def _local_only(self: preemption.StopOnSignal) -> int:

@@ -11,8 +11,9 @@ Read it in this order (README, "Layout", has every module):
   sources in `data`, and `examples/` (worked projects: images, text, GAN, contrastive, ...).
 - The machinery, one package per part: `loop/` (the training loop and evaluation), `data/`
   (sources, each rank's view, sampling policies), `checkpoint/` (what a checkpoint holds, how it
-  is written and resumed), `tracking/` (stats to the files, W&B and TensorBoard), `dist/`
-  (launching, the process group, DDP and FSDP2 wrappers, preemption, one job per run dir).
+  is written and resumed), `tracking/` (stats to the files, W&B and TensorBoard),
+  `distributed/` (launching, the process group, DDP and FSDP2 wrappers, preemption), `rundir/`
+  (what a job writes beside its checkpoints: one job per run dir, paths, run.json, sweep report).
   `errors` holds the one exception type for bad input and the one-line messages.
 """
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hydra_ddp.components import build
-from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)

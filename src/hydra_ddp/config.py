@@ -42,7 +42,7 @@ def _require(ok: bool, key: str, allowed: str, value: object) -> None:
 
 
 # The comm hooks that ship with the template, by the name ddp.comm_hook may give instead of a
-# `_target_` (hydra_ddp/dist/comm_hooks.py).
+# `_target_` (hydra_ddp/distributed/comm_hooks.py).
 COMM_HOOKS = ("none", "fp16_compress", "bf16_compress", "powersgd")
 
 
@@ -74,7 +74,7 @@ class DDPConfig:
     broadcast_buffers: bool = True
     # BatchNorm as SyncBatchNorm: batch statistics over all ranks (GPU only; refused on CPU
     # with several processes). Either way every rank takes rank 0's running statistics before
-    # each evaluation and save (dist/ddp.py).
+    # each evaluation and save (distributed/ddp.py).
     sync_batchnorm: bool = False
     # Gradient bucket size in MiB: bigger buckets mean fewer, larger all-reduces.
     bucket_cap_mb: float = 25.0
@@ -91,7 +91,7 @@ class DDPConfig:
     # The DDP communication hook, a component: `{_target_: my_hooks.Mean, ...}` (a class whose
     # instances have `hook(state, bucket)` and `state`, or a function (state, bucket) ->
     # Future), or a built-in by name: none, fp16_compress, bf16_compress, powersgd
-    # (hydra_ddp/dist/comm_hooks.py; conf/ddp/<name>.yaml spell out their _target_).
+    # (hydra_ddp/distributed/comm_hooks.py; conf/ddp/<name>.yaml spell out their _target_).
     comm_hook: Any = "none"
     # PowerSGD: rank of the low-rank approximation (higher = more accurate, more bytes).
     powersgd_rank: int = 2
@@ -99,7 +99,7 @@ class DDPConfig:
     # error feedback needs the first two steps uncompressed).
     powersgd_start_iter: int = 10
 
-    # ---- wrapper=fsdp2 only (ddp=fsdp2; see hydra_ddp/dist/fsdp.py) ----
+    # ---- wrapper=fsdp2 only (ddp=fsdp2; see hydra_ddp/distributed/fsdp.py) ----
     # The modules sharded as units of their own (gathered one at a time): module class names
     # (Block) or fnmatch patterns of module names (blocks.*). The root is always a unit (it
     # takes the rest). null: the model's `fsdp_units` attribute if it has one, else the root.

@@ -25,7 +25,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp.config import TrainConfig
-from hydra_ddp.dist import env_from_environ, launch, launcher_rank, under_launcher
+from hydra_ddp.distributed import env_from_environ, launch, launcher_rank, under_launcher
 from hydra_ddp.errors import UserError, exit_code, first_line
 from hydra_ddp.loop.evaluation import Request, evaluate_run
 from hydra_ddp.tracking import RunInfo

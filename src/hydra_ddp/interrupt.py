@@ -1,7 +1,7 @@
 """Ctrl-C while a launched worker starts: a clean exit 130, not a traceback from every worker.
 
-A worker that torchrun or the self-launch (dist/launch.py) starts spends seconds importing
-torch and building its job before the loop's signal handlers (dist/preemption.py) take over.
+A worker that torchrun or the self-launch (distributed/launch.py) starts spends seconds importing
+torch and building its job before the loop's signal handlers (distributed/preemption.py) take over.
 The terminal sends Ctrl-C to every process of the job, so each worker used to die in that time
 with a KeyboardInterrupt traceback (often inside `import torch`), and the launcher's own line
 was lost among them. Importing this module (train.py does it first, before torch) makes a
@@ -31,7 +31,7 @@ EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
 _MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
-# The stop signals the agent handles besides INT and TERM (dist.torchrun.AGENT_SIGNALS).
+# The stop signals the agent handles besides INT and TERM (distributed.torchrun.AGENT_SIGNALS).
 _TRACKER_SPARED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 

@@ -42,8 +42,8 @@ from torch.distributed.fsdp import FSDPModule
 from hydra_ddp.components import build
 from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
-from hydra_ddp.dist import DistEnv, all_gather_floats
-from hydra_ddp.dist.fsdp import find_units, local
+from hydra_ddp.distributed import DistEnv, all_gather_floats
+from hydra_ddp.distributed.fsdp import find_units, local
 from hydra_ddp.loop.objective import to_device
 from hydra_ddp.loop.parts import build_components
 from hydra_ddp.step import StepTools

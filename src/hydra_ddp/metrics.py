@@ -6,7 +6,8 @@ those sums, added over every batch of every rank, into the number reported as va
 test/<name>. Because only sums cross ranks, each metric is exact however the rows are split.
 
 A metric that needs the rows of every rank (a batch-wide ranking, say) gathers them in `sums`
-with `hydra_ddp.dist.gather_for_metrics(tensor)`, which leaves out the padding a rank short of
+with `hydra_ddp.distributed.gather_for_metrics(tensor)`, which leaves out the padding a rank
+short of
 rows evaluates, computes the sums of the whole global batch, and sets `gathers = True`: the
 sums are then the same on every rank and counted once. Every rank evaluates the same number of
 batches of the same sizes, so the gathers pair up on any split of the rows.

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hydra_ddp.config import NanPolicy, Precision
-from hydra_ddp.dist import DistEnv, all_gather_floats
+from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.errors import UserError, unused_parameters
 from hydra_ddp.loop.objective import Objective, forward
 

@@ -34,24 +34,23 @@ from hydra_ddp import interrupt
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig, Wrapper, register_configs
 from hydra_ddp.data import check_sampling, check_source
-from hydra_ddp.dist import (
-    claim,
+from hydra_ddp.distributed import (
     comm_hooks,
     env_from_environ,
     export_submitit_env,
     launch,
     launcher_rank,
     share_cpus_in_submitit_task,
-    sweeps,
     under_launcher,
 )
-from hydra_ddp.dist.paths import override_value, register_resolvers
-from hydra_ddp.dist.preemption import Preempted
+from hydra_ddp.distributed.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.interrupt import EXIT_CODE as INTERRUPTED
 from hydra_ddp.loop.job import train
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.parts import build_components
+from hydra_ddp.rundir import claim, sweeps
+from hydra_ddp.rundir.paths import override_value, register_resolvers
 from hydra_ddp.tracking import RunInfo, redact, resolve_mode
 from hydra_ddp.tracking.tracker import check_backend
 

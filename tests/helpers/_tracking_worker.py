@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from hydra_ddp.config import Layout, LoggerConfig, WandbMode
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.tracking import RunInfo, make_tracker
 
 STEPS = 5

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hydra_ddp.dist import gather_for_metrics
+from hydra_ddp.distributed import gather_for_metrics
 from hydra_ddp.metrics import Metric
 
 

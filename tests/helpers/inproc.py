@@ -29,9 +29,9 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig, register_configs
-from hydra_ddp.dist import DistEnv, env_from_environ, under_launcher
-from hydra_ddp.dist.paths import register_resolvers
+from hydra_ddp.distributed import DistEnv, env_from_environ, under_launcher
 from hydra_ddp.loop.job import train
+from hydra_ddp.rundir.paths import register_resolvers
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import config_dir, preflight, to_typed
 

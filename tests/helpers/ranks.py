@@ -101,7 +101,7 @@ def _run_task(rank: int, world_size: int, task: _Task) -> tuple[str, Any, str]:
     import torch.distributed as dist
 
     from helpers.inproc import isolated
-    from hydra_ddp.dist import DistEnv
+    from hydra_ddp.distributed import DistEnv
 
     scratch = Path(task.scratch)
     launcher = {

@@ -15,7 +15,7 @@ from hydra_ddp.checkpoint.dcp_files import MANIFEST, _crc
 from hydra_ddp.checkpoint.init_from import apply, plan
 from hydra_ddp.checkpoint.weights import open_weights
 from hydra_ddp.config import DDPConfig, Wrapper
-from hydra_ddp.dist.fsdp import full, wrap
+from hydra_ddp.distributed.fsdp import full, wrap
 from hydra_ddp.models import GPT
 
 # ddp.meta_init loads the same way as fsdp2 after its wrap: a few sources show it.

@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra_ddp.checkpoint import safe_state, state
 from hydra_ddp.checkpoint.files import keep_as_best, save
 from hydra_ddp.checkpoint.reading import load
-from hydra_ddp.dist import DistEnv, barrier
+from hydra_ddp.distributed import DistEnv, barrier
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.loa
 )
 from hydra_ddp.checkpoint.files import checkpoint_dir, fsync_dir
 from hydra_ddp.disk import remove_quietly, write_failed
-from hydra_ddp.dist import all_gather_objects, barrier
+from hydra_ddp.distributed import all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)

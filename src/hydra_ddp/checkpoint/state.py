@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hydra_ddp.checkpoint import safe_state
-from hydra_ddp.dist import DistEnv, all_gather_objects
-from hydra_ddp.dist.ddp import sync_buffers
+from hydra_ddp.distributed import DistEnv, all_gather_objects
+from hydra_ddp.distributed.ddp import sync_buffers
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ def global_state(members: list[tuple[Member, Stateful]]) -> dict[str, Any]:
 def agree(parts: Parts, env: DistEnv) -> None:
     """`# collective`, first in every save: what each rank holds a copy of and updates on its
     own, the model's and the EMA's buffers (BatchNorm statistics), becomes rank 0's, so a
-    checkpoint holds one rank's state and not a mix of them (dist/ddp.py)."""
+    checkpoint holds one rank's state and not a mix of them (distributed/ddp.py)."""
     sync_buffers([parts.model, *([parts.ema.module] if parts.ema is not None else [])], env)
 
 

@@ -19,8 +19,8 @@ from hydra_ddp.data.datasets import Ranges
 from hydra_ddp.data.eval_batches import EvenBatches
 from hydra_ddp.data.policies import built
 from hydra_ddp.data.sources import DataSource
-from hydra_ddp.dist import DistEnv
-from hydra_ddp.dist.preemption import data_worker_init
+from hydra_ddp.distributed import DistEnv
+from hydra_ddp.distributed.preemption import data_worker_init
 from hydra_ddp.errors import UserError
 
 

@@ -6,7 +6,8 @@ described in the README ("Your data, your model, your step"):
 - `siamese`: a two-input model whose loss adds an auxiliary term, logged as its own curve;
 - `penalty`: a gradient penalty on the inputs (a loss that reads the batch);
 - `gan`: a GAN, two optimizers and a step of its own (`step._target_`), clipped per optimizer;
-- `contrastive`: NT-Xent with negatives from every rank (`hydra_ddp.dist.all_gather_with_grad`).
+- `contrastive`: NT-Xent with negatives from every rank
+  (`hydra_ddp.distributed.all_gather_with_grad`).
 
 Each is a module of plain torch code plus a file in conf/experiment/; none edits the template.
 """

@@ -4,7 +4,8 @@
 pixels) of one digit image, so the model is called as `model(view_a, view_b)`. `Encoder`
 embeds both views into unit vectors. `nt_xent` scores each view against every other view of
 the global batch: its own other view is the positive, the 2·world·batch − 2 others are the
-negatives. The embeddings of the other ranks arrive through `hydra_ddp.dist.all_gather_with_grad`,
+negatives. The embeddings of the other ranks arrive through
+`hydra_ddp.distributed.all_gather_with_grad`,
 whose backward sends each rank the gradient of its own rows. At initialisation the similarities
 are near-uniform, so the first loss is about ln(2·world·batch − 1).
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
 
-from hydra_ddp.dist import all_gather_with_grad
+from hydra_ddp.distributed import all_gather_with_grad
 
 _SPLITS = {"train": slice(0, 1200), "val": slice(1200, 1500), "test": slice(1500, None)}
 _SEEDS = {"train": 1, "val": 2, "test": 3}  # fixed: str hashes differ between processes

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from hydra_ddp.dist.fsdp import local, reshard
+from hydra_ddp.distributed.fsdp import local, reshard
 
 
 class EMA:

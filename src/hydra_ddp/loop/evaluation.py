@@ -22,14 +22,15 @@ from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import EvalData
-from hydra_ddp.dist import DistEnv, jsonfile, process_group, use_device
-from hydra_ddp.dist.ddp import sync_buffers
+from hydra_ddp.distributed import DistEnv, process_group, use_device
+from hydra_ddp.distributed.ddp import sync_buffers
 from hydra_ddp.errors import UserError, translated_evaluation
 from hydra_ddp.loop.monitor import Monitor
 from hydra_ddp.loop.predict import predict
 from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.scoring import evaluate
 from hydra_ddp.metrics import Metric
+from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import autocast_for
 from hydra_ddp.tracking import RunInfo, Tracker
 from hydra_ddp.tracking.console import Console

@@ -31,15 +31,16 @@ from hydra_ddp import memory
 from hydra_ddp.callbacks import Context
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.config import TrainerConfig
-from hydra_ddp.dist import DistEnv, all_gather_floats, all_reduce_sum, jsonfile
-from hydra_ddp.dist.fsdp import state_bytes
-from hydra_ddp.dist.preemption import Preempted, StopOnSignal, signal_name, stop_message
+from hydra_ddp.distributed import DistEnv, all_gather_floats, all_reduce_sum
+from hydra_ddp.distributed.fsdp import state_bytes
+from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.objective import rows, to_device
 from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Position, batches
+from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import NonFiniteCheck, StepTools
 from hydra_ddp.tracking import Tracker
 from hydra_ddp.tracking.peak import PeakMeter, held_bytes

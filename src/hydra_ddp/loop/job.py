@@ -30,16 +30,9 @@ from hydra_ddp.checkpoint.weights import open_weights
 from hydra_ddp.components import build
 from hydra_ddp.config import NanPolicy, TrainConfig, Wrapper
 from hydra_ddp.data import EvalData, TrainData, check_source, epoch_rows
-from hydra_ddp.dist import (
-    DistEnv,
-    all_gather_objects,
-    jsonfile,
-    process_group,
-    provenance,
-    use_device,
-)
-from hydra_ddp.dist.ddp import wrap_model
-from hydra_ddp.dist.preemption import (
+from hydra_ddp.distributed import DistEnv, all_gather_objects, process_group, use_device
+from hydra_ddp.distributed.ddp import wrap_model
+from hydra_ddp.distributed.preemption import (
     StopOnSignal,
     exit_with_parent,
 )
@@ -53,6 +46,7 @@ from hydra_ddp.loop.position import Counting, Position, PositionState, epoch_len
 from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.optim import Optimizers
+from hydra_ddp.rundir import jsonfile, provenance
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for, scaler_for
 from hydra_ddp.tracking import RunInfo, Tracker, make_tracker, redact
 from hydra_ddp.tracking.console import Console

@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from hydra_ddp.config import MonitorMode, TrainConfig, TrainerConfig
-from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)

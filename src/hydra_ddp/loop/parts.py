@@ -15,7 +15,7 @@ from hydra_ddp.checkpoint.init_from import Plan
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, EvalData, TrainData
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.loop.objective import Objective
 from hydra_ddp.optim import Optimizers
 from hydra_ddp.step import default_step

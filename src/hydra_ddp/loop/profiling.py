@@ -16,7 +16,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from hydra_ddp.config import TrainerConfig
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 
-from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.distributed import DistEnv, all_gather_objects
 
 log = logging.getLogger(__name__)
 

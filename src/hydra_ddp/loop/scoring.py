@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from hydra_ddp.data import EvalData
-from hydra_ddp.dist import DistEnv, evaluation_batch, sum_by_name
+from hydra_ddp.distributed import DistEnv, evaluation_batch, sum_by_name
 from hydra_ddp.errors import UserError, first_line
 from hydra_ddp.loop.objective import Caller, Objective, forward, to_device, weight
 

@@ -23,7 +23,7 @@ from rich.progress import (
 )
 from rich.tree import Tree
 
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.tracking import names
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
 from hydra_ddp.disk import check_regular, open_regular, read_regular
-from hydra_ddp.dist import DistEnv, jsonfile
+from hydra_ddp.distributed import DistEnv
+from hydra_ddp.rundir import jsonfile
 from hydra_ddp.tracking import names
 from hydra_ddp.tracking.sink import Kind, Record, Sink
 from hydra_ddp.tracking.values import plain

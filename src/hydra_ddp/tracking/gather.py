@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.tracking import names
 
 Queued = List[Tuple[int, Dict[str, Any]]]  # (step, ctx.log values) of one rank

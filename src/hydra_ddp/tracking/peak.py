@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from hydra_ddp.dist.fsdp import local
+from hydra_ddp.distributed.fsdp import local
 
 _cuda_peak: dict[str, int] = {}  # device -> the run's peak before the stats reset it
 

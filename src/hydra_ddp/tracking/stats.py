@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import torch
 
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.tracking import Tracker, names, peak
 from hydra_ddp.tracking.console import Console
 

@@ -18,7 +18,7 @@ from typing import Optional
 from torch.utils.tensorboard import SummaryWriter
 
 from hydra_ddp.config import LoggerConfig
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError, write_advice
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
 from hydra_ddp.tracking.values import is_media

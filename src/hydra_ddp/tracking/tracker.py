@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 import torch.distributed as dist
 
 from hydra_ddp.config import Layout, LoggerConfig
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
 from hydra_ddp.tracking import gather, values
 from hydra_ddp.tracking.files import JsonFiles

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hydra_ddp.config import Layout, LoggerConfig
 from hydra_ddp.disk import open_regular, read_regular
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.tracking.files import STEP_FIELD, SUPERSEDED
 from hydra_ddp.tracking.sink import RunInfo
 from hydra_ddp.tracking.wandb_errors import IDS_FILE, clip

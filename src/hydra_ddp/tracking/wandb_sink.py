@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from hydra_ddp.config import Layout, LoggerConfig
-from hydra_ddp.dist import DistEnv, all_gather_objects
+from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
 from hydra_ddp.tracking import names, redact, wandb_ids
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink

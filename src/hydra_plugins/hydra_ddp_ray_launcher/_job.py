@@ -23,7 +23,7 @@ def main(spec_path: str, result_path: str) -> int:
     # The template's resolvers (job dir names, log files) and config schema, registered at its
     # import: the job's config names them.
     import hydra_ddp.train  # noqa: F401
-    from hydra_ddp.dist import claim
+    from hydra_ddp.rundir import claim
 
     # Ray starts its workers with SIGINT blocked, and a blocked mask is inherited: a job's
     # ranks must see Ctrl-C like any job's (preemption.py).

@@ -24,8 +24,8 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hydra_ddp.dist import sweeps
 from hydra_ddp.errors import UserError, too_big_for_cluster
+from hydra_ddp.rundir import sweeps
 from hydra_plugins.hydra_ddp_ray_launcher import _task
 
 log = logging.getLogger(__name__)

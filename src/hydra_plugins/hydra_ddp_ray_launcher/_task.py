@@ -27,7 +27,7 @@ from hydra_plugins.hydra_ddp_ray_launcher import _job
 # a preemption, so the report lists it).
 JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.train.RAY_JOB_ENV
 # Set in a job's process: when its task started that process (time.time()).
-STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.dist.sweeps.STARTED_ENV
+STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.rundir.sweeps.STARTED_ENV
 # How often a task looks at its job and at the sweep's stop request.
 _POLL_S = 0.5
 # What a task returns when the sweep stopped before its job started.

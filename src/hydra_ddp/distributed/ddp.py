@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hydra_ddp.config import DDPConfig, Wrapper
-from hydra_ddp.dist import DistEnv, comm_hooks
+from hydra_ddp.distributed import DistEnv, comm_hooks
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,9 @@ def wrap_model(
     compile_units: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """Move the model to this rank's device and wrap it as the ddp/ config says: in DDP, or
-    sharded by fully_shard (ddp=fsdp2, hydra_ddp/dist/fsdp.py; `also` are sharded the same way and
+    sharded by fully_shard (ddp=fsdp2, distributed/fsdp.py; `also` are sharded the same way and
     `compile_units` compiles each unit first). Also return the comm hook (ddp.comm_hook,
-    dist/comm_hooks.py) when it has a checkpointable state (state_dict), else None.
+    distributed/comm_hooks.py) when it has a checkpointable state (state_dict), else None.
 
     device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
     would name a GPU that does not exist.
@@ -43,7 +43,7 @@ def wrap_model(
     if cfg.sync_batchnorm:
         _to_sync_batchnorm([model, *also], env)
     if cfg.wrapper == Wrapper.fsdp2:
-        from hydra_ddp.dist import fsdp
+        from hydra_ddp.distributed import fsdp
 
         return fsdp.wrap(model, env, cfg, also, compile_units), None
     model = model.to(env.device)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.config import DistConfig
-from hydra_ddp.dist.env import DistEnv, backend_for
+from hydra_ddp.distributed.env import DistEnv, backend_for
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,9 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.dist import claim, jsonfile, launcher_rank
-from hydra_ddp.dist.paths import SWEPT_KEYS_FILE, split_override, swept_keys
+from hydra_ddp.distributed import launcher_rank
+from hydra_ddp.rundir import claim, jsonfile
+from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE, split_override, swept_keys
 from hydra_ddp.tracking import redact
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import Stopped
 
 log = logging.getLogger(__name__)

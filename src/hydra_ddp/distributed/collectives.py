@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.dist.env import DistEnv
+from hydra_ddp.distributed.env import DistEnv
 from hydra_ddp.errors import UserError
 
 # --------------------------------------------------------------------------------------------
@@ -77,7 +77,8 @@ def all_gather_with_grad(
     Every rank must pass a tensor of the same shape: training batches are (strided sampling
     pads every rank to the same count), and so are evaluation batches (a rank short of rows
     evaluates padding: its gathered rows then count for nothing; `gather_for_metrics` leaves
-    them out). `check_shapes` agrees the shapes first (one small collective and a host sync per call) and
+    them out). `check_shapes` agrees the shapes first (one small collective and a host sync per
+    call) and
     raises one line naming them on every rank, where gloo would abort a rank with its error on
     stderr only; False skips that.
     """

@@ -18,11 +18,12 @@ from typing import Any, Callable
 
 from hydra_ddp import checkpoint, interrupt
 from hydra_ddp.config import TrainConfig
-from hydra_ddp.dist import claim, env_from_environ
+from hydra_ddp.distributed import env_from_environ
+from hydra_ddp.distributed.preemption import Preempted, run_dir_override, signal_name
+from hydra_ddp.distributed.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
 from hydra_ddp.loop.job import train
-from hydra_ddp.dist.preemption import Preempted, run_dir_override, signal_name
-from hydra_ddp.dist.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
+from hydra_ddp.rundir import claim
 
 log = logging.getLogger(__name__)
 

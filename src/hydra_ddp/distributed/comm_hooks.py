@@ -22,9 +22,9 @@ from hydra_ddp.errors import UserError
 
 # A built-in's name on the command line (ddp.comm_hook=NAME) -> its component.
 _BUILT_IN = {
-    "fp16_compress": "hydra_ddp.dist.comm_hooks.FP16Compress",
-    "bf16_compress": "hydra_ddp.dist.comm_hooks.BF16Compress",
-    "powersgd": "hydra_ddp.dist.comm_hooks.PowerSGD",
+    "fp16_compress": "hydra_ddp.distributed.comm_hooks.FP16Compress",
+    "bf16_compress": "hydra_ddp.distributed.comm_hooks.BF16Compress",
+    "powersgd": "hydra_ddp.distributed.comm_hooks.PowerSGD",
 }
 
 
@@ -137,7 +137,7 @@ def built(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) 
         raise UserError(
             f"ddp.comm_hook._target_={spec['_target_']} built a {type(hook).__qualname__} "
             "without hook(state, bucket): give a function (state, bucket) -> Future or a class "
-            "with hook(state, bucket) (see hydra_ddp/dist/comm_hooks.py)"
+            "with hook(state, bucket) (see hydra_ddp/distributed/comm_hooks.py)"
         )
     return hook
 

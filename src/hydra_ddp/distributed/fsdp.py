@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from hydra_ddp.config import DDPConfig, DType
-from hydra_ddp.dist import DistEnv
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)

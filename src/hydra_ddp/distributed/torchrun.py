@@ -1,4 +1,5 @@
-"""`python -m hydra_ddp.dist.torchrun ARGS`: torchrun, whose stop on a signal exits like its workers.
+"""`python -m hydra_ddp.distributed.torchrun ARGS`: torchrun whose stop on a signal exits like
+its workers.
 
 torchrun's agent, on SIGTERM (a scheduler's stop) or SIGINT, forwards the signal to its
 workers and waits for them (`--shutdown-timeout`, 30 s by default), then lets torch's
@@ -26,7 +27,7 @@ import logging
 import os
 import sys
 
-from hydra_ddp.dist.preemption import stop_exit_codes
+from hydra_ddp.distributed.preemption import stop_exit_codes
 
 # torch's elastic agent (torchrun, and the self-launch's agent in launch.py) and what it logs
 # as it stops its workers on a signal: the job's own line says it once.

@@ -5,16 +5,18 @@
   collectives the loop uses, `all_gather_with_grad` for a loss that needs every rank's rows and
   `gather_for_metrics` for a metric that does.
 - `ddp`, `fsdp`: the data-parallel wrapper the `ddp/` group chooses (DDP or FSDP2).
-- `launch`: `python -m hydra_ddp.train dist.nproc_per_node=N` without torchrun;
-  `preemption`: a stop signal ends in a checkpoint; `claim`: one job per run dir.
-- `paths`, `provenance`, `jsonfile`, `sweeps`: where a job writes, `run.json`, the JSON side
-  files, and a sweep's report.
+- `comm_hooks`: DDP's gradient compression hooks, by name.
+- `launch`, `torchrun`: `python -m hydra_ddp.train dist.nproc_per_node=N` without torchrun, and
+  the elastic agent's signals and logs; `preemption`: a stop signal ends in a checkpoint.
 
-A user rarely edits here; what they call is re-exported below (`hydra_ddp.dist.DistEnv`,
-`hydra_ddp.dist.all_gather_with_grad`, `hydra_ddp.dist.export_submitit_env`).
+What a job writes beside its checkpoints (claim, paths, `run.json`, side files, the sweep report)
+lives in `hydra_ddp.rundir`.
+
+A user rarely edits here; what they call is re-exported below (`hydra_ddp.distributed.DistEnv`,
+`hydra_ddp.distributed.all_gather_with_grad`, `hydra_ddp.distributed.export_submitit_env`).
 """
 
-from hydra_ddp.dist.collectives import (
+from hydra_ddp.distributed.collectives import (
     all_gather_floats,
     all_gather_objects,
     all_gather_with_grad,
@@ -23,7 +25,7 @@ from hydra_ddp.dist.collectives import (
     gather_for_metrics,
     sum_by_name,
 )
-from hydra_ddp.dist.env import (
+from hydra_ddp.distributed.env import (
     DistEnv,
     backend_for,
     env_from_environ,
@@ -32,7 +34,7 @@ from hydra_ddp.dist.env import (
     share_cpus_in_submitit_task,
     under_launcher,
 )
-from hydra_ddp.dist.group import barrier, destroy_process_group, process_group, use_device
+from hydra_ddp.distributed.group import barrier, destroy_process_group, process_group, use_device
 
 __all__ = [
     "DistEnv",
