@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, job, train_ranks, typed
+from helpers.inproc import FAST, job, prepare_job, train_ranks, typed
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import safe_state
@@ -22,9 +22,8 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
     """A rank: a fresh DDP wrap with the PowerSGD hook, restored from `path`; its state."""
     from hydra_ddp.checkpoint import Checkpointer, state
     from hydra_ddp.distributed.ddp import wrap_model
-    from hydra_ddp.loop.job import prepare
 
-    job_ = prepare(cfg, env, run)
+    job_ = prepare_job(cfg, env, run)
     _, hook = wrap_model(job_.parts.model, env, cfg.ddp)
     before = hook.state_dict()["iter"]
     parts = state.Parts(model=job_.parts.model, comm_hook=hook)
@@ -90,8 +89,8 @@ def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
 
 
 def test_a_bad_comm_hook_of_the_users_fails_once_in_the_launching_process() -> None:
-    """train.preflight builds the hook before any worker starts: one line, not one per rank."""
-    from hydra_ddp.train import preflight
+    """entry.preflight builds the hook before any worker starts: one line, not one per rank."""
+    from hydra_ddp.distributed.entry import preflight
 
     cfg = typed("ddp.comm_hook={_target_:collections.Counter}")
     with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built"):

@@ -28,9 +28,9 @@ from helpers.inproc import train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
+from hydra_ddp.distributed.entry import _check_run_dir
 from hydra_ddp.errors import LOST_CONTACT, UserError, worker_failed
 from hydra_ddp.rundir import sweeps
-from hydra_ddp.train import _check_run_dir
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import plot_run  # noqa: E402  (scripts/plot_run.py: what reads the stats files back)

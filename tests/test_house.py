@@ -128,3 +128,52 @@ def test_no_directory_is_named_like_build_output() -> None:
         if path.is_dir() and path.name in BUILD_OUTPUT_DIRS
     )
     assert not named, f"rename these: the standard Python .gitignore hides them: {named}"
+
+
+MAX_TRAIN_PY, MAX_JOB_IMPORTS = 120, 15
+
+
+def test_train_py_is_the_flow_and_no_plumbing() -> None:
+    """train.py reads like the design: short, nothing done at its import but the Ctrl-C guard
+    (first, before torch), no launcher's environment read, no os._exit."""
+    path = SRC / "hydra_ddp" / "train.py"
+    text = path.read_text()
+    assert text.count("\n") <= MAX_TRAIN_PY, f"train.py: {text.count(chr(10))} lines"
+    tree = ast.parse(text)
+    imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    ours = [n for n in imports if ast.unparse(n).startswith(("import hydra_ddp", "from hydra_ddp"))]
+    assert ast.unparse(ours[0]) == "import hydra_ddp.interrupt", "the Ctrl-C guard comes first"
+    at_import = [
+        ast.unparse(n)
+        for n in tree.body
+        if not isinstance(n, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)
+        and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))  # docstring
+        and not (isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
+    ]
+    assert not at_import, f"train.py runs at import: {at_import}"
+    for banned in ("os.environ", "os._exit", "isort: split", "sys.argv"):
+        assert banned not in text, f"train.py: {banned} belongs to distributed/entry.py"
+
+
+def _internal_imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The modules of ours `name` imports, module and function level: `from a.b import c` is a.b,
+    or a.b.c when that is a module of ours."""
+    package = name.rpartition(".")[0]
+    found = set()
+    for node in _import_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+            continue
+        base = node.module or ""
+        if node.level:
+            up = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*up, *([node.module] if node.module else [])])
+        for alias in node.names:
+            found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return {m for m in found if m.split(".")[0] == "hydra_ddp"}
+
+
+def test_the_job_builder_imports_few_modules() -> None:
+    modules = _modules()
+    found = _internal_imports(modules["hydra_ddp.loop.job"], "hydra_ddp.loop.job", set(modules))
+    assert len(found) <= MAX_JOB_IMPORTS, f"loop/job.py imports {len(found)}: {sorted(found)}"

@@ -23,8 +23,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
+from hydra_ddp.distributed.entry import config_dir
 from hydra_ddp.rundir.paths import register_resolvers
-from hydra_ddp.train import config_dir
 
 CONF = REPO / "conf"
 

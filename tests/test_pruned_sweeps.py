@@ -23,9 +23,9 @@ import pytest
 from conftest import FAST, job_dirs, summary, user_env
 from omegaconf import OmegaConf
 
+from hydra_ddp.distributed.entry import find_own_plugins
 from hydra_ddp.loop import pruning
 from hydra_ddp.rundir import sweeps
-from hydra_ddp.train import find_own_plugins
 
 optuna = pytest.importorskip("optuna")
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")

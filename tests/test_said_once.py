@@ -1,22 +1,22 @@
 """What every rank meets alike is said once, by rank 0: a damaged checkpoint skipped when the
 job looks for the newest ("skipping ..."), and the position mapped onto another number of ranks
 on resume ("counted batches of ... on 3 rank(s), this job ... on 2"). In process on 2 gloo
-ranks, through the job's own start (`prepare`) and its position's restore."""
+ranks, through the job's own start (`prepare_job`) and its position's restore."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from helpers import ranks
-from helpers.inproc import FAST, job
+from helpers.inproc import FAST, job, prepare_job
 
 from hydra_ddp.checkpoint.state import restoring
-from hydra_ddp.loop.job import _counting, prepare
+from hydra_ddp.loop.checkpointing import _counting
 from hydra_ddp.loop.position import Position, PositionState
 
 
 def _start_and_resume(env, cfg, run) -> None:
-    started = prepare(cfg, env, run)  # finds the damaged newest checkpoint, skips it
+    started = prepare_job(cfg, env, run)  # finds the damaged newest checkpoint, skips it
     here = _counting(started)
     state = PositionState(Position(), here)
     saved = {"step": 12, "epoch": 0, "batch_in_epoch": 4, "world_size": 3, "sampler": here.sampler}

@@ -19,10 +19,12 @@ A callback is any object with some of these methods, each given a `Context`:
                           and across a resume in the middle of an epoch)
     on_train_end(ctx)     after the final validation and test, with their metrics
 
-and optionally `state_dict()` / `load_state_dict(state)`, saved in every checkpoint and restored
-on resume, each rank its own. `ctx.log({...})` puts values into this rank's stats at the
-current step. Callbacks run on every rank: a collective inside one must run on all of them, as
-in the loop.
+and optionally `state_dict()` / `load_state_dict(state)`, saved in every checkpoint and
+restored on resume, each rank its own, and `checkpoint_members()`: objects of yours that every
+checkpoint holds too, as a list of `hydra_ddp.checkpoint.state.Member` (`Member("counter",
+lambda parts: self.counter)`; global or per-rank, optional or required), asked once when the
+job is built. `ctx.log({...})` puts values into this rank's stats at the current step.
+Callbacks run on every rank: a collective inside one must run on all of them, as in the loop.
 
 Under ddp=fsdp2 a parameter, its gradient and what is computed from them (`p.grad.norm()`) are
 DTensors: each rank holds a part, and `.item()` would read only that part. ctx.log logs such a
@@ -54,6 +56,7 @@ HOOKS = (
     "on_epoch_end",
     "on_train_end",
 )
+_MEMBERS = "checkpoint_members"  # not a hook of the loop: asked once, when the job is built
 
 
 @dataclass
@@ -110,10 +113,10 @@ class Callbacks:
         data source), as models do with the data's spec."""
         self.items = {name: build(c, f"callbacks.{name}", **runtime) for name, c in configs.items()}
         for name, cb in self.items.items():
-            if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
+            if not any(callable(getattr(cb, hook, None)) for hook in (*HOOKS, _MEMBERS)):
                 raise UserError(
                     f"callbacks.{name} ({type(cb).__name__}) has none of the callback methods "
-                    f"{', '.join(HOOKS)}: define at least one"
+                    f"{', '.join((*HOOKS, _MEMBERS))}: define at least one"
                 )
 
     def has(self, hook: str) -> bool:
@@ -195,6 +198,16 @@ class Callbacks:
                 ctx._sink(ctx.step, {key: value})
         except ValueError as e:
             raise self._failed(name, hook, ctx.step, e) from e
+
+    def checkpoint_members(self) -> list[Any]:
+        """What the callbacks add to every checkpoint (checkpoint.state.Member objects), each
+        callback's `checkpoint_members()` in config order."""
+        return [
+            member
+            for cb in self.items.values()
+            if callable(getattr(cb, "checkpoint_members", None))
+            for member in cb.checkpoint_members()
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,288 +1,78 @@
-"""The Hydra entry point: compose, validate, then train here or start the workers.
+"""One rank's training job, top to bottom, and the command that runs it on every rank.
 
     torchrun --standalone --nproc_per_node=2 -m hydra_ddp.train            # torchrun starts ranks
     python -m hydra_ddp.train dist.nproc_per_node=2                        # the job starts them
     python -m hydra_ddp.train -m dist.nproc_per_node=2 model=mlp,cnn       # a sweep of DDP jobs
 
-`hydra_entry` composes and validates the config, then either trains in this process (one rank
-of whatever launcher started it, or a single process) or starts its own worker group with
-torch's elastic agent (launch.py). The training itself is `loop.job.train`.
+`main` composes the config (Hydra: conf/ and the command line) and runs `train` on each rank,
+here or in workers it starts; the checks before launch, the launchers and the exit codes are
+distributed/entry.py's. `train` is the design, each step a call into the module that owns it.
+A call marked `# collective` must be reached by every rank at the same step (it talks to the
+other ranks); putting one under `if env.is_main:` hangs the job.
 """
 
 from __future__ import annotations
 
-# isort: split
+import contextlib
+from typing import Any
+
 # First, before torch: a Ctrl-C while a launched worker imports exits quietly (interrupt.py).
 import hydra_ddp.interrupt  # noqa: F401
-
-# isort: split
-import atexit
-import dataclasses
-import logging
-import os
-import sys
-from dataclasses import fields
-from pathlib import Path
-
-import hydra
-import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
-
-from hydra_ddp import interrupt
-from hydra_ddp.components import build
-from hydra_ddp.config import TrainConfig, Wrapper, register_configs
-from hydra_ddp.data import check_sampling, check_source
-from hydra_ddp.distributed import (
-    comm_hooks,
-    env_from_environ,
-    export_submitit_env,
-    launch,
-    launcher_rank,
-    share_cpus_in_submitit_task,
-    under_launcher,
-)
-from hydra_ddp.distributed.preemption import Preempted
-from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
-from hydra_ddp.interrupt import EXIT_CODE as INTERRUPTED
-from hydra_ddp.loop.job import train
-from hydra_ddp.loop.monitor import monitor_key
-from hydra_ddp.loop.parts import build_components
-from hydra_ddp.rundir import claim, sweeps
-from hydra_ddp.rundir.paths import override_value, register_resolvers
-from hydra_ddp.tracking import RunInfo, redact, resolve_mode
-from hydra_ddp.tracking.tracker import check_backend
-
-log = logging.getLogger(__name__)
-
-# Set by hydra/launcher=ray in each job's process (hydra_plugins.hydra_ddp_ray_launcher._task).
-RAY_JOB_ENV = "HYDRA_DDP_RAY_JOB"
-
-register_configs()
-register_resolvers()
+from hydra_ddp.config import TrainConfig
+from hydra_ddp.distributed import DistEnv, process_group
+from hydra_ddp.distributed.entry import main as run_main
+from hydra_ddp.distributed.preemption import exit_with_parent
+from hydra_ddp.errors import translated
+from hydra_ddp.loop.checkpointing import checkpointed, checkpointer_for, finished_summary, resume
+from hydra_ddp.loop.fit import build_loop, finish, fit
+from hydra_ddp.loop.job import begin, build_data, prepare, start_rank, start_tracker
+from hydra_ddp.loop.parts import Job
+from hydra_ddp.loop.wrapping import wrap
+from hydra_ddp.tracking import RunInfo
 
 
-def to_typed(dict_cfg: DictConfig) -> TrainConfig:
-    """The composed config as dataclasses; runs every __post_init__ check."""
-    # `+trainer.x=1` adds a key even to a typed group, where it would be silently ignored.
-    for f in fields(TrainConfig):
-        node = dict_cfg.get(f.name)
-        if not isinstance(node, DictConfig):
-            continue
-        schema = OmegaConf.get_type(node)
-        if schema is not None and dataclasses.is_dataclass(schema):
-            known = {k.name for k in fields(schema)}
-            extra = sorted(set(node.keys()) - known)
-            if extra:
-                raise UserError(
-                    f"{f.name}.{extra[0]} is not a key of {f.name} "
-                    f"({schema.__name__}; see src/hydra_ddp/config.py): check the "
-                    f"spelling, its keys are {', '.join(sorted(known))}"
-                )
-    return OmegaConf.to_object(dict_cfg)  # type: ignore[return-value]
+def main(config_path: str | None = None, config_name: str = "train") -> None:
+    """`python -m hydra_ddp.train`, the `hydra-ddp-train` command, and a thin project's entry:
+    compose `config_name` from `config_path` (None: the engine's conf/) and the command line,
+    run `train` on every rank, and exit with the job's status."""
+    run_main(train, config_path, config_name)
 
 
-def preflight(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the data and the components but no process group, so a bad job fails
-    once, in the launching process, instead of once per worker."""
-    monitor_key(cfg)  # trainer.monitor names a metric the job computes
-    check_backend(cfg.logger.backend)
-    if cfg.logger.backend == "wandb":
-        resolve_mode(cfg.logger.mode)  # logger.mode=online without a login fails here, once
-    source = build(cfg.data, "data")
-    check_source(source)
-    check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)
-    build_components(cfg, source, torch.device("cpu"), total_steps=1)
-    if cfg.ddp.wrapper == Wrapper.ddp:  # a hook of the user's is built here once, not per rank
-        comm_hooks.built(
-            cfg.ddp.comm_hook, cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter, "cpu"
-        )
+def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
+    """One rank's share of the job; returns the job summary (the same on every rank)."""
+    # Before any process group, so bad input fails once per rank, before any rank waits.
+    console = start_rank(cfg, env)  # device, seed, determinism; other ranks quiet
+    # The data and its sampling policy (which rows this rank reads, in what order), then the
+    # model, loss, optimizers, callbacks and resume point. Nothing of it stays in this frame.
+    jobs = [prepare(cfg, env, run, console, build_data(cfg, env))]
+    if env.launched:
+        exit_with_parent()
+    # The process group, from what the launcher set (torchrun, the self-launch, SLURM).
+    with process_group(env, cfg.dist), translated(env.rank, cfg.dist.timeout_s, run.output_dir):
+        # Handed over, not kept here: under ddp=fsdp2 the model and optimizer state are sharded
+        # DTensors that hold the process group (their device mesh), so they must die in
+        # `_train_in_group`, before the group (see distributed/group.py).
+        return _train_in_group(jobs.pop())
 
 
-def run_info(dict_cfg: DictConfig) -> RunInfo:
-    hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    output_dir = Path(hc.runtime.output_dir)
-    if multirun:
-        name = hc.job.override_dirname or f"job{hc.job.num}"
-        group = "sweep-" + "-".join(Path(hc.sweep.dir).parts[-2:])
-    else:
-        name = hc.job.override_dirname or hc.job.name
-        group = "-".join(output_dir.parts[-2:])
-    config = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
-    # The name and group reach W&B and wandb_ids.json: no secret value in them. Jobs of a
-    # sweep that differ only in a secret are then told apart by their number, as their dirs.
-    blanked = ",".join(redact.overrides(name.split(",")))
-    name = f"{hc.job.num}_{blanked}" if multirun and blanked != name else blanked
-    overrides = list(hc.overrides.task)
-    return RunInfo(output_dir, job_name=name, group=group, config=config, overrides=overrides)
-
-
-def config_dir() -> str:
-    """The configs: conf/ at the top of a checkout (an editable install, or src/ on PYTHONPATH),
-    so an edit there counts at the next run; else the copy a wheel ships as hydra_ddp/conf
-    (pyproject.toml's package-dir), so an installed `hydra-ddp-train` runs from any folder."""
-    here = Path(__file__).resolve().parent
-    checkout = here.parent.parent / "conf"
-    if here.parent.name == "src" and (checkout / "train.yaml").is_file():
-        return str(checkout)
-    return str(here / "conf")
-
-
-def find_own_plugins() -> None:
-    """Let Hydra's plugin scan see src/hydra_plugins (hydra/launcher=ray) of a checkout: an
-    editable install (`pip install -e .`) imports it through setuptools' finder, which the
-    scan (pkgutil) cannot list, so the launcher would be unknown. A wheel puts it in
-    site-packages, where the scan finds it anyway."""
-    src = Path(__file__).resolve().parent.parent
-    if (src / "hydra_plugins").is_dir() and str(src) not in sys.path:
-        sys.path.append(str(src))
-
-
-find_own_plugins()
-
-
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
-def hydra_entry(dict_cfg: DictConfig) -> float:
-    """Compose, validate, then train here or start a worker group; returns the objective
-    (validation loss) for Hydra sweepers."""
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        run = run_info(dict_cfg)
-        cfg = to_typed(dict_cfg)
-        if multirun and "TORCHELASTIC_RUN_ID" in os.environ:
-            raise UserError(
-                "a sweep (-m) under torchrun would run the whole sweep on every rank: "
-                "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead"
-            )
-        if cfg.dist.nproc_per_node > 1 and not under_launcher():
-            preflight(cfg, cfg.dist.nproc_per_node)
-            summary = launch.spawn(cfg, run)
-        else:
-            export_submitit_env()
-            share_cpus_in_submitit_task(HydraConfig.get().launcher.get("cpus_per_task"))
-            summary = train(cfg, env_from_environ(cfg.dist), run)
-        return float(summary["objective"])
-    except Preempted as e:
-        if not e.logged:
-            (log.warning if launcher_rank() == 0 else log.info)("%s", e)
-        if multirun and "SUBMITIT_EXECUTOR" in os.environ:
-            # A submitit job that was not requeued (submitit's handler ran already): a result
-            # for the sweep, so the others are still collected and reported.
-            sweeps.record_failure(output_dir, str(e))
-            return float("nan")
-        if multirun and RAY_JOB_ENV in os.environ:
-            # A job of a Ray sweep that is being stopped: the report lists it as preempted.
-            sweeps.record_failure(output_dir, str(e), status="PREEMPTED")
-            return float("nan")
-        # In one process, a sweep ends here too: the jobs after this one would be stopped the
-        # same way.
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
-        # once: one line, not a traceback. Under the self-launch this is the launching process
-        # before its workers start.
-        if multirun and ("SUBMITIT_EXECUTOR" in os.environ or RAY_JOB_ENV in os.environ):
-            raise
-        interrupt.ignore_more()
-        line = launch.stopped_line("stopped on SIGINT", output_dir)
-        (log.warning if launcher_rank() == 0 else log.info)("%s", line)
-        sys.exit(INTERRUPTED)
-    except Exception as e:
-        e = config_error(e) or e
-        code = exit_code(e, log)
-        if not multirun:
-            sys.exit(code)
-        # Let the sweep go on: the report at its end lists this job as failed, and a NaN
-        # objective marks the trial failed for sweepers such as Optuna's.
-        why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-        sweeps.record_failure(output_dir, why)
-        _fail_task_at_exit(code)
-        return float("nan")
-    finally:
-        # The job's end (main() is not run under submitit, nor for each job of a sweep).
-        claim.release_all()
-
-
-def _fail_task_at_exit(code: int) -> None:
-    """Under submitit: the job's result (NaN, so the sweep goes on and reports it) is saved when
-    this returns, and the task's exit status is then `code`, so SLURM's accounting (sacct) shows
-    the failed job as FAILED rather than COMPLETED."""
-    if "SUBMITIT_EXECUTOR" in os.environ:
-        atexit.register(os._exit, code)
-
-
-def _check_run_dir(argv: list[str]) -> None:
-    """`hydra.run.dir=<path>` on the command line that cannot be created (read-only disk, no
-    permission): one line here, instead of the traceback of Hydra's mkdir."""
-    given = [a for a in argv if a.startswith("hydra.run.dir=")]
-    if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
-        return
-    path = override_value(given[-1])
-    if path is None:
-        return  # Hydra reports what it cannot parse
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        sys.stderr.write(
-            f"error: hydra.run.dir={path} cannot be created ({e.strerror}): choose a "
-            "writable place\n"
-        )
-        sys.exit(2)
-
-
-def _unknown_top_level_key(override: str, groups: set[str]) -> str | None:
-    """The key of a command-line `key=value` whose first part is no key of the config nor a
-    config group (`groups`), else None: Hydra's own error would not say where such a variable
-    can go."""
-    if override.startswith(("-", "+", "~")) or "=" not in override:
-        return None
-    key = override.split("=", 1)[0]
-    root = key.split("/")[0].split(".")[0].split("@")[0]
-    known = {f.name for f in fields(TrainConfig)} | groups | {"hydra"}
-    return key if root and root not in known else None
-
-
-def _check_keys(argv: list[str]) -> None:
-    """`reads_dir=...` (no such key): one line saying where user variables go, before Hydra's
-    "Could not override" paragraph."""
-    groups = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}
-    for arg in argv:
-        key = _unknown_top_level_key(arg, groups)
-        if key is not None:
-            sys.stderr.write(f"error: {no_such_key(key)}\n")
-            sys.exit(2)
-
-
-def main() -> None:
-    _check_run_dir(sys.argv[1:])
-    _check_keys(sys.argv[1:])
-    try:
-        hydra_entry()
-        code = 1 if sweeps.sweep_failed() else 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except KeyboardInterrupt:
-        # Outside hydra_entry: while Hydra composes the config, or a sweep's launching process
-        # (its jobs are stopped by their own launcher).
-        interrupt.ignore_more()
-        if launcher_rank() == 0:
-            sys.stderr.write("stopped on SIGINT\n")
-        code = INTERRUPTED
-    claim.release_all()
-    claim.release_sweep()  # a sweep that ended before its report (on_multirun_end)
-    if under_launcher():
-        # Everything is written and the process group is gone, but at interpreter teardown a
-        # rank can still abort ("terminate called without an active exception": a c10d/gloo
-        # thread destroyed while joinable), turning a finished job into a failed one for
-        # torchrun. Leave without running C++ static destructors.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+def _train_in_group(job: Job) -> dict[str, Any]:
+    """Everything after the process group is up. Its frame holds the wrapped model, which so
+    dies when it returns, before the process group."""
+    wrapped = wrap(job)  # collective: DDP or FSDP2 (ddp.wrapper), the EMA, torch.compile
+    parts = checkpointed(job, wrapped)  # the objects a checkpoint holds; the position at 0
+    checkpointer = checkpointer_for(job, parts)  # with the template's and callbacks' members
+    resumed = resume(job, checkpointer)  # collective
+    step = parts.position.pos.step
+    if resumed and (done := finished_summary(job, step)) is not None:  # collective
+        return done
+    tracker = start_tracker(job, step if resumed else None)  # collective
+    with tracker, contextlib.ExitStack() as scope:
+        scope.callback(checkpointer.abandon)  # a failed job leaves no half-written save
+        begin(job, scope)  # the config and the plan said
+        loop = build_loop(job, wrapped, parts, checkpointer, tracker, scope)
+        wall = fit(loop)  # collective: the steps, evaluation and checkpoints on their cadence
+        # Collective: the last validation and checkpoint, test, this rank's stats, the summary.
+        return finish(loop, step, wall)
 
 
 if __name__ == "__main__":

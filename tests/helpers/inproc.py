@@ -2,7 +2,8 @@
 (Hydra's compose API on the same config dir, resolvers and schema), type and preflight it, and
 run the training loop on one rank here or on several with helpers/ranks.py.
 
-`train` (hydra_ddp.loop.job) is re-exported here for the tests that run a job; tests of a module's
+`train` (hydra_ddp.train) is re-exported here for the tests that run a job, and `prepare_job`
+is its start before any process group; tests of a module's
 own parts (test_step.py, test_config.py, ...) import that module directly.
 
 `isolated()` puts back what a run changes in the process: environment variables, the working
@@ -30,10 +31,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.distributed import DistEnv, env_from_environ, under_launcher
-from hydra_ddp.loop.job import train
+from hydra_ddp.distributed.entry import config_dir, preflight, to_typed
+from hydra_ddp.loop import job as rank_job
+from hydra_ddp.loop.parts import Job
 from hydra_ddp.rundir.paths import register_resolvers
 from hydra_ddp.tracking import RunInfo
-from hydra_ddp.train import config_dir, preflight, to_typed
+from hydra_ddp.train import train
 
 __all__ = [
     "FAST",
@@ -44,6 +47,7 @@ __all__ = [
     "isolated",
     "job",
     "preflight",
+    "prepare_job",
     "run_info",
     "to_typed",
     "train",
@@ -116,6 +120,12 @@ def entry_on_a_rank(env: DistEnv, output_dir: Path, overrides: list[str]) -> Non
     variables the call sets (a process group that hangs or ends its process is not the test
     process's)."""
     entry(output_dir, *overrides)
+
+
+def prepare_job(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
+    """What `train` builds on a rank before its process group (hydra_ddp.train)."""
+    console = rank_job.start_rank(cfg, env)
+    return rank_job.prepare(cfg, env, run, console, rank_job.build_data(cfg, env))
 
 
 def train_rank(env: DistEnv, cfg: TrainConfig, run: RunInfo) -> dict[str, Any]:

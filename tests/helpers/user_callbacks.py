@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 class Count:
@@ -81,3 +82,41 @@ class TokenMLP:
 
         assert api_token  # the real value reaches the model
         return MLP(in_features, out_features, hidden=16, depth=1, dropout=0.0)
+
+
+class Note:
+    """A user's object: whatever `value` holds, checkpointed as is; `restored` once loaded."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value, self.restored = value, False
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.restored = state["value"], True
+
+
+class Notes:
+    """Two Notes of the user's, neither a callback's own state nor a loop part, put into every
+    checkpoint by `checkpoint_members()`: a global one (rank 0's) and a per-rank one (`mine`,
+    suffixed with the rank at the start). At the start, after any resume, writes what the
+    resume put into them to <output dir>/notes_rank<r>.json."""
+
+    def __init__(self, shared: Any = None, mine: Any = None, required: bool = False) -> None:
+        self.shared, self.mine, self.required = Note(shared), Note(mine), required
+
+    def checkpoint_members(self) -> list:
+        from hydra_ddp.checkpoint.state import Member
+
+        return [
+            Member("note", lambda parts: self.shared, required=self.required),
+            Member("my_note", lambda parts: self.mine, per_rank=True),
+        ]
+
+    def on_train_start(self, ctx) -> None:
+        if self.mine.value is not None and not self.mine.restored:
+            self.mine.value = f"{self.mine.value} of rank {ctx.rank}"
+        notes = {"shared": self.shared, "mine": self.mine}
+        restored = {name: note.value for name, note in notes.items() if note.restored}
+        (Path(ctx.output_dir) / f"notes_rank{ctx.rank}.json").write_text(json.dumps(restored))

@@ -1,11 +1,12 @@
 """The single-file checkpoints of a DistributedDataParallel run: checkpoints/step_<step>.pt,
-written by global rank 0 with every member of the registry (state.py); ddp=fsdp2's sharded
+written by global rank 0 with every member the job declared (state.py); ddp=fsdp2's sharded
 folders are dcp.py's, with the same interface."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Iterable
 
 from hydra_ddp.checkpoint import safe_state, state
 from hydra_ddp.checkpoint.files import keep_as_best, save
@@ -21,10 +22,10 @@ class Checkpointer:
     the end or on a stop signal, `restore` on resume.
 
     `parts` are this job's checkpointed objects; what of them a checkpoint holds, and how, is
-    the registry's (state.MEMBERS). Rank 0 saves the global members; the per-rank ones (every
-    rank's RNG and callback state, a comm hook's error feedback) are gathered into the same
-    file. Every rank first takes rank 0's buffers (state.agree). Saving and
-    restoring are collective: every rank calls them.
+    `members` (state.members: the defaults and the user's). Rank 0 saves the global members;
+    the per-rank ones (every rank's RNG and callback state, a comm hook's error feedback) are
+    gathered into the same file. Every rank first takes rank 0's buffers (state.agree). Saving
+    and restoring are collective: every rank calls them.
     """
 
     def __init__(
@@ -32,6 +33,7 @@ class Checkpointer:
         output_dir: Path,
         env: DistEnv,
         parts: state.Parts,
+        members: Iterable[state.Member] = state.DEFAULT_MEMBERS,
         *,
         interval: int = 0,
         keep: int = 1,
@@ -39,7 +41,7 @@ class Checkpointer:
     ) -> None:
         self.output_dir, self.env, self.parts = Path(output_dir), env, parts
         self.interval, self.keep, self.total_steps = interval, keep, total_steps
-        self.members = state.of(parts)
+        self.members = state.of(parts, members)
 
     @property
     def step(self) -> int:

@@ -102,6 +102,30 @@ def plan(
     return result
 
 
+def for_fresh_run(
+    model: torch.nn.Module,
+    init_from: str | None,
+    resume_from: Path | None,
+    *,
+    init_map: Mapping[str, str] | None = None,
+    strict: bool = True,
+    sharded: bool = False,
+) -> Plan | None:
+    """trainer.init_from, before any process group: its names and shapes checked against
+    `model`, then loaded into it now, or (`sharded`: ddp=fsdp2) returned to be loaded into each
+    rank's shards after the wrap. Nothing when a checkpoint is resumed (`resume_from`)."""
+    if not init_from:
+        return None
+    if resume_from is not None:
+        log.info("trainer.init_from=%s not used: resuming %s", init_from, resume_from)
+        return None
+    planned = plan(model, open_weights(init_from), init_map, strict)
+    if sharded:
+        return planned
+    apply(model, planned)
+    return None
+
+
 def apply(model: torch.nn.Module, planned: Plan, distributed: bool = False) -> None:
     """Copy the planned tensors into `model`: whole, or (ddp=fsdp2, after the wrap) each rank
     its own shards. Collective for a sharded model and a sharded checkpoint folder (every rank

@@ -1,4 +1,5 @@
-"""What a checkpoint holds: one table, `MEMBERS`, read by both checkpointers.
+"""What a checkpoint holds: the members a job declares when it is built (`members`: the
+template's `DEFAULT_MEMBERS` and the user's), handed to both checkpointers.
 
 Every member is an object with `state_dict()` / `load_state_dict(state)` (torch's
 `torch.distributed.checkpoint.stateful.Stateful`), taken from this job's `Parts` by its entry's
@@ -16,8 +17,10 @@ Resume loads the members in the table's order. An entry says:
     flat       its keys sit at the top level of the checkpoint (the position's step, epoch...),
                and its load_state_dict is given the whole checkpoint (it reads what is there)
 
-Changing what a checkpoint holds is one entry here; a user's own object is one `register`
-call (`register(Member("counter", lambda parts: COUNTER))`) made on every rank before the job.
+Changing what the template's checkpoints hold is one entry of `DEFAULT_MEMBERS`. A user's own
+object joins through a callback (callbacks.py) whose `checkpoint_members()` returns its
+members, e.g. `[Member("counter", lambda parts: self.counter)]`: the job (loop/job.py) asks
+every callback when it is built, on every rank alike.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -207,8 +210,8 @@ def _opt(parts: Parts) -> Stateful | None:
     return OptimizerState(parts.optimizers, parts.model, parts.sharded)
 
 
-# The table: the load order is this order (the schedules before the optimizers).
-MEMBERS: list[Member] = [
+# The template's members, in load order (the schedules before the optimizers).
+DEFAULT_MEMBERS: tuple[Member, ...] = (
     Member("model", lambda p: ModelState(p.model, p.sharded), required=True, sharded=True),
     Member("scheduler", _schedules, required=True),
     Member("optimizer", _opt, required=True, sharded=True),
@@ -221,17 +224,31 @@ MEMBERS: list[Member] = [
     Member("position", lambda p: p.position, required=True, flat=True),
     Member("rng", lambda p: RNGState(p.device), per_rank=True, flat=True, any_world=True),
     Member("comm_hook", lambda p: p.comm_hook, per_rank=True),
-]
+)
 
 
-def register(member: Member) -> None:
-    """Add (or replace, by name) a member of every checkpoint this process writes from now on."""
-    MEMBERS[:] = [m for m in MEMBERS if m.name != member.name] + [member]
+def members(extra: Iterable[Member] = ()) -> list[Member]:
+    """A job's members: the defaults, then `extra` (the user's) in order; one of the user's
+    named as a default replaces it, where the default loads, and a later one of the same name
+    replaces an earlier one."""
+    table = list(DEFAULT_MEMBERS)
+    for member in extra:
+        if not isinstance(member, Member):
+            raise UserError(
+                f"checkpoint_members() gave {member!r}: return "
+                "hydra_ddp.checkpoint.state.Member objects"
+            )
+        names = [m.name for m in table]
+        if member.name in names:
+            table[names.index(member.name)] = member
+        else:
+            table.append(member)
+    return table
 
 
-def of(parts: Parts) -> list[tuple[Member, Stateful]]:
-    """This job's members and their objects, in the table's order."""
-    found = ((m, m.get(parts)) for m in MEMBERS)
+def of(parts: Parts, table: Iterable[Member] = DEFAULT_MEMBERS) -> list[tuple[Member, Stateful]]:
+    """This job's members (`table`, from `members`) and their objects, in the table's order."""
+    found = ((m, m.get(parts)) for m in table)
     return [(m, obj) for m, obj in found if obj is not None]
 
 

@@ -22,7 +22,6 @@ from hydra_ddp.distributed import env_from_environ
 from hydra_ddp.distributed.preemption import Preempted, run_dir_override, signal_name
 from hydra_ddp.distributed.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
 from hydra_ddp.errors import exit_code, one_line, record, worker_failed
-from hydra_ddp.loop.job import train
 from hydra_ddp.rundir import claim
 
 log = logging.getLogger(__name__)
@@ -35,11 +34,11 @@ _FILE_ONLY = "hydra_ddp_file_only"  # a worker's log record kept off the console
 def spawn(
     cfg: TrainConfig,
     run: Any,
-    target: Callable[..., Any] = train,
+    target: Callable[..., Any],
     args: tuple = (),
     log_stem: str = "train",
 ) -> Any:
-    """Run `target(cfg, env, run, *args)` (loop.train: the training job) on
+    """Run `target(cfg, env, run, *args)` (hydra_ddp.train.train: the training job) on
     `cfg.dist.nproc_per_node` local workers, each logging to <output dir>/<log_stem>_rank<r>.log;
     return rank 0's result. `target` is pickled by reference: a function of a module, not of
     the script that runs."""
@@ -179,7 +178,7 @@ def worker(
 
 
 def _exit(code: int) -> None:
-    """End a worker that stops (signal) or failed now, as train.py ends a torchrun worker:
+    """End a worker that stops (signal) or failed now, as entry.py ends a torchrun worker:
     everything is written and its process group is gone, but the interpreter's own teardown of
     torch (garbage collection, C++ destructors) took 10-25 s on a loaded 2-core machine, out of
     the grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s)."""

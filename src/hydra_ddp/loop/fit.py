@@ -1,6 +1,6 @@
-"""The training loop: `fit` runs the steps, `finish` ends the run (last validation, last
-checkpoint, test, summary). It calls each periodic concern explicitly, in order; each one
-decides its own cadence (`due(step)`) and owns its state:
+"""The training loop: `build_loop` gathers its parts, `fit` runs the steps, `finish` ends the run
+(last validation, last checkpoint, test, summary). It calls each periodic concern explicitly,
+in order; each one decides its own cadence (`due(step)`) and owns its state:
 
     stopper      preemption.StopOnSignal   a stop signal: checkpoint, then exit
     step_fn      step.py                   forward, loss, backward, clip, optimizer step
@@ -19,6 +19,7 @@ the other ranks); putting one under `if env.is_main:` hangs the job.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -29,8 +30,8 @@ import torch
 
 from hydra_ddp import memory
 from hydra_ddp.callbacks import Context
-from hydra_ddp.checkpoint import Checkpointer
-from hydra_ddp.config import TrainerConfig
+from hydra_ddp.checkpoint import Checkpointer, state
+from hydra_ddp.config import NanPolicy, TrainerConfig
 from hydra_ddp.distributed import DistEnv, all_gather_floats, all_reduce_sum
 from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
@@ -40,8 +41,11 @@ from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.objective import rows, to_device
 from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Position, batches
+from hydra_ddp.loop.profiling import step_profiler
+from hydra_ddp.loop.pruning import Pruning
+from hydra_ddp.loop.wrapping import Wrapped
 from hydra_ddp.rundir import jsonfile
-from hydra_ddp.step import NonFiniteCheck, StepTools
+from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for
 from hydra_ddp.tracking import Tracker
 from hydra_ddp.tracking.peak import PeakMeter, held_bytes
 from hydra_ddp.tracking.stats import StepStats
@@ -51,7 +55,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class Loop:
-    """The loop's parts (see the module docstring), built by `job.run_job`."""
+    """The loop's parts (see the module docstring), built by `build_loop`."""
 
     env: DistEnv
     tcfg: TrainerConfig
@@ -70,6 +74,50 @@ class Loop:
     profiler: Any
     ctx: Context
     meter: PeakMeter | None = None  # this rank's peak memory, from fit's start
+
+
+def build_loop(
+    job: Job,
+    wrapped: Wrapped,
+    parts: state.Parts,
+    checkpointer: Checkpointer,
+    tracker: Tracker,
+    scope: contextlib.ExitStack,
+) -> Loop:
+    """The loop's parts, around the wrapped model, the checkpointed objects and the tracker;
+    what must be undone when the job ends goes on `scope`."""
+    cfg, env, run, model = job.cfg, job.env, job.run, job.parts.model
+    tcfg, pos, ema = cfg.trainer, parts.position.pos, wrapped.ema
+    autocast = autocast_for(tcfg.precision, env.device)
+    evaluator = Evaluator(
+        env=env, splits=job.evals, model=model if ema is None else ema.module,
+        loss_fn=job.parts.objective, metrics=job.parts.metrics, autocast=autocast,
+        limit=tcfg.limit_eval_batches, interval=tcfg.eval_interval,
+        total_steps=job.total_steps, monitor=parts.monitor, checkpointer=checkpointer,
+        tracker=tracker, console=job.console,
+        pruning=Pruning(env),  # a no-op unless a pruning sweep started this job
+    )  # fmt: skip
+    # This rank's stats: its own file, the console (rank 0) and the tracker's sinks.
+    stats = StepStats(
+        env=env, tracker=tracker, console=job.console, log_interval=tcfg.log_interval,
+        total_steps=job.total_steps, start_step=pos.step, unit=job.parts.source.unit,
+        items_per_row=job.parts.source.items_per_row,
+    )  # fmt: skip
+    tools = StepTools(
+        scaler=parts.scaler, autocast=autocast, max_norm=tcfg.grad_clip,
+        skip_non_finite=tcfg.nan_policy == NanPolicy.skip, raw_model=model,
+        optimizers=job.parts.optimizers.optimizers,
+    )  # fmt: skip
+    loop = Loop(
+        env=env, tcfg=tcfg, job=job, pos=pos, raw_model=model, step_model=wrapped.step_model,
+        tools=tools, ema=ema, checkpointer=checkpointer, evaluator=evaluator, stats=stats,
+        tracker=tracker, health=NonFiniteCheck(env, tcfg.nan_policy),
+        stopper=StopOnSignal(env, cfg.dist.timeout_s),
+        profiler=scope.enter_context(step_profiler(tcfg, env, run.output_dir)),
+        ctx=Context(env.rank, env.world_size, model, run.output_dir, _sink=tracker.log_values),
+    )  # fmt: skip
+    scope.callback(loop.stopper.restore)  # the signal handlers as they were before
+    return loop
 
 
 def fit(loop: Loop) -> float:

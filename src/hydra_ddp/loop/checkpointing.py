@@ -1,0 +1,124 @@
+"""One job's checkpoints: where it resumes from (`resume_point`, before any process group), what
+its checkpoints hold (`checkpointed`: the template's members and those of the user's callbacks,
+declared here, where the job is built), who writes them (`checkpointer_for`), and the resume
+itself (`resume`, `finished_summary`), on every rank alike."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hydra_ddp import tracking
+from hydra_ddp.checkpoint import Checkpointer, resolve_resume, set_aside, state
+from hydra_ddp.checkpoint.dcp import DCPCheckpointer
+from hydra_ddp.checkpoint.files import check_folder
+from hydra_ddp.config import TrainConfig
+from hydra_ddp.data import epoch_rows
+from hydra_ddp.distributed import DistEnv, all_gather_objects
+from hydra_ddp.loop.monitor import Monitor, monitor_key
+from hydra_ddp.loop.parts import Job
+from hydra_ddp.loop.position import Counting, Position, PositionState
+from hydra_ddp.loop.wrapping import Wrapped
+from hydra_ddp.rundir import jsonfile
+from hydra_ddp.step import scaler_for
+from hydra_ddp.tracking import RunInfo
+from hydra_ddp.tracking.console import Console
+
+log = logging.getLogger(__name__)
+
+
+def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console) -> Path | None:
+    """The checkpoint trainer.resume names in the output dir (None: a fresh run); under
+    trainer.resume=never, rank 0 first sets the earlier run's checkpoints and stats aside."""
+    check_folder(run.output_dir)
+    with console.said_by_main("hydra_ddp.checkpoint.files"):  # "skipping <damaged>": once
+        found = resolve_resume(cfg.trainer.resume, run.output_dir)
+    if cfg.trainer.resume == "never" and env.is_main:
+        set_aside(run.output_dir)
+        tracking.set_aside(run.output_dir)  # the stats files and summary.json
+    return found
+
+
+def checkpointed(job: Job, wrapped: Wrapped) -> state.Parts:
+    """This job's checkpointed objects, around the wrapped model: the position starts at 0."""
+    cfg, env = job.cfg, job.env
+    return state.Parts(
+        model=job.parts.model,
+        optimizers=job.parts.optimizers,
+        scaler=scaler_for(cfg.trainer.precision, env.device),
+        ema=wrapped.ema,
+        monitor=Monitor(cfg.trainer, monitor_key(cfg)),
+        callbacks=job.callbacks,
+        position=PositionState(Position(), _counting(job)),
+        comm_hook=wrapped.hook_state,
+        device=env.device,
+        sharded=wrapped.sharded,
+    )
+
+
+def checkpointer_for(job: Job, parts: state.Parts) -> Checkpointer:
+    """The job's checkpointer, holding the members declared here: the template's
+    (state.DEFAULT_MEMBERS) and every callback's `checkpoint_members()`. ddp=fsdp2: sharded
+    folders, every rank writing its own shards (dcp.py); else single files."""
+    tcfg = job.cfg.trainer
+    members = state.members(job.callbacks.checkpoint_members())
+    common: dict[str, Any] = dict(
+        interval=tcfg.ckpt_interval, keep=tcfg.keep_ckpts, total_steps=job.total_steps
+    )
+    if parts.sharded:
+        return DCPCheckpointer(
+            job.run.output_dir, job.env, parts, members, async_save=tcfg.async_ckpt, **common
+        )
+    return Checkpointer(job.run.output_dir, job.env, parts, members, **common)
+
+
+def resume(job: Job, checkpointer: Checkpointer) -> bool:
+    """Collective: restore the checkpoint rank 0 picked (a lagging or node-local file system
+    could show each rank another newest one) into every checkpoint member, the position with
+    it; False when there is none to resume."""
+    env, tcfg = job.env, job.cfg.trainer
+    path = all_gather_objects(job.resume_from if env.is_main else None, env)[0]
+    if path is None:
+        # Different dropout masks per rank; the weights are already equal (same seed, and
+        # DDP broadcasts rank 0's at construction).
+        torch.manual_seed(tcfg.seed + env.rank)
+        return False
+    checkpointer.restore(path)
+    return True
+
+
+def finished_summary(job: Job, step: int) -> dict[str, Any] | None:
+    """Collective: the earlier summary when the checkpoint resumed from (at `step`) already
+    ends the run, else None. Rank 0 reads it and every rank returns the same, so no rank
+    trains alone on an output dir that another node cannot see."""
+    env, total_steps = job.env, job.total_steps
+    path = job.run.output_dir / "summary.json"
+    found = jsonfile.read(path) if step >= total_steps and env.is_main else None
+    if found is None and step >= total_steps and env.is_main and path.exists():
+        log.warning("%s is unreadable (not JSON): treated as absent, evaluated again", path)
+    found = all_gather_objects(found, env)[0]
+    if found is not None and env.is_main:
+        log.info(
+            "already complete at step %d of %d: nothing to do (%s); retrain with "
+            "trainer.resume=never or in a new output dir",
+            step,
+            total_steps,
+            path,
+        )
+    return found
+
+
+def _counting(job: Job) -> Counting:
+    cfg, env = job.cfg, job.env
+    return Counting(
+        world_size=env.world_size,
+        batch_size=cfg.trainer.batch_size,
+        sampler=epoch_rows.settings(cfg.sampler, cfg.sampler_seed),
+        micro_batches_per_epoch=job.micro_batches_per_epoch,
+        is_main=env.is_main,
+        source=job.train_data.source,
+        tcfg=cfg.trainer,
+    )

@@ -1,0 +1,57 @@
+"""The model as the loop runs it: wrapped in DDP or FSDP2 (distributed/ddp.py, fsdp.py) once
+the process group is up, with what the wrap changes around it: the EMA built before it,
+trainer.init_from loaded into the shards after it, the optimizers rebuilt on FSDP2's new
+parameters, and torch.compile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hydra_ddp.checkpoint.init_from import apply
+from hydra_ddp.config import Wrapper
+from hydra_ddp.distributed.ddp import wrap_model
+from hydra_ddp.loop.ema import EMA
+from hydra_ddp.loop.parts import Job
+from hydra_ddp.loop.position import total_epochs
+from hydra_ddp.optim import Optimizers
+
+
+@dataclass
+class Wrapped:
+    """What `wrap` gives the loop; the raw model stays `job.parts.model` (checkpoints use it,
+    so their keys carry no wrapper's or `_orig_mod.` prefix)."""
+
+    step_model: torch.nn.Module  # the DDP/FSDP2 wrapper, compiled with trainer.compile
+    ema: EMA | None  # trainer.ema_decay's average
+    hook_state: Any  # a DDP comm hook's per-rank state (PowerSGD's error feedback), or None
+    sharded: bool  # ddp=fsdp2: model, optimizer and EMA are DTensor shards
+
+
+def wrap(job: Job) -> Wrapped:
+    """Collective: wrap `job.parts.model` for the job's ddp.wrapper (every rank at once)."""
+    cfg, env, parts = job.cfg, job.env, job.parts
+    tcfg = cfg.trainer
+    sharded = cfg.ddp.wrapper == Wrapper.fsdp2
+    # Before the wrap: ddp=fsdp2 shards the average like the model (its first update copies
+    # the weights, so what it starts from does not matter).
+    ema = EMA(parts.model, tcfg.ema_decay) if tcfg.ema_decay else None
+    model, hook_state = wrap_model(
+        parts.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
+        compile_units=tcfg.compile and sharded,
+    )  # fmt: skip
+    if job.init_sharded is not None:
+        apply(parts.model, job.init_sharded, env.distributed)  # collective
+    if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
+        parts.optimizers = Optimizers.build(
+            cfg.optim, cfg.scheduler, model, job.total_steps,
+            total_epochs(job.total_steps, tcfg.grad_accum, job.micro_batches_per_epoch),
+            ["loss", *cfg.metrics],
+        )  # fmt: skip
+    # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then
+    # splits the graph at DDP's bucket boundaries, so each bucket's all-reduce still starts
+    # while the backward of the earlier layers runs (fsdp2 compiled each unit before sharding).
+    step_model = torch.compile(model) if tcfg.compile and not sharded else model
+    return Wrapped(step_model=step_model, ema=ema, hook_state=hook_state, sharded=sharded)
