@@ -128,6 +128,9 @@ def _file_exists(token: str) -> bool:
     return any(any((REPO / top).rglob(token)) for top in ("src", "scripts", "tests"))
 
 
+FILE_SUFFIXES = (".py", ".yaml", ".md", ".json", ".jsonl", ".sh", ".pt", ".dcp", ".log")
+
+
 def _problems(path: Path) -> list[str]:
     text = path.read_text()
     found = []
@@ -144,7 +147,7 @@ def _problems(path: Path) -> list[str]:
         for dotted in re.findall(r"(?<![\w./-])([a-z_][a-z0-9_]*(?:\.[A-Za-z_]\w*)+)", span):
             if dotted in WRONG_ON_PURPOSE or "._target_" in dotted or dotted.endswith("._target_"):
                 continue
-            if dotted.endswith((".py", ".yaml", ".md", ".json", ".jsonl", ".sh", ".pt", ".dcp")):
+            if dotted.endswith(FILE_SUFFIXES):  # a file's name (train.log), not a module's name
                 continue
             head = dotted.split(".")[0]
             typed = _typed_key(dotted)

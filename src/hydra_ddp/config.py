@@ -252,7 +252,7 @@ class TrainerConfig:
     # Evaluate, and checkpoint, an exponential moving average of the weights with this decay
     # per step (e.g. 0.999); 0: off.
     ema_decay: float = 0.0
-    # torch.compile the DDP-wrapped model (loop/job.py's _run says why in that order).
+    # torch.compile the DDP-wrapped model (loop/wrapping.py says why in that order).
     compile: bool = False
     # ddp=fsdp2: write the periodic checkpoints in the background (torch.distributed.checkpoint's
     # async_save) while training goes on; each is completed before the next save.

@@ -1,7 +1,7 @@
 """A rank's view of the data: the policy decides the rows (policies.py), the view loads them,
 checks them and makes the loader.
 
-Following `trainer.batch_size` from the config to the loader: loop/job.py hands it to
+Following `trainer.batch_size` from the config to the loader: loop/job.py (build_data) hands it to
 `TrainData`, which asks the policy (`sampler(...)`) for this rank's batches of that size and
 wraps them in a `DataLoader` (`loader`); nothing else touches it.
 """

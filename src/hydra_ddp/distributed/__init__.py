@@ -6,6 +6,8 @@
   `gather_for_metrics` for a metric that does.
 - `ddp`, `fsdp`: the data-parallel wrapper the `ddp/` group chooses (DDP or FSDP2).
 - `comm_hooks`: DDP's gradient compression hooks, by name.
+- `entry`: the command line's way in (`hydra_ddp.train.main` hands over to `entry.main`): checks,
+  Hydra, the self-launch or a rank's job here, and every way a job ends as an exit code.
 - `launch`, `torchrun`: `python -m hydra_ddp.train dist.nproc_per_node=N` without torchrun, and
   the elastic agent's signals and logs; `preemption`: a stop signal ends in a checkpoint.
 

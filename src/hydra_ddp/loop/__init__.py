@@ -1,9 +1,11 @@
 """The training loop and what runs inside it.
 
-- `job`: one rank's job: build the parts and the checkpoint members, resume, hand over to `fit`.
+- `job`: one rank's job, built before its process group (hydra_ddp.train calls it in order);
+  `wrapping`: the model wrapped (DDP/FSDP2), the EMA, torch.compile; `checkpointing`: the
+  job's checkpoint members (the template's and the callbacks'), its checkpointer, resume.
 - `parts`: what a rank's job is made of (`Job`, and the user's `Components` with their builder).
-- `fit`: the training loop (`fit`) and the end of the run (`finish`: last validation,
-  last checkpoint, test, summary).
+- `fit`: the loop's parts (`build_loop`), the training loop (`fit`) and the end of the run
+  (`finish`: last validation, last checkpoint, test, summary).
 - `position`: where the loop is (`Position`, moved only by the loop), the batches from there,
   and the position as a checkpoint member with its resume arithmetic (`PositionState`).
 - `objective`: how a batch reaches the model and how the loss sees the output.

@@ -119,7 +119,7 @@ class SweepReport(Callback):
             return  # under submitit every task of a job gets here: rank 0 speaks for the job
         output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
-            # A job that raised past train.py's own handling (a bug) still gets marked.
+            # A job that raised past distributed/entry.py's own handling (a bug) still gets marked.
             record_failure(output_dir, repr(job_return._return_value))
         if _is_multirun(job_return.hydra_cfg):
             value = job_return._return_value if job_return.status == JobStatus.COMPLETED else None

@@ -42,7 +42,7 @@ def stats_dir(output_dir: Path) -> Path:
 def set_aside(output_dir: Path) -> Optional[Path]:
     """trainer.resume=never in a used dir: move its stats/ to stats.before-<n>/ and its
     summary.json into that folder, so the new run's files hold only its own rows. Rank 0,
-    before any rank opens a stats file (see loop.prepare)."""
+    before any rank opens a stats file (see loop.checkpointing.resume_point)."""
     folder, summary = stats_dir(output_dir), Path(output_dir) / "summary.json"
     if not summary.is_file() and not (folder.is_dir() and any(folder.iterdir())):
         return None
