@@ -1,0 +1,63 @@
+"""The entry of a thin project: `hydra_ddp.train.main(config_path, config_name)` composes from
+the project's own config dir, layered over the engine's (its searchpath), and trains with it as
+`python -m hydra_ddp.train` does: the project's value wins, a key unknown to both is refused in
+one line, the job and its log are named `train`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST, ok, run
+
+from hydra_ddp.distributed.entry import config_dir
+from hydra_ddp.train import main
+
+PROJECT = """\
+defaults:
+  - train
+  - _self_
+hydra:
+  searchpath: [file://{engine}]
+trainer:
+  seed: 1234
+"""
+MAIN = "from hydra_ddp.train import main; main(config_path={path!r}, config_name='mine')"
+
+
+def _project(tmp_path: Path) -> Path:
+    conf = tmp_path / "myconf"
+    conf.mkdir()
+    (conf / "mine.yaml").write_text(PROJECT.format(engine=config_dir()))
+    return conf
+
+
+def test_main_composes_from_a_project_config_dir(tmp_path, monkeypatch, capsys) -> None:
+    conf = _project(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mine", "--cfg", "job", "trainer.max_steps=3"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # find_own_plugins may add src/ to it
+    with pytest.raises(SystemExit) as stopped:
+        main(config_path=str(conf), config_name="mine")
+    assert stopped.value.code == 0
+    printed = capsys.readouterr().out
+    assert "seed: 1234" in printed and "max_steps: 3" in printed, printed[-2000:]
+
+
+@pytest.mark.slow  # two interpreters that import torch
+def test_main_composes_from_a_project_config_dir_and_trains(tmp_path: Path) -> None:
+    _project(tmp_path)
+    out = tmp_path / "run"
+    # A relative config_path is read from the working dir.
+    cmd = [sys.executable, "-c", MAIN.format(path="myconf"), *FAST, "trainer.max_steps=2",
+           f"hydra.run.dir={out}"]  # fmt: skip
+    ok(run(cmd, tmp_path))
+    saved = (out / ".hydra" / "config.yaml").read_text()
+    assert "seed: 1234" in saved, "the project's value over the engine's"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert (out / "train.log").is_file(), "the job is named train, whatever module calls main"
+
+    cmd = [sys.executable, "-c", MAIN.format(path=str(tmp_path / "myconf")), "no_such_key=1"]
+    proc = run(cmd, tmp_path)
+    assert proc.returncode == 2 and "no_such_key" in proc.stderr.strip().splitlines()[-1]
