@@ -18,7 +18,7 @@ from hydra_ddp.tracking import RunInfo, make_tracker
 
 STEPS = 5
 # What conf/logger/<name>.yaml sets logger.sink to.
-SINKS = {"wandb": {"_target_": "hydra_ddp.tracking.wandb_sink.WandbSink"}, "none": None}
+LOGGER_SINKS = {"wandb": {"_target_": "hydra_ddp.tracking.wandb_sink.WandbSink"}, "none": None}
 
 
 def fake_stats(step: int, rank: int) -> dict[str, float]:
@@ -53,7 +53,7 @@ def run_job(
     """One job on this rank: build a tracker, log `steps` intervals, evaluate, close (as failed
     with fail=True). Returns whether W&B was imported in this process."""
     cfg = LoggerConfig(
-        sink=SINKS[logger],
+        sink=LOGGER_SINKS[logger],
         layout=Layout(layout),
         mode=WandbMode(mode),
         project="hydra-ddp-tests",
@@ -92,7 +92,7 @@ def resume_attempt(
     """One attempt of a one-process job (layout gather) logging steps first..last, resumed
     from a checkpoint at step `resumed` (None: started from step 0)."""
     cfg = LoggerConfig(
-        sink=SINKS["wandb"],
+        sink=LOGGER_SINKS["wandb"],
         layout=Layout.gather,
         mode=WandbMode.offline,
         project="hydra-ddp-tests",
