@@ -6,7 +6,7 @@ side by side.
     python scripts/plot_run.py <sweep dir>  [--out DIR] [--stats loss,step_time,...]
 
 Reads ``<output dir>/stats/rank*.jsonl`` (written by ``hydra_ddp.tracking`` on every rank,
-whatever ``logger.backend`` is) and draws one PNG per stat, e.g. ``<out>/loss.png``, with
+whatever the sink, ``logger=...``, is) and draws one PNG per stat, e.g. ``<out>/loss.png``, with
 one line per rank against the optimizer step. Legends carry each rank's mean (max for memory),
 so the slow or memory-hungry rank can be read off without squinting.
 

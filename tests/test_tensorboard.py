@@ -137,16 +137,47 @@ def test_ctx_log_refusal_names_the_callback(tmp_path: Path, key: str, value: str
     assert f"ctx.log {'key' if key == 'loss' else 'value'} '{key}'" in line, line
 
 
-def test_a_sink_is_chosen_by_its_name_in_sinks_and_a_typo_is_one_line(tmp_path: Path) -> None:
-    """A sink is one module, one YAML and one line in tracker.SINKS: `logger.backend` is that
-    line's key, checked before any worker starts (train.preflight) and again by make_tracker."""
-    from hydra_ddp.tracking.tracker import SINKS, check_backend
+def test_a_sink_of_yours_is_chosen_by_target_and_gets_every_ranks_stats(tmp_path: Path) -> None:
+    """A sink is a module of the user's and a `_target_` (here an override; a YAML in
+    conf/logger/ does the same): on 2 real gloo ranks each rank's sink gets its own stats, and
+    rank 0's the table of every rank's and the aggregates, the evaluations and the summary."""
+    out = tmp_path / "job"
+    train_ranks(
+        out, "logger=none", "trainer.progress=false", "trainer.max_steps=4",
+        "trainer.log_interval=2", "trainer.eval_interval=4",
+        "logger.sink={_target_: helpers.user_sinks.Collect, label: mine}",
+    )  # fmt: skip
+    got = {r: json.loads((out / f"sink_rank{r}.json").read_text()) for r in (0, 1)}
+    for rank, sink in got.items():
+        assert sink["label"] == "mine" and sink["failed"] is False
+        stats = [r for r in sink["records"] if r["kind"] == "stats"]
+        assert [r["step"] for r in stats] == [2, 4] and {r["rank"] for r in stats} == {rank}
+        assert "loss" in stats[0]["keys"] and "step_time" in stats[0]["keys"]
+        intervals = [r for r in sink["records"] if r["kind"] == "interval"]
+        assert [r["step"] for r in intervals] == [2, 4]
+        assert all(r["table_ranks"] == [0, 1] for r in intervals)
+        # Rank 0 alone computes the aggregates and gets the evaluations and the summary.
+        assert all(bool(r["aggregates"]) == (rank == 0) for r in intervals)
+        evals = [r for r in sink["records"] if r["kind"] == "eval"]
+        assert bool(evals) == (rank == 0) and bool(sink["summaries"]) == (rank == 0)
+    assert "val/loss" in [r for r in got[0]["records"] if r["kind"] == "eval"][0]["keys"]
 
-    assert set(SINKS) == {"wandb", "tensorboard"}
-    for name in (*SINKS, "none"):
-        check_backend(name)
+
+@pytest.mark.parametrize(
+    "target, says, advice",
+    [
+        ("helpers.user_sinks.Colect", "cannot be imported", "conf/logger/*.yaml"),
+        ("helpers.user_sinks.NotASink", "lacks log, summary, add_config, close", "protocols.Sink"),
+    ],
+)
+def test_a_bad_sink_target_is_one_line_when_the_config_is_typed(
+    target: str, says: str, advice: str
+) -> None:
+    """Before any worker or process group: `to_typed` (train.py) fails in one line."""
+    from helpers.inproc import typed
+
     with pytest.raises(UserError) as e:
-        check_backend("tensorbord")
+        typed(f"logger.sink._target_={target}")
     line = str(e.value)
-    assert line.startswith("logger.backend=tensorbord is not a sink") and "\n" not in line
-    assert "wandb, tensorboard, none" in line and "conf/logger" in line
+    assert line.startswith(f"logger.sink._target_='{target}' {says}") and "\n" not in line
+    assert advice in line  # what to do: pick a logger, or meet the protocol

@@ -192,9 +192,9 @@ def test_shared_layout_offline_fails_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_backend_none_writes_jsonl_only(tmp_path: Path) -> None:
-    """In fresh processes: with logger.backend=none nothing imports W&B."""
+    """In fresh processes: with logger=none (no logger.sink) nothing imports W&B."""
     out = tmp_path / "out"
-    done = ranks.run(run_job, out, backend="none", env=_env(tmp_path), fresh=True)
+    done = ranks.run(run_job, out, logger="none", env=_env(tmp_path), fresh=True)
     assert list(done) == [{"wandb_imported": False}] * 2
     _check_rank_files(out)
     assert not any(p.name == "wandb" for p in tmp_path.rglob("*")), "a wandb dir was created"

@@ -4,27 +4,11 @@
 
     python -m hydra_ddp.train +callbacks.count._target_=my_callbacks.Count +callbacks.count.every=5
 
-A callback is any object with some of these methods, each given a `Context`:
-
-    on_train_start(ctx)   after resume, before the first step
-    on_before_optimizer_step(ctx)
-                          with the step's gradients in the parameters' `.grad` (averaged over
-                          the ranks, unscaled under fp16), before clipping, the optimizer step
-                          and zero_grad; ctx.optimizer names the optimizer (once per optimizer
-                          a step calls tools.step with), ctx.step is the step being taken
-    on_step_end(ctx)      after each optimizer step, with the step's ctx.batch, ctx.outputs
-                          and ctx.losses (for this call only)
-    on_eval_end(ctx)      after each validation, with its metrics in ctx.metrics
-    on_epoch_end(ctx)     once per epoch that ends (also with grad_accum > 1, limit_train_batches,
-                          and across a resume in the middle of an epoch)
-    on_train_end(ctx)     after the final validation and test, with their metrics
-
-and optionally `state_dict()` / `load_state_dict(state)`, saved in every checkpoint and
-restored on resume, each rank its own, and `checkpoint_members()`: objects of yours that every
-checkpoint holds too, as a list of `hydra_ddp.checkpoint.state.Member` (`Member("counter",
-lambda parts: self.counter)`; global or per-rank, optional or required), asked once when the
-job is built. `ctx.log({...})` puts values into this rank's stats at the current step.
-Callbacks run on every rank: a collective inside one must run on all of them, as in the loop.
+A callback is any object with some of the hooks in `HOOKS`, each given a `Context`, and
+optionally `state_dict()` / `load_state_dict(state)` and `checkpoint_members()` (objects of
+yours every checkpoint holds too): the contract (when each hook runs, on which ranks, what is
+checkpointed) is `hydra_ddp.protocols.Callback`. `ctx.log({...})` puts values into this rank's
+stats at the current step.
 
 Under ddp=fsdp2 a parameter, its gradient and what is computed from them (`p.grad.norm()`) are
 DTensors: each rank holds a part, and `.item()` would read only that part. ctx.log logs such a

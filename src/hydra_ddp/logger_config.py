@@ -1,14 +1,21 @@
 """The typed logger/ group: where stats go besides the per-rank JSON-lines files, and how W&B
 is used. conf/logger/*.yaml merge into `LoggerConfig`; `from hydra_ddp.config import
-LoggerConfig` works as well (config.py re-exports it)."""
+LoggerConfig` works as well (config.py re-exports it).
+
+The sink itself is a component like a model: `logger.sink._target_` names its class (a
+`hydra_ddp.protocols.Sink`) and the rest of `logger.sink.*` are its own arguments, so a new
+sink is a module and a YAML in conf/logger/, with no edit here or in the tracker."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Any, List, Mapping, Optional
+
+from hydra.utils import get_object
 
 from hydra_ddp.errors import UserError
+from hydra_ddp.protocols import Sink, missing_members
 
 
 def _require(ok: bool, key: str, allowed: str, value: object) -> None:
@@ -41,9 +48,10 @@ class WandbConsole(Enum):
 
 @dataclass
 class LoggerConfig:
-    # Where stats go besides the per-rank JSON-lines files: a key of tracking.tracker.SINKS
-    # (wandb; tensorboard, one event-file folder per rank), or none (the files only).
-    backend: str = "wandb"
+    # Where stats go besides the per-rank JSON-lines files: `_target_` (a class meeting
+    # hydra_ddp.protocols.Sink) and its own arguments, as conf/logger/<name>.yaml sets it;
+    # null: the files only (logger=none). The keys below are the W&B sink's.
+    sink: Optional[Any] = None
     layout: Layout = Layout.gather
     mode: WandbMode = WandbMode.auto
     console: WandbConsole = WandbConsole.off
@@ -74,3 +82,45 @@ class LoggerConfig:
             ">= 0 (0: every interval)",
             self.min_interval_s,
         )
+        if self.sink is not None:
+            sink_class(self.sink)
+
+    @property
+    def backend(self) -> str:
+        """The sink's short name: its class's name in lower case without `Sink` (`wandb`,
+        `tensorboard`), or `none`. For messages and checks of one sink (train.preflight's W&B
+        login check); what the `logger.backend` key held before sinks were chosen by
+        `_target_`."""
+        if self.sink is None:
+            return "none"
+        return str(self.sink["_target_"]).rpartition(".")[2].lower().removesuffix("sink")
+
+
+def sink_class(sink: Any) -> type:
+    """The class `logger.sink` names, checked against `hydra_ddp.protocols.Sink`: a bad
+    `_target_` fails in one line when the config is typed, before any worker starts."""
+    if not isinstance(sink, Mapping) or not isinstance(sink.get("_target_"), str):
+        raise UserError(
+            f"logger.sink={sink!r} is not a sink: give null (logger=none) or a mapping with "
+            "_target_ (a class meeting hydra_ddp.protocols.Sink), as conf/logger/*.yaml do"
+        )
+    target = sink["_target_"]
+    try:
+        cls = get_object(target)
+    except Exception as e:
+        # Hydra's message puts the cause (the ImportError) on its later lines.
+        cause = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise UserError(
+            f"logger.sink._target_={target!r} cannot be imported ({cause}): pick a logger of "
+            "conf/logger/*.yaml (logger=wandb, tensorboard, none) or give the dotted path of "
+            "a sink class of yours"
+        ) from None
+    missing = missing_members(cls, Sink)
+    if not isinstance(cls, type) or missing:
+        lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else "is no class"
+        raise UserError(
+            f"logger.sink._target_={target!r} {lacks}: a sink is a class with log(record, "
+            "step), summary(values), add_config(values) and close(failed, preempted) "
+            "(hydra_ddp.protocols.Sink; subclass hydra_ddp.tracking.Sink for the defaults)"
+        )
+    return cls

@@ -1,16 +1,9 @@
 """Example evaluation metrics (`metrics=<name>`); a metric of yours is a class like these.
 
-A metric is a component (`metrics.<name>._target_`) with two methods: `sums(output, target)`
-returns a 1-D tensor of sums over one batch (e.g. [correct, count]); `compute(totals)` turns
-those sums, added over every batch of every rank, into the number reported as val/<name> and
-test/<name>. Because only sums cross ranks, each metric is exact however the rows are split.
-
-A metric that needs the rows of every rank (a batch-wide ranking, say) gathers them in `sums`
-with `hydra_ddp.distributed.gather_for_metrics(tensor)`, which leaves out the padding a rank
-short of
-rows evaluates, computes the sums of the whole global batch, and sets `gathers = True`: the
-sums are then the same on every rank and counted once. Every rank evaluates the same number of
-batches of the same sizes, so the gathers pair up on any split of the rows.
+The contract (`sums(output, target)` per batch, `compute(totals)` of the sums added over
+batches and ranks, `gathers` for a metric that needs every rank's rows) is
+`hydra_ddp.protocols.Metric`: only sums cross ranks, so each metric is exact however the rows
+are split.
 """
 
 from __future__ import annotations
@@ -24,7 +17,9 @@ from hydra_ddp.loop.objective import IGNORE_INDEX
 
 
 class Metric:
-    gathers = False  # True: sums() gathers every rank's rows (see the module docstring)
+    """A base with the default `gathers` (the contract: `hydra_ddp.protocols.Metric`)."""
+
+    gathers = False  # True: sums() gathers every rank's rows (hydra_ddp.protocols.Metric)
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """Sums over one batch (a 1-D tensor on the output's device). Name a parameter `batch`

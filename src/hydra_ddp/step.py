@@ -221,8 +221,9 @@ def default_step(
     objective: Callable,
     optimizers: dict[str, torch.optim.Optimizer],
 ) -> dict[str, torch.Tensor]:
-    """The step the loop runs unless `step._target_` names another with this signature: one
-    backward over the micro-batches, then every optimizer steps. Returns `loss` and extras."""
+    """The step the loop runs unless `step._target_` names another with this signature (the
+    contract: `hydra_ddp.protocols.Step`): one backward over the micro-batches, then every
+    optimizer steps. Returns `loss` and extras."""
     losses = tools.backward(model, micro_batches, objective)
     for optimizer in optimizers.values():
         tools.step(optimizer)

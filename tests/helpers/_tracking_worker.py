@@ -3,7 +3,7 @@ helpers/ranks.py (or on one process), each building a tracker as the training lo
 
 They log synthetic stats in which rank 1 is the straggler (slower steps, less data wait), so the
 tests can check the cross-rank aggregates. This module imports nothing of W&B itself: with
-logger.backend=none nothing may import it (checked in a fresh process).
+logger=none (no logger.sink) nothing may import it (checked in a fresh process).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from hydra_ddp.distributed import DistEnv
 from hydra_ddp.tracking import RunInfo, make_tracker
 
 STEPS = 5
+# What conf/logger/<name>.yaml sets logger.sink to.
+LOGGER_SINKS = {"wandb": {"_target_": "hydra_ddp.tracking.wandb_sink.WandbSink"}, "none": None}
 
 
 def fake_stats(step: int, rank: int) -> dict[str, float]:
@@ -40,7 +42,7 @@ def run_job(
     out: Path,
     job_name: str = "train",
     *,
-    backend: str = "wandb",
+    logger: str = "wandb",
     layout: str = "gather",
     mode: str = "offline",
     steps: int = STEPS,
@@ -51,7 +53,7 @@ def run_job(
     """One job on this rank: build a tracker, log `steps` intervals, evaluate, close (as failed
     with fail=True). Returns whether W&B was imported in this process."""
     cfg = LoggerConfig(
-        backend=backend,
+        sink=LOGGER_SINKS[logger],
         layout=Layout(layout),
         mode=WandbMode(mode),
         project="hydra-ddp-tests",
@@ -90,7 +92,11 @@ def resume_attempt(
     """One attempt of a one-process job (layout gather) logging steps first..last, resumed
     from a checkpoint at step `resumed` (None: started from step 0)."""
     cfg = LoggerConfig(
-        layout=Layout.gather, mode=WandbMode.offline, project="hydra-ddp-tests", min_interval_s=0
+        sink=LOGGER_SINKS["wandb"],
+        layout=Layout.gather,
+        mode=WandbMode.offline,
+        project="hydra-ddp-tests",
+        min_interval_s=0,
     )
     info = RunInfo(output_dir=Path(out), job_name=name, group="test-group", config={"job": name})
     tracker = make_tracker(cfg, DistEnv(), info, resumed_step=resumed)

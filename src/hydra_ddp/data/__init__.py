@@ -1,16 +1,9 @@
 """Data sources, and the per-rank view of them that a sampling policy asks for.
 
-The contract a data set meets (`DataSource`) is small, so that `sampler=sharded` can make each
-rank read only its own rows:
-
-* `num_rows(split)`: rows in "train", "val" or "test";
-* `load(split, ranges)`: a dataset holding only the rows in `ranges` (half-open row ranges in
-  order; None: the whole split), indexed by whole index arrays: `ds[idx]` with `idx` an int64
-  array returns one batch `(x, y)`, so a batch is one vectorised gather, not batch_size calls;
-* `spec`: what a model must know about the data, passed to the model's constructor by name
-  (e.g. `in_features`, `out_features`, `vocab_size`; see components.py);
-* optional `file_rows(split)`, for `sampler.shard_by=files`; optional `unit` / `items_per_row`
-  to count throughput in e.g. tokens instead of samples.
+The contracts a data set, a sampler policy and its samplers meet are `DataSource`,
+`SamplerPolicy` and `EpochSampler` of `hydra_ddp.protocols`: small, so that `sampler=sharded`
+can make each rank read only its own rows (`load(split, ranges)`), and a batch is one vectorised
+gather (`ds[idx]` with an int64 index array), not batch_size calls.
 
 What is loaded is checked before training starts (`check_loaded`, run on every `load` result
 by `TrainData` and `EvalData`, so a source of yours gets it too): float features and targets
@@ -32,8 +25,9 @@ to disk by scripts/make_synthetic.py.
 
 Where things are (what you edit is marked *):
 
-* sources.py*: `DataSource` (the contract) and the example sources (Digits, Diabetes, CharText,
-  InMemoryArrays, TorchDatasets); files.py*: `SyntheticArrays`, shards on disk. Copy one.
+* sources.py*: `DataSource` (a base with the defaults) and the example sources (Digits,
+  Diabetes, CharText, InMemoryArrays, TorchDatasets); files.py*: `SyntheticArrays`, shards on
+  disk. Copy one.
 * datasets.py: `Rows`, `TokenWindows`, what `load` returns; checks.py: `check_loaded`.
 * policies.py*: the sampler policies (`Strided`, `Sharded`; a policy of yours subclasses
   `SamplerPolicy` and is chosen by `sampler._target_` in a conf/sampler/ YAML);

@@ -1,21 +1,11 @@
 """Sampler policies: which rows each rank reads, and in which order. Chosen by `sampler._target_`
 like a model or a loss (`sampler=strided`, `sampler=sharded`, or a YAML of yours).
 
-A policy decides, once per epoch and for every rank at once:
-
-* `parts(num_rows, file_rows, world, epoch)`: the global row ranges each rank loads (half-open,
-  in order); None: every rank loads the whole split. `reloads_each_epoch = True` when the parts
-  change with the epoch (they are then loaded again at each epoch start).
-* `sampler(rows_held, parts, rank, world, batch_size)`: this rank's batches of indices into
-  the rows it loaded, as an `EpochSampler` (sampling.py), with the same number of batches on
-  every rank (DDP hangs otherwise).
-
-Optional: `check(...)` refuses a split the policy cannot serve, in one line, before any data is
-loaded; `eval_parts(num_rows, world)` the rows each rank evaluates (default: contiguous parts,
-each rank reading only its own); `settings()` what decides an epoch's order. A checkpoint records
-the settings, and a resume that changes them counts the rows of the epoch read twice or
-skipped (epoch_rows.py). Return None (the default) and such a resume says it cannot count them;
-return `{"_target_": "<your class>", **its arguments}` and it counts them.
+A policy decides, once per epoch and for every rank at once, which global rows each rank loads
+(`parts`) and in which batches it reads them (`sampler`, an `EpochSampler` of sampling.py). The
+contract, method by method: `hydra_ddp.protocols.SamplerPolicy`; `SamplerPolicy` below is a
+base with its defaults. The settings a checkpoint records let a resume that changes the policy
+count the rows read twice or skipped (epoch_rows.py).
 """
 
 from __future__ import annotations
@@ -36,8 +26,9 @@ from hydra_ddp.errors import UserError
 
 
 class SamplerPolicy:
-    """The base of a policy of yours: subclass it (or a built-in one) and override `sampler`,
-    and `parts` if ranks load only some rows. `seed` None: trainer.seed (see `built`)."""
+    """The base of a policy of yours (the contract: `hydra_ddp.protocols.SamplerPolicy`):
+    subclass it (or a built-in one) and override `sampler`, and `parts` if ranks load only some
+    rows. `seed` None: trainer.seed (see `built`)."""
 
     name = "custom"  # what summary.json's `sampler` says
     reloads_each_epoch = False
@@ -184,7 +175,8 @@ def built(sampler: Any, seed: int) -> SamplerPolicy:
     if not callable(getattr(sampler, "sampler", None)):
         raise UserError(
             f"sampler._target_ built a {type(sampler).__qualname__}, not a sampler policy: "
-            "subclass hydra_ddp.data.policies.SamplerPolicy (see its docstring)"
+            "subclass hydra_ddp.data.policies.SamplerPolicy (the contract: "
+            "hydra_ddp.protocols.SamplerPolicy)"
         )
     if getattr(sampler, "seed", None) is None:
         sampler.seed = seed

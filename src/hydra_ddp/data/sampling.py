@@ -50,7 +50,8 @@ _CHUNK_INDICES = 1 << 16
 
 class EpochSampler(Sampler[np.ndarray]):
     """Batches of row indices for one rank, epoch by epoch, resumable mid-epoch: what a sampler
-    policy's `sampler()` returns. A subclass sets `num_samples` (this rank's rows per epoch, the
+    policy's `sampler()` returns (the contract: `hydra_ddp.protocols.EpochSampler`). A subclass
+    sets `num_samples` (this rank's rows per epoch, the
     same batch count on every rank) and defines `_order(epoch)` (a permutation, or None) and
     `_rows(sample_ids, order)` (this rank's i-th samples -> indices into the rows it loaded);
     epochs, batching, `drop_last` and the resume position are done here."""

@@ -1,5 +1,5 @@
-"""The data sources that ship with the template, and the contract a source of yours meets
-(`DataSource`; see the package docstring)."""
+"""The data sources that ship with the template, and `DataSource`, a base for yours (the
+contract: `hydra_ddp.protocols.DataSource`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from hydra_ddp.errors import UserError
 
 
 class DataSource:
-    """One data set (see the module docstring for the contract). Subclass it, or write any
-    class with the same methods, and point `data._target_` at it."""
+    """One data set, with the optional parts' defaults (the contract:
+    `hydra_ddp.protocols.DataSource`). Subclass it, or write any class with the same methods,
+    and point `data._target_` at it."""
 
     # What the model's constructor receives by name, e.g. {"in_features": 64, "out_features": 10}.
     spec: dict[str, Any] = {}

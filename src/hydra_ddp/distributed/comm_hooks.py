@@ -2,12 +2,9 @@
 its arguments (conf/ddp/fp16_compress.yaml, powersgd.yaml, ... or a YAML of yours), or a
 built-in's name (`ddp.comm_hook=powersgd`).
 
-A hook of yours is one class: instances with `hook(state, bucket) -> Future[Tensor]` (what
-`DistributedDataParallel.register_comm_hook` calls per gradient bucket) and a `state` (passed
-as the hook's first argument; default None). Define `state_dict()` / `load_state_dict()` too and
-its state is checkpointed per rank and restored on resume (checkpoint member `comm_hook`). A
-plain function `(state, bucket) -> Future` as `_target_` is a stateless hook. Subclass
-`CommHook` for `register` (e.g. to refuse a backend) and the defaults.
+A hook of yours is one class meeting `hydra_ddp.protocols.CommHook` (the contract: `hook(state,
+bucket)`, `state`, optional `register`, `state_dict` / `load_state_dict`), or a plain function
+`(state, bucket) -> Future` for a stateless one. `CommHook` below is a base with the defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +26,8 @@ _BUILT_IN = {
 
 
 class CommHook:
-    """The base of a hook: `hook(state, bucket)` and its `state`, registered on the DDP wrap."""
+    """The base of a hook (the contract: `hydra_ddp.protocols.CommHook`): `hook(state,
+    bucket)` and its `state`, registered on the DDP wrap."""
 
     state: Any = None
 
@@ -137,7 +135,7 @@ def built(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) 
         raise UserError(
             f"ddp.comm_hook._target_={spec['_target_']} built a {type(hook).__qualname__} "
             "without hook(state, bucket): give a function (state, bucket) -> Future or a class "
-            "with hook(state, bucket) (see hydra_ddp/distributed/comm_hooks.py)"
+            "with hook(state, bucket) (hydra_ddp.protocols.CommHook)"
         )
     return hook
 

@@ -1,11 +1,11 @@
 """Tracking: every rank's stats, a callback's `ctx.log` values, evaluations and the summary,
 fanned out to sinks.
 
-    tracker.py           Tracker: what the loop calls; the fan-out and the registry of sinks
+    tracker.py           Tracker: what the loop calls; builds the sink and fans records out
     names.py             every stat and aggregate name, defined once
     gather.py            the cross-rank gather of each log interval and its aggregates
     values.py            what ctx.log accepts (the same rule for every sink)
-    sink.py              RunInfo, Record and the Sink interface
+    sink.py              RunInfo, Record and the Sink base (contract: hydra_ddp.protocols.Sink)
     files.py             JSON lines under <output dir>/stats/ (always)
     tensorboard_sink.py  logger=tensorboard
     wandb_sink.py        logger=wandb, its layouts and throttling; wandb_mode.py,
@@ -14,8 +14,8 @@ fanned out to sinks.
     console.py           what a person sees: rank 0's config tree, progress bar and summary
     redact.py            what counts as a secret, blanked wherever a config leaves the job
 
-A user adds a backend as one module with a `Sink` subclass, one YAML in conf/logger/ and one line
-in tracker.SINKS; the rest is not meant to be edited.
+A user adds a sink as one module with a class meeting `hydra_ddp.protocols.Sink` and one YAML in
+conf/logger/ naming it in `logger.sink._target_`; nothing here is meant to be edited.
 """
 
 from hydra_ddp.tracking.files import set_aside

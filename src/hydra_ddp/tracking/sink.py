@@ -1,9 +1,7 @@
-"""What every sink gets: the records of one job, and the interface a sink implements.
+"""What every sink gets: the records of one job, and `Sink`, a base with no-op defaults.
 
-A sink is a small class (torchtitan's `components/metrics.py` shape): `log(record, step)` for
-each record and `close()` at the end, plus `summary(values)` and `add_config(values)` where it
-has a use for them. The tracker (tracker.py) hands each record to every sink of the job; a sink
-keeps what it wants and ignores the rest.
+The contract a sink meets (what each method gets, when, on which ranks) is
+`hydra_ddp.protocols.Sink`; the tracker (tracker.py) hands each record to every sink of the job.
 """
 
 from __future__ import annotations
@@ -46,7 +44,8 @@ class Record:
 
 
 class Sink:
-    """A place records go to. Subclasses override what they use."""
+    """A place records go to (the contract: `hydra_ddp.protocols.Sink`). Subclasses override
+    what they use; `log` has no default."""
 
     def log(self, record: Record, step: int) -> None:
         raise NotImplementedError

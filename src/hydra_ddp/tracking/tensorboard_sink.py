@@ -17,7 +17,6 @@ from typing import Optional
 
 from torch.utils.tensorboard import SummaryWriter
 
-from hydra_ddp.config import LoggerConfig
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError, write_advice
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
@@ -25,16 +24,10 @@ from hydra_ddp.tracking.values import is_media
 
 
 class TensorBoardSink(Sink):
-    def __init__(
-        self,
-        cfg: LoggerConfig,
-        env: DistEnv,
-        info: RunInfo,
-        resumed_step: Optional[int],
-        stats: Path,
-    ) -> None:
+    def __init__(self, env: DistEnv, run: RunInfo, resumed_step: Optional[int]) -> None:
+        """Not collective: each rank opens its own folder."""
         self.rank = env.rank
-        folder = Path(info.output_dir) / "tensorboard" / f"rank{env.rank}"
+        folder = Path(run.output_dir) / "tensorboard" / f"rank{env.rank}"
         purge = None if resumed_step is None else resumed_step + 1
         for path in (folder.parent, folder):  # else NotADirectoryError from SummaryWriter
             if path.exists() and not path.is_dir():

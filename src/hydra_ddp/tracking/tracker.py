@@ -5,48 +5,34 @@ the sinks at once (the stats file first: it is always there); the cross-rank par
 the aggregates, and W&B's row, which holds every rank's stats in the `gather` layout) completes
 at the next log point or at `close`, so training does not stall at every interval.
 
-The sinks: the JSON-lines files (files.py) always, plus the one `logger.backend` names. A new
-backend is a module with a `Sink` subclass (tensorboard_sink.py is one, in 50 lines), a YAML in
-conf/logger/ and one line in `SINKS` below.
+The sinks: the JSON-lines files (files.py) always, plus the one `logger.sink._target_` names,
+built like any component (components.build). A new sink is a module with a class meeting
+`hydra_ddp.protocols.Sink` (tensorboard_sink.py is one, in 50 lines) and a YAML in conf/logger/;
+nothing here changes.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch.distributed as dist
 
+from hydra_ddp.components import build
 from hydra_ddp.config import Layout, LoggerConfig
 from hydra_ddp.distributed import DistEnv
-from hydra_ddp.errors import UserError
 from hydra_ddp.tracking import gather, values
 from hydra_ddp.tracking.files import JsonFiles
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
 
 logger = logging.getLogger(__name__)
 
-# logger.backend -> its sink, imported only when chosen (logger.backend=none imports no W&B).
-SINKS = {
-    "wandb": "hydra_ddp.tracking.wandb_sink.WandbSink",
-    "tensorboard": "hydra_ddp.tracking.tensorboard_sink.TensorBoardSink",
-}
-
 
 def check_backend(backend: str) -> None:
-    """`logger.backend` names a sink (or none): checked before any worker starts."""
-    if backend != "none" and backend not in SINKS:
-        raise UserError(
-            f"logger.backend={backend} is not a sink: pick one of {', '.join([*SINKS, 'none'])} "
-            "(conf/logger/*.yaml), or add yours to hydra_ddp.tracking.tracker.SINKS"
-        )
-
-
-def _sink_class(backend: str) -> type:
-    module, _, name = SINKS[backend].rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    """Nothing left to check: `logger.sink._target_` is checked when the config is typed
+    (logger_config.sink_class, one line before any worker starts). Kept because
+    train.preflight calls it with `LoggerConfig.backend`."""
 
 
 class Tracker:
@@ -69,8 +55,14 @@ class Tracker:
         self.forward = False  # whether other ranks' ctx.log values go to rank 0's sinks
         self.warned_media = False  # said once: media of other ranks are not forwarded
         try:
-            if cfg.backend in SINKS:
-                sink = _sink_class(cfg.backend)(cfg, env, run, resumed_step, self.files.dir)
+            if cfg.sink is not None:
+                # What the sink may ask for by name (hydra_ddp.protocols.Sink); its YAML's
+                # arguments come with it. The module is imported only when chosen: logger=none
+                # imports no W&B.
+                sink = build(
+                    cfg.sink, "logger.sink", logger_cfg=cfg, env=env, run=run,
+                    resumed_step=resumed_step, stats_dir=self.files.dir,
+                )  # fmt: skip
                 self.sinks.append(sink)
                 self.files.run_id = getattr(sink, "run_id", None)
                 self.forward = env.distributed and getattr(sink, "gathers_values", False)
@@ -226,9 +218,8 @@ class Tracker:
 def make_tracker(
     cfg: LoggerConfig, env: DistEnv, run: RunInfo, resumed_step: Optional[int] = None
 ) -> Tracker:
-    """Build the tracker for one job (`logger.backend=none`: the stats files only).
+    """Build the tracker for one job (`logger=none`, no `logger.sink`: the stats files only).
 
     `resumed_step`: the step of the checkpoint the job resumed from, or None when it started
     from step 0; a resumed job continues its files and the W&B runs recorded in its output dir."""
-    check_backend(cfg.backend)
     return Tracker(cfg, env, run, resumed_step=resumed_step)

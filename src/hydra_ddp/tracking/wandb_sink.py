@@ -67,14 +67,16 @@ class WandbSink(Sink):
 
     def __init__(
         self,
-        cfg: LoggerConfig,
+        logger_cfg: LoggerConfig,
         env: DistEnv,
-        info: RunInfo,
+        run: RunInfo,
         resumed_step: Optional[int],
-        stats: Path,
+        stats_dir: Path,
     ) -> None:
         """`# collective`: build it on every rank (rank 0 hands every rank its run id, and a
-        rank whose run could not start tells the others)."""
+        rank whose run could not start tells the others). Its options are the logger.* keys
+        (`logger_cfg`), typed, so conf/logger/wandb.yaml gives its `_target_` only."""
+        cfg, info, stats = logger_cfg, run, stats_dir
         self.cfg, self.env, self.layout = cfg, env, cfg.layout
         self.run: Optional[Run] = None
         self.last_sent = -math.inf  # time.monotonic() of the last training row sent
