@@ -79,3 +79,14 @@ def test_the_unused_parameter_error_names_the_parameters(tmp_path: Path) -> None
     # One rank (no DDP wrapper): nothing to refuse, it trains.
     unused = "model._target_=helpers.unused_model.MLPWithUnusedHead"
     assert train_here(tmp_path / "one", *FAST, unused, "trainer.max_steps=2")["steps"] == 2
+
+
+def test_eval_reads_a_run_saved_when_the_sink_was_logger_backend(tmp_path: Path) -> None:
+    # Runs of earlier versions saved `logger.backend: wandb` (no `logger.sink`).
+    saved = OmegaConf.to_container(compose(*FAST))
+    saved["logger"].pop("sink")
+    saved["logger"]["backend"] = "wandb"
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(OmegaConf.create(saved), tmp_path / ".hydra" / "config.yaml")
+    cfg = job_config(tmp_path, ["trainer.batch_size=8"])
+    assert cfg.trainer.batch_size == 8 and cfg.logger.sink is None

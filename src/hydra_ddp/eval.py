@@ -93,6 +93,10 @@ def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:
         )
     try:
         saved = OmegaConf.load(path)
+        # A run saved before sinks were chosen by `logger.sink._target_` names its sink in
+        # `logger.backend`; evaluation writes to no sink, so the key is only dropped.
+        if isinstance(saved.get("logger"), DictConfig):
+            saved.logger.pop("backend", None)
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
         for override in OverridesParser.create().parse_overrides(overrides):
             _apply(merged, override)

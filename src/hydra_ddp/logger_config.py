@@ -85,16 +85,6 @@ class LoggerConfig:
         if self.sink is not None:
             sink_class(self.sink)
 
-    @property
-    def backend(self) -> str:
-        """The sink's short name: its class's name in lower case without `Sink` (`wandb`,
-        `tensorboard`), or `none`. For messages and checks of one sink (train.preflight's W&B
-        login check); what the `logger.backend` key held before sinks were chosen by
-        `_target_`."""
-        if self.sink is None:
-            return "none"
-        return str(self.sink["_target_"]).rpartition(".")[2].lower().removesuffix("sink")
-
 
 def sink_class(sink: Any) -> type:
     """The class `logger.sink` names, checked against `hydra_ddp.protocols.Sink`: a bad

@@ -182,8 +182,11 @@ class Sink(Protocol):
       that made the job close.
 
     Optional: `gathers_values = True` (rank 0 also gets the other ranks' ctx.log records: only
-    rank 0 writes); `run_id` (recorded in the stats files). A bad `_target_` fails in one line
-    when the config is typed. Base with no-op defaults: `hydra_ddp.tracking.Sink`."""
+    rank 0 writes); `run_id` (recorded in the stats files); a static
+    `check_before_launch(logger_cfg)`, called once before any worker starts, for what would
+    otherwise fail on every rank (W&B's login check for `logger.mode=online`). A bad
+    `_target_` fails in one line when the config is typed. Base with no-op defaults:
+    `hydra_ddp.tracking.Sink`."""
 
     def log(self, record: Record, step: int) -> None: ...
 

@@ -42,12 +42,12 @@ from hydra_ddp.distributed.env import (
 )
 from hydra_ddp.distributed.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
+from hydra_ddp.logger_config import sink_class
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.parts import build_components
 from hydra_ddp.rundir import claim, sweeps
 from hydra_ddp.rundir.paths import override_value, register_resolvers
-from hydra_ddp.tracking import RunInfo, redact, resolve_mode
-from hydra_ddp.tracking.tracker import check_backend
+from hydra_ddp.tracking import RunInfo, redact
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +189,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need the data and the components but no process group, so a bad job fails
     once, in the launching process, instead of once per worker."""
     monitor_key(cfg)  # trainer.monitor names a metric the job computes
-    check_backend(cfg.logger.backend)
-    if cfg.logger.backend == "wandb":
-        resolve_mode(cfg.logger.mode)  # logger.mode=online without a login fails here, once
+    sink = sink_class(cfg.logger.sink) if cfg.logger.sink is not None else None
+    if hasattr(sink, "check_before_launch"):  # W&B: mode=online without a login fails here, once
+        sink.check_before_launch(cfg.logger)
     source = build(cfg.data, "data")
     check_source(source)
     check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)

@@ -29,12 +29,6 @@ from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
 logger = logging.getLogger(__name__)
 
 
-def check_backend(backend: str) -> None:
-    """Nothing left to check: `logger.sink._target_` is checked when the config is typed
-    (logger_config.sink_class, one line before any worker starts). Kept because
-    train.preflight calls it with `LoggerConfig.backend`."""
-
-
 class Tracker:
     """Records one job's per-rank stats, ctx.log values, evaluations and summary in its sinks."""
 

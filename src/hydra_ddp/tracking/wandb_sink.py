@@ -65,6 +65,10 @@ def _for_wandb(value: Any) -> Any:
 class WandbSink(Sink):
     """This rank's W&B run (none on ranks other than 0 in the gather layout)."""
 
+    @staticmethod
+    def check_before_launch(logger_cfg: LoggerConfig) -> None:
+        resolve_mode(logger_cfg.mode)  # logger.mode=online without a login: one line, once
+
     def __init__(
         self,
         logger_cfg: LoggerConfig,
