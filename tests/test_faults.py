@@ -684,9 +684,9 @@ def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path)
 
     # A rank that stopped on a signal records nothing: a stop is not a failure to blame.
     from hydra_ddp.distributed.preemption import Preempted
-    from hydra_ddp.errors import record
+    from hydra_ddp.errors import write_rank_error
 
-    record(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
+    write_rank_error(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
     assert not (errors / "rank3.txt").exists()
 
     # A stalled rank killed by the agent after the others timed out: the timeout says more.

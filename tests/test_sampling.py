@@ -578,8 +578,8 @@ def test_a_policy_argument_out_of_range_is_refused_naming_its_key() -> None:
 
 
 def test_a_target_that_is_no_policy_is_refused_in_one_line() -> None:
-    from hydra_ddp.data.policies import built
+    from hydra_ddp.data.policies import build_policy
     from hydra_ddp.errors import UserError
 
     with pytest.raises(UserError, match=r"sampler\._target_ built a Counter, not a sampler policy"):
-        built({"_target_": "collections.Counter"}, 0)
+        build_policy({"_target_": "collections.Counter"}, 0)

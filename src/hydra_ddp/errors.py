@@ -250,13 +250,14 @@ def file_too_large(path: object) -> str:
 def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
     """Re-raise what `one_line` can say in one line as that UserError (the original chained
     as its cause, so the rank's log file keeps the traceback). Under self-launch the error is
-    also recorded for the launcher (`record`) here, before the process group is torn down:
-    the peers' "lost contact" comes after it, and the launcher may kill this rank soon after."""
+    also written for the launcher (`write_rank_error`) here, before the process group is torn
+    down: the peers' "lost contact" comes after it, and the launcher may kill this rank soon
+    after."""
     try:
         yield
     except Exception as e:
         better = one_line(e, rank, timeout_s, output_dir)
-        record(better or e, rank, Path(output_dir) / "errors")
+        write_rank_error(better or e, rank, Path(output_dir) / "errors")
         if better is None or better is e:
             raise
         raise better from e
@@ -314,17 +315,19 @@ def translated_evaluation(
         yield
     except Exception as e:
         if isinstance(e, UserError):
-            record(e, rank, Path(output_dir) / "errors")  # for the launcher, as `translated`
+            write_rank_error(
+                e, rank, Path(output_dir) / "errors"
+            )  # for the launcher, as `translated`
             raise
         if not lost_peer(e):
             logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
                                              exc_info=e)  # fmt: skip
         better = evaluation_one_line(e, rank, timeout_s, output_dir, doing[0])
-        record(better, rank, Path(output_dir) / "errors")
+        write_rank_error(better, rank, Path(output_dir) / "errors")
         raise better from e
 
 
-def record(e: BaseException, rank: int, errors_dir: Path) -> None:
+def write_rank_error(e: BaseException, rank: int, errors_dir: Path) -> None:
     """Write why this rank failed to `errors_dir/rank<r>.txt` (one line; the file's mtime is
     when), for `worker_failed`. Only where the launcher made that dir (self-launch), and only
     the rank's first error: what follows it (a failed teardown) is not the cause."""

@@ -44,8 +44,8 @@ from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
+from hydra_ddp.loop.job_types import build_components
 from hydra_ddp.loop.objective import to_device
-from hydra_ddp.loop.parts import build_components
 from hydra_ddp.step import StepTools
 from hydra_ddp.tracking.peak import PeakMeter
 
@@ -179,8 +179,8 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
     acts: dict[int, int] = {}
     meta = torch.device("meta") if device.type == "meta" else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), meta:  # the job's random streams stay as they were
-        parts = build_components(probe, source, device, total_steps=1)
-        model, optimizers = parts.model, parts.optimizers.optimizers
+        components = build_components(probe, source, device, total_steps=1)
+        model, optimizers = components.model, components.optimizers.optimizers
         tools = StepTools(
             torch.amp.GradScaler("cpu", enabled=False),
             contextlib.nullcontext(),
@@ -202,7 +202,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
                 return t
 
             with saved_tensors_hooks(pack, lambda t: t):
-                parts.step_fn(tools, model, [batch], parts.objective, optimizers)
+                components.step_fn(tools, model, [batch], components.objective, optimizers)
             acts[rows] = sum(saved.values())
     tensors = [*model.parameters(), *model.buffers()]
     units = find_units(model, cfg.ddp)

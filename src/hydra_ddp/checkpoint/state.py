@@ -1,8 +1,9 @@
 """What a checkpoint holds: one table, `MEMBERS`, read by both checkpointers.
 
 Every member is an object with `state_dict()` / `load_state_dict(state)` (torch's
-`torch.distributed.checkpoint.stateful.Stateful`), taken from this job's `Parts` by its entry's
-`get`; a member the job lacks (no EMA, no comm hook) gets None and is neither saved nor loaded.
+`torch.distributed.checkpoint.stateful.Stateful`), taken from this job's
+`CheckpointedObjects` by its entry's `get`; a member the job lacks (no EMA, no comm hook) gets
+None and is neither saved nor loaded.
 Resume loads the members in the table's order. An entry says:
 
     required   a checkpoint without it is refused; else (a feature switched on later) the
@@ -17,7 +18,7 @@ Resume loads the members in the table's order. An entry says:
                and its load_state_dict is given the whole checkpoint (it reads what is there)
 
 Changing what a checkpoint holds is one entry here; a user's own object is one `register`
-call (`register(Member("counter", lambda parts: COUNTER))`) made on every rank before the job.
+call (`register(Member("counter", lambda objects: COUNTER))`) made on every rank before the job.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Stateful(Protocol):
 
 
 @dataclass(kw_only=True)
-class Parts:
+class CheckpointedObjects:
     """This job's checkpointed objects, as the loop holds them (None: the job has none)."""
 
     model: torch.nn.Module
@@ -70,7 +71,7 @@ class Parts:
 @dataclass(frozen=True)
 class Member:
     name: str  # its key in the checkpoint
-    get: Callable[[Parts], Stateful | None]
+    get: Callable[[CheckpointedObjects], Stateful | None]
     required: bool = False
     per_rank: bool = False
     sharded: bool = False
@@ -189,19 +190,19 @@ class RNGState:
             torch.cuda.set_rng_state(state["cuda"].cpu(), self.device)
 
 
-def _ema(parts: Parts) -> Stateful | None:
+def _ema(parts: CheckpointedObjects) -> Stateful | None:
     return EMAState(parts.ema, parts.sharded) if parts.ema is not None else None
 
 
-def _ema_count(parts: Parts) -> Stateful | None:
+def _ema_count(parts: CheckpointedObjects) -> Stateful | None:
     return EMACount(parts.ema) if parts.ema is not None and parts.sharded else None
 
 
-def _schedules(parts: Parts) -> Stateful | None:
+def _schedules(parts: CheckpointedObjects) -> Stateful | None:
     return SchedulerState(parts.optimizers) if parts.optimizers is not None else None
 
 
-def _opt(parts: Parts) -> Stateful | None:
+def _opt(parts: CheckpointedObjects) -> Stateful | None:
     if parts.optimizers is None:
         return None
     return OptimizerState(parts.optimizers, parts.model, parts.sharded)
@@ -229,7 +230,7 @@ def register(member: Member) -> None:
     MEMBERS[:] = [m for m in MEMBERS if m.name != member.name] + [member]
 
 
-def of(parts: Parts) -> list[tuple[Member, Stateful]]:
+def held_members(parts: CheckpointedObjects) -> list[tuple[Member, Stateful]]:
     """This job's members and their objects, in the table's order."""
     found = ((m, m.get(parts)) for m in MEMBERS)
     return [(m, obj) for m, obj in found if obj is not None]
@@ -263,7 +264,7 @@ def global_state(members: list[tuple[Member, Stateful]]) -> dict[str, Any]:
     return state
 
 
-def agree(parts: Parts, env: DistEnv) -> None:
+def agree(parts: CheckpointedObjects, env: DistEnv) -> None:
     """`# collective`, first in every save: what each rank holds a copy of and updates on its
     own, the model's and the EMA's buffers (BatchNorm statistics), becomes rank 0's, so a
     checkpoint holds one rank's state and not a mix of them (distributed/ddp.py)."""

@@ -3,17 +3,17 @@ like a model or a loss (`sampler=strided`, `sampler=sharded`, or a YAML of yours
 
 A policy decides, once per epoch and for every rank at once:
 
-* `parts(num_rows, file_rows, world, epoch)`: the global row ranges each rank loads (half-open,
-  in order); None: every rank loads the whole split. `reloads_each_epoch = True` when the parts
-  change with the epoch (they are then loaded again at each epoch start).
-* `sampler(rows_held, parts, rank, world, batch_size)`: this rank's batches of indices into
+* `rank_ranges(num_rows, file_rows, world, epoch)`: the global row ranges each rank loads
+  (half-open, in order); None: every rank loads the whole split. `reloads_each_epoch = True`
+  when the ranges change with the epoch (they are then loaded again at each epoch start).
+* `sampler(rows_held, rank_ranges, rank, world, batch_size)`: this rank's batches of indices into
   the rows it loaded, as an `EpochSampler` (sampling.py), with the same number of batches on
   every rank (DDP hangs otherwise).
 
 Optional: `check(...)` refuses a split the policy cannot serve, in one line, before any data is
-loaded; `eval_parts(num_rows, world)` the rows each rank evaluates (default: contiguous parts,
-each rank reading only its own); `settings()` what decides an epoch's order. A checkpoint records
-the settings, and a resume that changes them counts the rows of the epoch read twice or
+loaded; `eval_rank_ranges(num_rows, world)` the rows each rank evaluates (default: contiguous
+ranges, each rank reading only its own); `settings()` what decides an epoch's order. A checkpoint
+records the settings, and a resume that changes them counts the rows of the epoch read twice or
 skipped (epoch_rows.py). Return None (the default) and such a resume says it cannot count them;
 return `{"_target_": "<your class>", **its arguments}` and it counts them.
 """
@@ -37,7 +37,8 @@ from hydra_ddp.errors import UserError
 
 class SamplerPolicy:
     """The base of a policy of yours: subclass it (or a built-in one) and override `sampler`,
-    and `parts` if ranks load only some rows. `seed` None: trainer.seed (see `built`)."""
+    and `rank_ranges` if ranks load only some rows. `seed` None: trainer.seed (see
+    `build_policy`)."""
 
     name = "custom"  # what summary.json's `sampler` says
     reloads_each_epoch = False
@@ -49,17 +50,22 @@ class SamplerPolicy:
         """Refuse, with a UserError naming the key and what to do, a split this policy cannot
         serve on `world` ranks."""
 
-    def parts(
+    def rank_ranges(
         self, num_rows: int, file_rows: list[int], world: int, epoch: int
     ) -> list[Ranges] | None:
         return None
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler:
         raise NotImplementedError(f"{type(self).__qualname__} must define sampler()")
 
-    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None:
+    def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None:
         """The rows each rank evaluates, every row exactly once over the ranks (None: every
         rank loads the split and takes positions rank, rank + world, ...)."""
         return partition_rows(num_rows, world)
@@ -90,14 +96,19 @@ class Strided(SamplerPolicy):
             )
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler:
         return StridedSampler(
             rows_held, rank, world, batch_size,
             shuffle=self.shuffle, seed=int(self.seed or 0), drop_last=self.drop_last,
         )  # fmt: skip
 
-    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None:
+    def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None:
         return None
 
     def rows_per_rank(self, rows_held: int, world: int) -> int:
@@ -150,7 +161,7 @@ class Sharded(SamplerPolicy):
                 f"rows, fewer than trainer.batch_size={batch_size}; lower trainer.batch_size"
             )
 
-    def parts(
+    def rank_ranges(
         self, num_rows: int, file_rows: list[int], world: int, epoch: int
     ) -> list[Ranges] | None:
         if self.shard_by == "files":
@@ -158,11 +169,16 @@ class Sharded(SamplerPolicy):
         return partition_rows(num_rows, world, epoch, self.rotate)
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler:
-        assert parts is not None
+        assert rank_ranges is not None
         return ShardedSampler(
-            rows_held, samples_per_epoch(parts), rank, batch_size,
+            rows_held, samples_per_epoch(rank_ranges), rank, batch_size,
             shuffle=self.shuffle, seed=int(self.seed or 0), drop_last=self.drop_last,
         )  # fmt: skip
 
@@ -176,7 +192,7 @@ class Sharded(SamplerPolicy):
 BUILT_IN = {"strided": Strided, "sharded": Sharded}
 
 
-def built(sampler: Any, seed: int) -> SamplerPolicy:
+def build_policy(sampler: Any, seed: int) -> SamplerPolicy:
     """The policy `sampler` names: a policy object as it is, or the `sampler` config (its
     `_target_` and arguments) built; a seed of None becomes `seed` (trainer.seed)."""
     if isinstance(sampler, Mapping):

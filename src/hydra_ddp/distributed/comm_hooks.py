@@ -121,7 +121,7 @@ class _Function(CommHook):
         self.hook = fn  # type: ignore[method-assign]
 
 
-def built(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) -> Any:
+def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) -> Any:
     """The hook `ddp.comm_hook` names (None for `none`): a built-in's name (PowerSGD then takes
     ddp.powersgd_rank and ddp.powersgd_start_iter), or a component built with `device` offered."""
     if isinstance(spec, str):

@@ -1,7 +1,9 @@
 """The training loop and what runs inside it.
 
-- `job`: one rank's job: build the parts and the checkpoint members, resume, hand over to `fit`.
-- `parts`: what a rank's job is made of (`Job`, and the user's `Components` with their builder).
+- `job`: one rank's job: build its components and the checkpoint members, resume, hand over
+  to `fit`.
+- `job_types`: what a rank's job is made of (`Job`, and the user's `Components` with their
+  builder).
 - `fit`: the training loop (`fit`) and the end of the run (`finish`: last validation,
   last checkpoint, test, summary).
 - `position`: where the loop is (`Position`, moved only by the loop), the batches from there,

@@ -36,9 +36,9 @@ from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.objective import rows, to_device
-from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import NonFiniteCheck, StepTools
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class Loop:
-    """The loop's parts (see the module docstring), built by `job.run_job`."""
+    """What the loop works with (see the module docstring), built by `job.run_job`."""
 
     env: DistEnv
     tcfg: TrainerConfig
@@ -76,17 +76,17 @@ def fit(loop: Loop) -> float:
     """The training loop, from `loop.pos` to trainer.max_steps (or the end of trainer.epochs,
     or an early stop); returns its wall time. `# collective`: every rank, same step."""
     tcfg, env, job, pos = loop.tcfg, loop.env, loop.job, loop.pos
-    parts, callbacks = job.parts, job.callbacks
+    components, callbacks = job.components, job.callbacks
     data = batches(job.train_data, pos, tcfg)
     epochs_done = pos.epochs_done(job.micro_batches_per_epoch)
-    callbacks("on_train_start", _at(loop.ctx, pos))
+    callbacks("on_train_start", _context_at(loop.ctx, pos))
     t_start = time.perf_counter()
     loop.step_model.train()
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
     loop.meter = PeakMeter(env.device)
-    held = functools.partial(held_bytes, loop.raw_model, parts.optimizers.optimizers.values())
+    held = functools.partial(held_bytes, loop.raw_model, components.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
         if signum:
@@ -101,14 +101,14 @@ def fit(loop: Loop) -> float:
         micro_batches = [to_device(b, env.device) for b in micro_batches]
         micro_rows = [rows(b) for b in micro_batches]
         with loop.meter.saving(loop.raw_model, micro_rows[0], len(micro_batches)):
-            losses = parts.step_fn(
-                loop.tools, loop.step_model, micro_batches, parts.objective,
-                parts.optimizers.optimizers,
+            losses = components.step_fn(
+                loop.tools, loop.step_model, micro_batches, components.objective,
+                components.optimizers.optimizers,
             )  # fmt: skip
         grad_norm = loop.tools.update()
         outputs, loop.tools.outputs = loop.tools.outputs, []
         loop.health.observe(pos.step + 1, losses["loss"], grad_norm)
-        parts.optimizers.step_schedules()
+        components.optimizers.step_schedules()
         if loop.ema is not None:
             loop.ema.update(loop.raw_model)
         loop.profiler.step()
@@ -118,18 +118,20 @@ def fit(loop: Loop) -> float:
         pos.samples_seen += batch_rows
         loop.stats.add_step(losses, batch_rows, time.perf_counter() - t_step, data_wait)
         _periodic(loop, grad_norm)  # collective
-        callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"], batch=micro_batches,
-                                     outputs=outputs, losses=losses))  # fmt: skip
-        _at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
+        at_step = _context_at(
+            loop.ctx, pos, loss=losses["loss"], batch=micro_batches, outputs=outputs, losses=losses
+        )
+        callbacks("on_step_end", at_step)
+        _context_at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
         del outputs
         for epoch in range(epochs_done, pos.epochs_done(job.micro_batches_per_epoch)):
-            callbacks("on_epoch_end", _at(loop.ctx, pos, epoch=epoch))
-            parts.optimizers.end_epoch()  # scheduler.interval=epoch
+            callbacks("on_epoch_end", _context_at(loop.ctx, pos, epoch=epoch))
+            components.optimizers.end_epoch()  # scheduler.interval=epoch
             epochs_done = epoch + 1
         if loop.evaluator.due(pos.step):
             metrics = loop.evaluator.validate(pos)  # collective (+ best.pt)
-            parts.optimizers.after_validation(metrics)  # scheduler.monitor
-            callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
+            components.optimizers.after_validation(metrics)  # scheduler.monitor
+            callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
             if loop.evaluator.stopped:
                 break
         loop.checkpointer.maybe_save()  # collective
@@ -151,7 +153,7 @@ def _periodic(loop: Loop, grad_norm: Any) -> None:
 
 
 def _log_stats(loop: Loop, grad_norm: Any) -> None:
-    lrs = loop.job.parts.optimizers.learning_rates()
+    lrs = loop.job.components.optimizers.learning_rates()
     loop.stats.log(loop.pos.step, grad_norm, lrs, **_data_stats(loop.job, loop.pos))
 
 
@@ -167,7 +169,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     validated = not loop.evaluator.stopped  # else the loop validated this very step
     val = loop.evaluator.final_validation(pos)  # collective
     if validated:
-        job.callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", val)))
+        job.callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=_prefixed("val", val)))
     # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
     # a finished run extended with a larger trainer.max_steps continues their counters.
     val, test = loop.evaluator.finish(pos)  # collective
@@ -175,7 +177,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     summary.update(loop.evaluator.monitor.summary())
     if loop.meter is not None:  # the memory plan, checked by this run
         planned = memory.of_this_run_or_none(
-            job.cfg, env, loop.raw_model, job.parts.optimizers.optimizers.values(), loop.meter
+            job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
         )
         summary.update(memory.checked(planned, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
@@ -185,7 +187,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
         (run.output_dir / "failure.json").unlink(missing_ok=True)
     job.console.show_summary(summary, run.output_dir)
     metrics = {**_prefixed("val", val), **_prefixed("test", test)}
-    job.callbacks("on_train_end", _at(loop.ctx, pos, metrics=metrics))
+    job.callbacks("on_train_end", _context_at(loop.ctx, pos, metrics=metrics))
     # Every rank is past its last collective before rank 0 waits on W&B's uploads.
     loop.tracker.close_all()  # collective
     return summary
@@ -215,7 +217,7 @@ def _micro_batches(job: Job, pos: Position) -> int:
     return min(accum, job.total_micro - done)
 
 
-def _at(ctx: Context, pos: Position, **fields_: Any) -> Context:
+def _context_at(ctx: Context, pos: Position, **fields_: Any) -> Context:
     """The callbacks' context, moved to `pos` (and `fields_`: loss, metrics, epoch)."""
     ctx.step, ctx.epoch = pos.step, pos.epoch
     for name, value in fields_.items():
@@ -242,7 +244,7 @@ def _summary(
     test: dict[str, float],
 ) -> dict[str, Any]:
     """Collective: the job's summary.json, the same on every rank."""
-    cfg, env, unit = job.cfg, job.env, job.parts.source.unit
+    cfg, env, unit = job.cfg, job.env, job.components.source.unit
     samples = all_reduce_sum([float(stats.total_samples)], env)[0]
     held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
     summary: dict[str, Any] = {
@@ -258,7 +260,8 @@ def _summary(
         "state_bytes_per_rank": [
             int(b[0])
             for b in all_gather_floats(
-                [state_bytes(job.parts.model, job.parts.optimizers.optimizers.values())], env
+                [state_bytes(job.components.model, job.components.optimizers.optimizers.values())],
+                env,
             )
         ],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],

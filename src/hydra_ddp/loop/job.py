@@ -40,8 +40,8 @@ from hydra_ddp.errors import translated
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
 from hydra_ddp.loop.fit import Loop, finish, fit
+from hydra_ddp.loop.job_types import Job, build_components
 from hydra_ddp.loop.monitor import Monitor, monitor_key
-from hydra_ddp.loop.parts import Job, build_components
 from hydra_ddp.loop.position import Counting, Position, PositionState, epoch_length
 from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.loop.pruning import Pruning
@@ -85,8 +85,8 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
     with console.said_by_main("hydra_ddp.checkpoint.files"):  # "skipping <damaged>": once
         resume_from = checkpoint.resolve_resume(tcfg.resume, run.output_dir)
     if tcfg.resume == "never" and env.is_main:
-        checkpoint.set_aside(run.output_dir)
-        tracking.set_aside(run.output_dir)  # the stats files and summary.json
+        checkpoint.set_aside_checkpoints(run.output_dir)
+        tracking.set_aside_stats(run.output_dir)  # the stats files and summary.json
     init_sharded = None
     if tcfg.init_from and resume_from is None:  # names and shapes checked here, before any group
         weights = open_weights(tcfg.init_from)
@@ -101,7 +101,7 @@ def prepare(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
         env=env,
         run=run,
         console=console,
-        parts=parts,
+        components=parts,
         train_data=train_data,
         evals=evals,
         micro_batches_per_epoch=per_epoch,
@@ -128,7 +128,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 def _run(job: Job) -> dict[str, Any]:
     """Everything after the process group is up. Its frame holds the DDP wrapper, which so dies
     when it returns, before the process group (see dist.process_group)."""
-    cfg, env, run, parts = job.cfg, job.env, job.run, job.parts
+    cfg, env, run, parts = job.cfg, job.env, job.run, job.components
     tcfg = cfg.trainer
     sharded = cfg.ddp.wrapper == Wrapper.fsdp2
     # Before the wrap: ddp=fsdp2 shards the average like the model (its first update copies
@@ -154,7 +154,7 @@ def _run(job: Job) -> dict[str, Any]:
     scaler = scaler_for(tcfg.precision, env.device)
     monitor = Monitor(tcfg, monitor_key(cfg))
     pos = Position()
-    held = state.Parts(
+    held = state.CheckpointedObjects(
         model=parts.model,
         optimizers=parts.optimizers,
         scaler=scaler,
@@ -176,7 +176,7 @@ def _run(job: Job) -> dict[str, Any]:
         finished = _finished_summary(run.output_dir, pos.step, job.total_steps, env)  # collective
         if finished is not None:
             return finished
-    origin = provenance.record(
+    origin = provenance.record_run(
         run.output_dir, env, run.overrides, tcfg.untracked_content
     )  # collective
     tracker = make_tracker(cfg.logger, env, run, resumed_step=pos.step if resumed else None)
@@ -198,14 +198,14 @@ def _run(job: Job) -> dict[str, Any]:
 
 def _loop(
     job: Job,
-    held: state.Parts,
+    held: state.CheckpointedObjects,
     step_model: torch.nn.Module,
     checkpointer: Checkpointer,
     tracker: Tracker,
     scope: contextlib.ExitStack,
 ) -> Loop:
     """The loop's parts, around the model, the checkpoint members and the tracker."""
-    cfg, env, run, parts = job.cfg, job.env, job.run, job.parts
+    cfg, env, run, parts = job.cfg, job.env, job.run, job.components
     tcfg, pos, ema = cfg.trainer, held.position.pos, held.ema
     autocast = autocast_for(tcfg.precision, env.device)
     evaluator = Evaluator(
