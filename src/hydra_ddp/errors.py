@@ -29,6 +29,13 @@ class UserError(Exception):
     as one line and exits with status 2, instead of a traceback from every rank."""
 
 
+def check_setting(ok: bool, key: str, allowed: str, value: object) -> None:
+    """The typed config's check of one key (config.py and logger_config.py use it): unless
+    `ok`, a UserError naming the key, its value and what it must be."""
+    if not ok:
+        raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
+
+
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # The words of the two messages below that say a rank failed *because of* another one: the
 # launcher blames such a rank only when no rank said anything better (`worker_failed`).

@@ -8,12 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
-from hydra_ddp.errors import UserError
-
-
-def _require(ok: bool, key: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
+from hydra_ddp.errors import check_setting
 
 
 class Layout(Enum):
@@ -64,11 +59,11 @@ class LoggerConfig:
     finish_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        _require(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
-        _require(
+        check_setting(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
+        check_setting(
             self.finish_timeout_s >= 0, "logger.finish_timeout_s", ">= 0", self.finish_timeout_s
         )
-        _require(
+        check_setting(
             self.min_interval_s >= 0,
             "logger.min_interval_s",
             ">= 0 (0: every interval)",

@@ -18,14 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.components import build, check
+from hydra_ddp.config import COMM_HOOKS
 from hydra_ddp.errors import UserError
-
-# A built-in's name on the command line (ddp.comm_hook=NAME) -> its component.
-_BUILT_IN = {
-    "fp16_compress": "hydra_ddp.distributed.comm_hooks.FP16Compress",
-    "bf16_compress": "hydra_ddp.distributed.comm_hooks.BF16Compress",
-    "powersgd": "hydra_ddp.distributed.comm_hooks.PowerSGD",
-}
 
 
 class CommHook:
@@ -127,7 +121,7 @@ def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, dev
     if isinstance(spec, str):
         if spec == "none":
             return None
-        spec = {"_target_": _BUILT_IN[spec]}
+        spec = {"_target_": f"{__name__}.{COMM_HOOKS[spec]}"}  # config.COMM_HOOKS: the built-ins
         if spec["_target_"].endswith("PowerSGD"):
             spec.update(rank=powersgd_rank, start_iter=powersgd_start_iter)
     hook = build(spec, "ddp.comm_hook", _as_function=True, device=device)
