@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.inproc import FAST, job, train_rank
+from conftest import FAST
+from helpers.inproc import job, train_rank
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError

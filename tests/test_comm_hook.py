@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, job, train_ranks, typed
+from conftest import FAST
+from helpers.inproc import job, train_ranks, typed
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import safe_state

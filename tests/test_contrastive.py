@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST
 from helpers import ranks
-from helpers.inproc import FAST, train_ranks
+from helpers.inproc import train_ranks
 
 from hydra_ddp.distributed import DistEnv, all_gather_with_grad
 from hydra_ddp.errors import UserError

@@ -32,6 +32,7 @@ import psutil
 import pytest
 import torch
 from conftest import (
+    FAST,
     job_dirs,
     ok,
     only_job_dir,
@@ -41,7 +42,7 @@ from conftest import (
     user_env,
 )
 from helpers import ranks
-from helpers.inproc import FAST, entry_on_a_rank, train_here, train_ranks
+from helpers.inproc import entry_on_a_rank, train_here, train_ranks
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError

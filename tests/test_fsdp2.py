@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ok, only_job_dir, run, summary, torchrun, user_env
-from helpers.inproc import FAST, compose, train_here, train_ranks, typed
+from conftest import FAST, ok, only_job_dir, run, summary, torchrun, user_env
+from helpers.inproc import compose, train_here, train_ranks, typed
 from helpers.runs import assert_close, final_weights, global_losses, losses
 from omegaconf import OmegaConf
 

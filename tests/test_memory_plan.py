@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers.inproc import FAST, train_here, train_ranks, typed
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks, typed
 
 from hydra_ddp import memory
 from hydra_ddp.components import build

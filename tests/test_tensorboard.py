@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.inproc import FAST, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hydra_ddp.errors import UserError

@@ -36,7 +36,6 @@ from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import config_dir, preflight, to_typed
 
 __all__ = [
-    "FAST",
     "compose",
     "config_dir",
     "entry",
@@ -55,8 +54,6 @@ __all__ = [
 register_configs()
 register_resolvers()
 
-# As on the command line in tests/conftest.py: no W&B, no progress bar.
-FAST = ["logger=none", "trainer.progress=false"]
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
