@@ -112,7 +112,7 @@ class MemoryPlan:
 @dataclass
 class Counted:
     """What one step on the meta device (or the CPU) counted, for the whole model (no
-    sharding): the pieces `plan` divides and combines."""
+    sharding): the pieces `plan_memory` divides and combines."""
 
     params: int
     values: int  # parameters, counted
@@ -139,7 +139,7 @@ def count(cfg: TrainConfig, source: DataSource) -> Counted:
         return _count(cfg, source, torch.device("cpu"))
 
 
-def plan(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
+def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
          distributed: bool | None = None) -> MemoryPlan:  # fmt: skip
     """One rank's plan under `wrapper` on `world_size` ranks, at trainer.batch_size;
     `distributed`: with a process group (default: more than one rank), so wrapped."""
@@ -297,7 +297,7 @@ def of_this_run_or_none(*args: Any) -> MemoryPlan | None:
         return None
 
 
-def checked(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMeter) -> dict:
+def memory_summary(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMeter) -> dict:
     """Collective: summary.json's memory entries: this run's plan (`of_this_run`), every rank's
     measured peak (tracking/peak.py), and the largest over the plan."""
     peaks = [int(p[0]) for p in all_gather_floats([meter.peak() or -1], env)]

@@ -283,8 +283,8 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
     """Rename the complete folder `tmp` to `final` (best.dcp, being replaced). A rename
     cannot replace a folder that holds files, so the old one is moved aside first and deleted
     only once the new one is in place: a kill between the two renames leaves both whole
-    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `dcp_files.best` reads, and the
-    next save puts back, the newest whole one."""
+    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `dcp_files.best_dcp_folder`
+    reads, and the next save puts back, the newest whole one."""
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames

@@ -28,7 +28,7 @@ def is_checkpoint(path: Path) -> bool:
     return Path(path).name.endswith(SUFFIX) and Path(path).is_dir()
 
 
-def best(folder: Path) -> Path | None:
+def best_dcp_folder(folder: Path) -> Path | None:
     """checkpoints/best.dcp, or what a replacement of it killed half-way left (see
     `left_by_swap`); None when the run has no best checkpoint."""
     final = Path(folder) / f"best{SUFFIX}"

@@ -80,9 +80,12 @@ def keep_as_best(output_dir: Path, step: int) -> None:
 
 def best(output_dir: Path) -> Path | None:
     """The run's best checkpoint: checkpoints/best.pt, or a ddp=fsdp2 run's best.dcp (also
-    when a replacement of it was killed half-way: dcp_files.best); None when it has none."""
+    when a replacement of it was killed half-way: dcp_files.best_dcp_folder); None when it has
+    none."""
     folder = checkpoint_dir(output_dir)
-    return folder / "best.pt" if (folder / "best.pt").exists() else dcp_files.best(folder)
+    return (
+        folder / "best.pt" if (folder / "best.pt").exists() else dcp_files.best_dcp_folder(folder)
+    )
 
 
 def write_error(e: BaseException, folder: Path) -> str:

@@ -136,7 +136,7 @@ def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, dev
     return hook
 
 
-def register(hook: Any, ddp: torch.nn.parallel.DistributedDataParallel) -> str:
+def register_comm_hook(hook: Any, ddp: torch.nn.parallel.DistributedDataParallel) -> str:
     """Register `hook` on the DDP wrap; its name for the log ("none" if None)."""
     if hook is None:
         return "none"

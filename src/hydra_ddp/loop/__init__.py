@@ -4,7 +4,7 @@
   to `fit`.
 - `job_types`: what a rank's job is made of (`Job`, and the user's `Components` with their
   builder).
-- `fit`: the training loop (`fit`) and the end of the run (`finish`: last validation,
+- `fit`: the training loop (`fit`) and the end of the run (`finish_run`: last validation,
   last checkpoint, test, summary).
 - `position`: where the loop is (`Position`, moved only by the loop), the batches from there,
   and the position as a checkpoint member with its resume arithmetic (`PositionState`).

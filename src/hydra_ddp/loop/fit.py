@@ -1,4 +1,4 @@
-"""The training loop: `fit` runs the steps, `finish` ends the run (last validation, last
+"""The training loop: `fit` runs the steps, `finish_run` ends the run (last validation, last
 checkpoint, test, summary). It calls each periodic concern explicitly, in order; each one
 decides its own cadence (`due(step)`) and owns its state:
 
@@ -157,7 +157,7 @@ def _log_stats(loop: Loop, grad_norm: Any) -> None:
     loop.stats.log(loop.pos.step, grad_norm, lrs, **_data_stats(loop.job, loop.pos))
 
 
-def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
+def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     """Collective: last validation, last checkpoint, test, summary; the same on every rank."""
     job, env, run, pos = loop.job, loop.env, loop.job.run, loop.pos
     if loop.stopper.received:  # came after the last step: the run ends normally
@@ -179,7 +179,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
         planned = memory.of_this_run_or_none(
             job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
         )
-        summary.update(memory.checked(planned, env, loop.meter))  # collective
+        summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     if env.is_main:
         jsonfile.write(run.output_dir / "summary.json", json_safe(summary))

@@ -4,7 +4,7 @@
 self-launched workers', a submitit task's, or the single process of `python -m
 hydra_ddp.train`). `prepare` builds everything that can fail on bad input before any process
 group; `_run` wraps the model, builds the checkpoint members (checkpoint.state) and the loop,
-resumes, and hands over to `fit.fit` and `fit.finish`.
+resumes, and hands over to `fit.fit` and `fit.finish_run`.
 
 A call marked `# collective` must be reached by every rank at the same step (it talks to the
 other ranks); putting one under `if env.is_main:` hangs the job.
@@ -39,7 +39,7 @@ from hydra_ddp.distributed.preemption import (
 from hydra_ddp.errors import translated
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
-from hydra_ddp.loop.fit import Loop, finish, fit
+from hydra_ddp.loop.fit import Loop, finish_run, fit
 from hydra_ddp.loop.job_types import Job, build_components
 from hydra_ddp.loop.monitor import Monitor, monitor_key
 from hydra_ddp.loop.position import Counting, Position, PositionState, epoch_length
@@ -193,7 +193,7 @@ def _run(job: Job) -> dict[str, Any]:
         scope.callback(loop.stopper.restore)  # the signal handlers as they were before
         start_step = pos.step
         wall = fit(loop)
-        return finish(loop, start_step, wall)
+        return finish_run(loop, start_step, wall)
 
 
 def _loop(
