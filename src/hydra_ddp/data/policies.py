@@ -202,6 +202,13 @@ def build_policy(sampler: Any, seed: int) -> SamplerPolicy:
             f"sampler._target_ built a {type(sampler).__qualname__}, not a sampler policy: "
             "subclass hydra_ddp.data.policies.SamplerPolicy (see its docstring)"
         )
+    # The methods' old names: a policy still defining them would be read as loading every row.
+    old = [f"{n}()" for n in ("parts", "eval_parts") if callable(getattr(sampler, n, None))]
+    if old:
+        raise UserError(
+            f"sampler._target_ {type(sampler).__qualname__} defines {' and '.join(old)}: these "
+            "are now rank_ranges() and eval_rank_ranges(); rename them (same arguments)"
+        )
     if getattr(sampler, "seed", None) is None:
         sampler.seed = seed
     return sampler
