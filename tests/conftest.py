@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
-# Small and quick: enough steps to see the loss fall, few enough for a 2-core CI box.
+# The overrides test jobs start from, run on the command line or in process (helpers/inproc.py)
+# alike: no W&B, no progress bar.
 FAST = ["logger=none", "trainer.progress=false"]
 
 

@@ -33,9 +33,9 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TESTS, make_synthetic, python_train, torchrun, user_env
+from conftest import FAST, REPO, TESTS, make_synthetic, python_train, torchrun, user_env
 from helpers import ranks
-from helpers.inproc import FAST, compose, entry, entry_on_a_rank, train_here
+from helpers.inproc import compose, entry, entry_on_a_rank, train_here
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.inproc import FAST, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks
 
 from hydra_ddp.errors import UserError
 

@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.inproc import FAST, train_ranks
+from conftest import FAST
+from helpers.inproc import train_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "checkpoint_v1"
 

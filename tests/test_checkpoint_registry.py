@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.inproc import FAST, job, train_rank
+from conftest import FAST
+from helpers.inproc import job, train_rank
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import state
@@ -70,8 +71,8 @@ def test_a_member_missing_from_the_checkpoint_starts_fresh_or_is_refused(tmp_pat
 
 
 def test_the_users_members_follow_the_defaults_and_replace_one_by_name() -> None:
-    mine = state.Member("counter", lambda parts: None)
-    monitor = state.Member("monitor", lambda parts: None)
+    mine = state.Member("counter", lambda objects: None)
+    monitor = state.Member("monitor", lambda objects: None)
     table = state.members([mine, monitor])
     names = [m.name for m in table]
     assert names == [m.name for m in state.DEFAULT_MEMBERS] + ["counter"]

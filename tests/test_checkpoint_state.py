@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FAST
 from helpers import state_callbacks
-from helpers.inproc import FAST, compose, isolated, train_here, train_ranks
+from helpers.inproc import compose, isolated, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp.checkpoint import safe_state

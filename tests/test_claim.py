@@ -84,8 +84,9 @@ def _lone_rank_with_bad_master(env, cfg, run):
 
 
 def test_an_unresolvable_master_addr_fails_at_once_naming_the_host(tmp_path: Path) -> None:
+    from conftest import FAST
     from helpers import ranks
-    from helpers.inproc import FAST, job
+    from helpers.inproc import job
 
     from hydra_ddp.errors import UserError
 

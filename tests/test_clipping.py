@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, train_here, typed
+from conftest import FAST
+from helpers.inproc import train_here, typed
 
 from hydra_ddp.errors import UserError
 from hydra_ddp.step import StepTools, default_step

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, job, prepare_job, train_ranks, typed
+from conftest import FAST
+from helpers.inproc import job, prepare_job, train_ranks, typed
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import safe_state
@@ -24,10 +25,10 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
     from hydra_ddp.distributed.ddp import wrap_model
 
     job_ = prepare_job(cfg, env, run)
-    _, hook = wrap_model(job_.parts.model, env, cfg.ddp)
+    _, hook = wrap_model(job_.components.model, env, cfg.ddp)
     before = hook.state_dict()["iter"]
-    parts = state.Parts(model=job_.parts.model, comm_hook=hook)
-    Checkpointer(run.output_dir, env, parts).restore(Path(path))
+    objects = state.CheckpointedObjects(model=job_.components.model, comm_hook=hook)
+    Checkpointer(run.output_dir, env, objects).restore(Path(path))
     return {"before": before, **safe_state.to_cpu(hook.state_dict())}
 
 
@@ -75,12 +76,12 @@ def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
 
     with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built a "
                        r"Counter without hook\(state, bucket\)") as e:  # fmt: skip
-        comm_hooks.built({"_target_": "collections.Counter"}, 2, 10, "cpu")
+        comm_hooks.build_comm_hook({"_target_": "collections.Counter"}, 2, 10, "cpu")
     assert "\n" not in str(e.value)
     with pytest.raises(
         UserError, match=r"ddp\.comm_hook \(.*PowerSGD\): ddp\.comm_hook\.start_iter"
     ):
-        comm_hooks.built(
+        comm_hooks.build_comm_hook(
             {"_target_": "hydra_ddp.distributed.comm_hooks.PowerSGD", "rank": 1, "start_iter": 1},
             2,
             10,

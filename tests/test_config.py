@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from hydra_ddp import config as C
 from hydra_ddp.components import build
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.parts import build_components
+from hydra_ddp.loop.job_types import build_components
 from hydra_ddp.rundir.paths import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

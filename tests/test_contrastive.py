@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST
 from helpers import ranks
-from helpers.inproc import FAST, train_ranks
+from helpers.inproc import train_ranks
 
 from hydra_ddp.distributed import DistEnv, all_gather_with_grad
 from hydra_ddp.errors import UserError
@@ -85,12 +86,15 @@ def test_contrastive_example_on_two_ranks(tmp_path: Path) -> None:
         assert min(losses[-3:]) < losses[0], "it learns"
     # Evaluation with the rank's own negatives (uneven shards: no collective in the loss).
     assert math.isfinite(s["val_loss"]) and s["val_loss"] < math.log(2 * batch - 1) + 0.05
-    # A loss that gathers in evaluation too: the test split's shards are uneven (149 and 148
-    # rows), yet every rank evaluates the same batches (the last one padding on rank 1), so
-    # the gathers pair up: no gloo abort, no mismatched shapes.
-    gathered = train_ranks(tmp_path / "gathers", *FAST, "experiment=contrastive",
+    # A loss that gathers in evaluation too: the test split's shards are uneven (test_fraction
+    # 0.1655 of digits' 1,797 rows: 297 rows, 149 and 148), yet every rank evaluates the same
+    # batches (the last one padding on rank 1), so the gathers pair up: no gloo abort, no
+    # mismatched shapes. Every split gets the fraction, so the three are cut alike.
+    uneven = [f"+data.{split}.test_fraction=0.1655" for split in ("train", "val", "test")]
+    gathered = train_ranks(tmp_path / "gathers", *FAST, "experiment=contrastive", *uneven,
                            "trainer.max_steps=2", f"trainer.batch_size={batch}",
                            "loss._target_=helpers.contrastive_user.gathers_always")  # fmt: skip
+    assert gathered[0]["rows_held_per_rank"] == [1230, 1230]  # 1,797 - 270 val - 297 test
     for r in gathered:
         assert math.isfinite(r["val_loss"]) and math.isfinite(r["test_loss"]), r
         assert r["test_loss"] == gathered[0]["test_loss"]

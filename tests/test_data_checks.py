@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.inproc import FAST, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks
 
 from hydra_ddp.data import Origin, Rows, TokenWindows, check_loaded
 from hydra_ddp.errors import UserError

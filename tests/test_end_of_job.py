@@ -20,8 +20,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ok, summary, torchrun
-from helpers.inproc import FAST, compose, isolated, train_ranks
+from conftest import FAST, ok, summary, torchrun
+from helpers.inproc import compose, isolated, train_ranks
 from helpers.runs import assert_close
 from omegaconf import OmegaConf
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers.inproc import FAST, train_here
+from conftest import FAST
+from helpers.inproc import train_here
 
 from hydra_ddp import checkpoint
 

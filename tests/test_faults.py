@@ -32,6 +32,7 @@ import psutil
 import pytest
 import torch
 from conftest import (
+    FAST,
     job_dirs,
     ok,
     only_job_dir,
@@ -41,7 +42,7 @@ from conftest import (
     user_env,
 )
 from helpers import ranks
-from helpers.inproc import FAST, entry_on_a_rank, train_here, train_ranks
+from helpers.inproc import entry_on_a_rank, train_here, train_ranks
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
@@ -684,9 +685,9 @@ def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path)
 
     # A rank that stopped on a signal records nothing: a stop is not a failure to blame.
     from hydra_ddp.distributed.preemption import Preempted
-    from hydra_ddp.errors import record
+    from hydra_ddp.errors import write_rank_error
 
-    record(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
+    write_rank_error(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
     assert not (errors / "rank3.txt").exists()
 
     # A stalled rank killed by the agent after the others timed out: the timeout says more.

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run, wandb_env
-from helpers.inproc import FAST, compose, isolated, train_here
+from conftest import FAST, run, wandb_env
+from helpers.inproc import compose, isolated, train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint

@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ok, only_job_dir, run, summary, torchrun, user_env
-from helpers.inproc import FAST, compose, train_here, train_ranks, typed
+from conftest import FAST, ok, only_job_dir, run, summary, torchrun, user_env
+from helpers.inproc import compose, train_here, train_ranks, typed
 from helpers.runs import assert_close, final_weights, global_losses, losses
 from omegaconf import OmegaConf
 
@@ -109,7 +109,7 @@ def test_sharded_checkpoints_rotate_and_fall_back_past_a_damaged_one(
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert "CRC" in dcp.damage(newest)
+    assert "CRC" in dcp.dcp_folder_damage(newest)
     assert checkpoint.latest(job) == folder / "step_00000040.dcp"
     (folder / "step_00000040.dcp" / "manifest.json").unlink()  # its write never completed
     assert checkpoint.latest(job) == folder / "step_00000030.dcp"

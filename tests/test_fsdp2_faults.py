@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, user_env
+from conftest import FAST, TESTS, user_env
 from helpers import ranks
-from helpers.inproc import FAST, train_here, train_ranks
+from helpers.inproc import train_here, train_ranks
 from helpers.runs import assert_close, final_weights, global_losses
 
 from hydra_ddp import checkpoint

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import FAST
 from helpers import ranks
-from helpers.inproc import FAST, compose, train_ranks
+from helpers.inproc import compose, train_ranks
 
 from hydra_ddp.components import build
 from hydra_ddp.config import DDPConfig, Wrapper

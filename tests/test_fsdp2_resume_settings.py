@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import torch
-from helpers.inproc import FAST, train_ranks
+from conftest import FAST
+from helpers.inproc import train_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 # A constant rate: the logged lr is the configured one.

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks
 
 from hydra_ddp.step import StepTools
 

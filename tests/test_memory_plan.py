@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers.inproc import FAST, train_here, train_ranks, typed
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks, typed
 
 from hydra_ddp import memory
 from hydra_ddp.components import build
@@ -31,7 +32,7 @@ def measured_and_planned(tmp_path, *overrides: str) -> tuple[int, memory.MemoryP
     state = summary["state_bytes_per_rank"][0] - peak["grads"]
     measured = state + peak["buffers"] + peak["above_start"]
     cfg = typed(*FAST, *SHORT, *overrides)
-    planned = memory.plan(memory.count(cfg, build(cfg.data, "data")), cfg, 1, Wrapper.ddp)
+    planned = memory.plan_memory(memory.count(cfg, build(cfg.data, "data")), cfg, 1, Wrapper.ddp)
     return measured, planned, summary
 
 
@@ -71,7 +72,7 @@ def test_plan_of_a_wider_gpt_and_the_command(tmp_path):
     assert lines[""] == ["ddp", "fsdp2"]
     cfg = typed(*GPT, "model.n_embd=192")
     counted = memory.count(cfg, build(cfg.data, "data"))
-    ddp, fsdp2 = (memory.plan(counted, cfg, 2, w) for w in (Wrapper.ddp, Wrapper.fsdp2))
+    ddp, fsdp2 = (memory.plan_memory(counted, cfg, 2, w) for w in (Wrapper.ddp, Wrapper.fsdp2))
     assert fsdp2.optimizer * 2 == pytest.approx(ddp.optimizer, rel=1e-3)
     assert lines["largest batch_size"] == [
         str(ddp.largest_batch(2**30)),
@@ -114,7 +115,9 @@ def test_plan_on_two_ranks(tmp_path, wrapper):
                  f"ddp={wrapper}"]  # fmt: skip
     summaries = train_ranks(tmp_path, *overrides)
     cfg = typed(*overrides)
-    planned = memory.plan(memory.count(cfg, build(cfg.data, "data")), cfg, 2, cfg.ddp.wrapper)
+    planned = memory.plan_memory(
+        memory.count(cfg, build(cfg.data, "data")), cfg, 2, cfg.ddp.wrapper
+    )
     ran = summaries[0]["memory_plan"]
     for key in ("params", "grads", "optimizer", "buckets", "gathered"):
         assert ran[key] == pytest.approx(getattr(planned, key), rel=0.01), key

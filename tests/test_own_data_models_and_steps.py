@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ok, run, user_env
-from helpers.inproc import FAST, compose, train_here, train_ranks
+from conftest import FAST, ok, run, user_env
+from helpers.inproc import compose, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint

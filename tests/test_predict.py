@@ -16,8 +16,9 @@ from pathlib import Path
 import conftest
 import pytest
 import torch
+from conftest import FAST
 from helpers import ranks
-from helpers.inproc import FAST, compose, isolated, train_here
+from helpers.inproc import compose, isolated, train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint

@@ -64,7 +64,7 @@ def test_the_built_in_sampler_policies_and_samplers_meet_theirs() -> None:
                  for p in sorted((REPO / "conf/sampler").glob("*.yaml"))]  # fmt: skip
     for policy in policies:
         assert isinstance(policy, P.SamplerPolicy), policy
-        parts = policy.parts(10, [10], 2, 0)
+        parts = policy.rank_ranges(10, [10], 2, 0)
         held = 10 if parts is None else sum(b - a for a, b in parts[0])
         sampler = policy.sampler(held, parts, 0, 2, 3)
         assert isinstance(sampler, P.EpochSampler) and isinstance(sampler, P.Stateful)
@@ -90,11 +90,11 @@ def test_the_built_in_metrics_and_data_sources_meet_theirs() -> None:
 
 def test_the_built_in_comm_hooks_meet_comm_hook() -> None:
     for name in ("fp16_compress", "bf16_compress", "powersgd"):
-        hook = comm_hooks.built(name, 1, 2, "cpu")
+        hook = comm_hooks.build_comm_hook(name, 1, 2, "cpu")
         assert isinstance(hook, P.CommHook), name
-    powersgd = comm_hooks.built("powersgd", 1, 2, "cpu")
+    powersgd = comm_hooks.build_comm_hook("powersgd", 1, 2, "cpu")
     assert isinstance(powersgd, P.Stateful)
-    assert comm_hooks.built("none", 1, 2, "cpu") is None
+    assert comm_hooks.build_comm_hook("none", 1, 2, "cpu") is None
     # A user's, which subclasses nothing (tests/helpers).
     from helpers.user_comm_hooks import CountingMean
     from helpers.user_sinks import Collect, NotASink
@@ -113,8 +113,8 @@ def test_the_callback_step_and_member_contracts_are_what_the_loop_calls() -> Non
     assert list(inspect.signature(default_step).parameters) == wanted
     assert isinstance(default_step, P.Step)
     # A checkpoint entry, as checkpoint/state.py declares one; the model it holds is Stateful.
-    member = state.Member("model", lambda parts: state.ModelState(parts.model, False))
+    member = state.Member("model", lambda objects: state.ModelState(objects.model, False))
     assert isinstance(member, P.Member)
-    held = member.get(state.Parts(model=torch.nn.Linear(2, 2)))
+    held = member.get(state.CheckpointedObjects(model=torch.nn.Linear(2, 2)))
     assert isinstance(held, P.Stateful)
     assert not isinstance(object(), P.Member)

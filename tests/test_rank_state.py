@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, compose, isolated, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import compose, isolated, train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks
 
 from hydra_ddp.data import Strided, epoch_rows
 
@@ -105,7 +106,9 @@ def test_sampler_changes_that_keep_the_order_are_exact() -> None:
     for change in ({"drop_last": True}, {"seed": 5}, {"rotate": True}):
         new = epoch_rows.Setup({**plain, **change}, 2, 8)
         assert epoch_rows.twice_and_skipped(old, new, 64, [64], 0, 2, 2) == (0, 0), change
-    assert not epoch_rows.changed(plain, {**plain, "seed": 5}, 2, 2)  # unshuffled: no seed
+    assert not epoch_rows.reading_order_changed(
+        plain, {**plain, "seed": 5}, 2, 2
+    )  # unshuffled: no seed
     shuffled = epoch_rows.Setup({**plain, "shuffle": True}, 2, 8)
     twice, skipped = epoch_rows.twice_and_skipped(old, shuffled, 64, [64], 0, 2, 2)
     assert twice == skipped > 0  # as many read again as left out, each epoch reads 64
@@ -185,8 +188,8 @@ def test_a_user_policy_that_declares_its_settings_is_counted_on_resume() -> None
     reversed_ = epoch_rows.settings(Reversed(False), 0)
     assert reversed_ == {"_target_": f"{__name__}.Reversed", "drop_last": False}
     plain = epoch_rows.settings(Strided(False, 0, False), 0)
-    assert epoch_rows.changed(plain, reversed_, 2, 2)
-    assert not epoch_rows.changed(reversed_, dict(reversed_), 2, 2)
+    assert epoch_rows.reading_order_changed(plain, reversed_, 2, 2)
+    assert not epoch_rows.reading_order_changed(reversed_, dict(reversed_), 2, 2)
     old, new = epoch_rows.Setup(plain, 2, 8), epoch_rows.Setup(reversed_, 2, 8)
     # 2 of 4 batches of 64 rows read forwards (rows 0..31), the rest backwards (rows 0..31
     # again): 32 read twice, and rows 32..63 skipped.
@@ -196,7 +199,7 @@ def test_a_user_policy_that_declares_its_settings_is_counted_on_resume() -> None
 def test_a_user_policy_without_settings_says_a_resume_cannot_be_counted(caplog) -> None:
     undeclared = epoch_rows.settings(Undeclared(False), 0)
     assert undeclared == {"policy": f"{__name__}.Undeclared", "undeclared": True}
-    assert epoch_rows.changed(undeclared, dict(undeclared), 2, 2)  # it cannot be told
+    assert epoch_rows.reading_order_changed(undeclared, dict(undeclared), 2, 2)  # it cannot be told
 
     class Source:
         def num_rows(self, split):

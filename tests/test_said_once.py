@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conftest import FAST
 from helpers import ranks
-from helpers.inproc import FAST, job, prepare_job
+from helpers.inproc import job, prepare_job
 
 from hydra_ddp.checkpoint.state import restoring
 from hydra_ddp.loop.checkpointing import _counting

@@ -578,8 +578,21 @@ def test_a_policy_argument_out_of_range_is_refused_naming_its_key() -> None:
 
 
 def test_a_target_that_is_no_policy_is_refused_in_one_line() -> None:
-    from hydra_ddp.data.policies import built
+    from hydra_ddp.data.policies import build_policy
     from hydra_ddp.errors import UserError
 
     with pytest.raises(UserError, match=r"sampler\._target_ built a Counter, not a sampler policy"):
-        built({"_target_": "collections.Counter"}, 0)
+        build_policy({"_target_": "collections.Counter"}, 0)
+
+
+def test_a_policy_with_the_old_method_names_is_refused_in_one_line() -> None:
+    from hydra_ddp.data.policies import Strided, build_policy
+    from hydra_ddp.errors import UserError
+
+    class OldNames(Strided):  # a policy written against parts() / eval_parts()
+        def parts(self, num_rows, file_rows, world, epoch):
+            return None
+
+    with pytest.raises(UserError, match=r"OldNames defines parts\(\): these are now rank_ranges"):
+        build_policy(OldNames(shuffle=False, seed=None, drop_last=False), 0)
+    assert build_policy(Strided(shuffle=False, seed=None, drop_last=False), 3).seed == 3

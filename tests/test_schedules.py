@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.inproc import FAST, train_here
+from conftest import FAST
+from helpers.inproc import train_here
 
 from hydra_ddp.errors import UserError
 from hydra_ddp.optim import Optimizers

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.inproc import FAST, train_here, train_ranks
+from conftest import FAST
+from helpers.inproc import train_here, train_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hydra_ddp.errors import UserError
@@ -104,21 +105,21 @@ def test_ctx_log_rule() -> None:
     import torch
     import wandb
 
-    out = values.check(
+    out = values.loggable_values(
         {"a": torch.tensor(2.5), "b": np.float64(1.5), "c": 3, "d": "text", "e": True}, []
     )
     assert out == {"a": 2.5, "b": 1.5, "c": 3, "d": "text", "e": True}
     histogram = wandb.Histogram([1.0, 2.0, 3.0])
-    assert values.check({"h": histogram}, [])["h"] is histogram
+    assert values.loggable_values({"h": histogram}, [])["h"] is histogram
     assert values.plain(histogram) == "<wandb.Histogram>"
     for key in ("step", "rank", "time", "loss", "lr", "lr/default/0", "step_time", "epoch"):
         with pytest.raises(ValueError, match=f"ctx.log key '{key}' is a field or stat"):
-            values.check({key: 1.0}, [])
+            values.loggable_values({key: 1.0}, [])
     with pytest.raises(ValueError, match="'loss_aux' is a field or stat"):
-        values.check({"loss_aux": 1.0}, ["loss", "loss_aux"])  # a term this job logs
+        values.loggable_values({"loss_aux": 1.0}, ["loss", "loss_aux"])  # a term this job logs
     for bad, what in (([1, 2], "list"), (torch.ones(3), "a tensor of 3 elements"), (None, "None")):
         with pytest.raises(ValueError, match=f"ctx.log value 'x' is {what}"):
-            values.check({"x": bad}, [])
+            values.loggable_values({"x": bad}, [])
 
 
 @pytest.mark.parametrize("key, value", [("loss", "1"), ("x", "tensor")])

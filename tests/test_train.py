@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ok, only_job_dir, summary, torchrun, user_env, wandb_env
+from conftest import FAST, ok, only_job_dir, summary, torchrun, user_env, wandb_env
 from helpers import wandb_records
-from helpers.inproc import FAST, train_here, train_ranks
+from helpers.inproc import train_here, train_ranks
 
 from hydra_ddp.errors import UserError
 from hydra_ddp.models import CNN

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.inproc import FAST, compose, train_here, train_ranks, typed
+from conftest import FAST
+from helpers.inproc import compose, train_here, train_ranks, typed
 from omegaconf import OmegaConf
 
 from hydra_ddp.components import build

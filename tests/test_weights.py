@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import summary, user_env
+from conftest import FAST, summary, user_env
 from helpers import ranks
-from helpers.inproc import FAST, compose, train_here, train_ranks, typed
+from helpers.inproc import compose, train_here, train_ranks, typed
 from helpers.weights_ranks import META, load_each, write_sharded
 from omegaconf import OmegaConf
 from safetensors.torch import save_file, save_model

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check_setting
 from hydra_ddp.logger_config import (  # noqa: F401  (the logger/ group, imported from here too)
     Layout,
     LoggerConfig,
@@ -30,20 +30,15 @@ from hydra_ddp.logger_config import (  # noqa: F401  (the logger/ group, importe
     WandbMode,
 )
 
-
-def _require(ok: bool, key: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
-
-
 # --------------------------------------------------------------------------------------------
 # ddp/: how the model is wrapped
 # --------------------------------------------------------------------------------------------
 
 
-# The comm hooks that ship with the template, by the name ddp.comm_hook may give instead of a
-# `_target_` (hydra_ddp/distributed/comm_hooks.py).
-COMM_HOOKS = ("none", "fp16_compress", "bf16_compress", "powersgd")
+# The comm hooks that ship with the template: a name ddp.comm_hook may give instead of a
+# `_target_` -> its class in distributed/comm_hooks.py, which reads this table (none: no hook).
+COMM_HOOKS = {"none": None, "fp16_compress": "FP16Compress", "bf16_compress": "BF16Compress",
+              "powersgd": "PowerSGD"}  # fmt: skip
 
 
 class Wrapper(Enum):
@@ -123,15 +118,16 @@ class DDPConfig:
     def __post_init__(self) -> None:
         self._check_wrapper_options()
         hook = self.comm_hook
-        _require(
-            hook in COMM_HOOKS or (isinstance(hook, dict) and "_target_" in hook),
+        built_in = isinstance(hook, str) and hook in COMM_HOOKS
+        check_setting(
+            built_in or (isinstance(hook, dict) and "_target_" in hook),
             "ddp.comm_hook",
             f"one of {', '.join(COMM_HOOKS)}, or a component ({{_target_: my_hooks.Hook, ...}})",
             hook,
         )
-        _require(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
-        _require(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
-        _require(
+        check_setting(self.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MiB)", self.bucket_cap_mb)
+        check_setting(self.powersgd_rank >= 1, "ddp.powersgd_rank", ">= 1", self.powersgd_rank)
+        check_setting(
             self.powersgd_start_iter >= 2,
             "ddp.powersgd_start_iter",
             ">= 2 (PowerSGD compresses from the third step at the earliest)",
@@ -271,19 +267,19 @@ class TrainerConfig:
     profile_start: int = 5  # ...after this many
 
     def __post_init__(self) -> None:
-        _require(
+        check_setting(
             self.max_steps == -1 or self.max_steps > 0,
             "trainer.max_steps",
             "> 0, or -1 to run trainer.epochs",
             self.max_steps,
         )
-        _require(self.epochs > 0, "trainer.epochs", "> 0", self.epochs)
-        _require(
+        check_setting(self.epochs > 0, "trainer.epochs", "> 0", self.epochs)
+        check_setting(
             self.batch_size > 0, "trainer.batch_size", "> 0 (samples per rank)", self.batch_size
         )
-        _require(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
+        check_setting(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
         _check_grad_clip(self.grad_clip)
-        _require(
+        check_setting(
             self.init_map is None
             or isinstance(self.init_map, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in self.init_map.items()),
@@ -291,22 +287,24 @@ class TrainerConfig:
             "a mapping of name prefixes, e.g. {transformer.:''}",
             self.init_map,
         )
-        _require(self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval)
-        _require(
+        check_setting(
+            self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval
+        )
+        check_setting(
             self.eval_interval >= 0,
             "trainer.eval_interval",
             ">= 0 (steps; 0: at the end)",
             self.eval_interval,
         )
-        _require(
+        check_setting(
             self.ckpt_interval >= 0,
             "trainer.ckpt_interval",
             ">= 0 (steps; 0: at the end)",
             self.ckpt_interval,
         )
-        _require(self.keep_ckpts >= 1, "trainer.keep_ckpts", ">= 1", self.keep_ckpts)
-        _require(self.num_workers >= 0, "trainer.num_workers", ">= 0", self.num_workers)
-        _require(
+        check_setting(self.keep_ckpts >= 1, "trainer.keep_ckpts", ">= 1", self.keep_ckpts)
+        check_setting(self.num_workers >= 0, "trainer.num_workers", ">= 0", self.num_workers)
+        check_setting(
             bool(self.resume), "trainer.resume", "auto, never or a checkpoint path", self.resume
         )
         for key in (
@@ -318,15 +316,17 @@ class TrainerConfig:
             "profile_start",
         ):
             value = getattr(self, key)
-            _require(value >= 0, f"trainer.{key}", ">= 0 (0: off)", value)
-        _require(0 <= self.ema_decay < 1, "trainer.ema_decay", "in [0, 1) (0: off)", self.ema_decay)
-        _require(
+            check_setting(value >= 0, f"trainer.{key}", ">= 0 (0: off)", value)
+        check_setting(
+            0 <= self.ema_decay < 1, "trainer.ema_decay", "in [0, 1) (0: off)", self.ema_decay
+        )
+        check_setting(
             self.early_stop_patience == 0 or self.eval_interval > 0,
             "trainer.early_stop_patience",
             "0 unless trainer.eval_interval > 0 (early stopping needs evaluations)",
             self.early_stop_patience,
         )
-        _require(
+        check_setting(
             self.monitor.startswith("val/") and len(self.monitor) > 4,
             "trainer.monitor",
             "val/loss or val/<a metrics.* name>, e.g. val/acc",
@@ -341,7 +341,7 @@ def _check_grad_clip(value: Any) -> None:
     for name, clip in items:
         key = "trainer.grad_clip" if name is None else f"trainer.grad_clip.{name}"
         number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
-        _require(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
+        check_setting(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
 
 
 def optimizer_names(optim: Any) -> list[str]:
@@ -376,9 +376,9 @@ class DistConfig:
     max_restarts: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.timeout_s > 0, "dist.timeout_s", "> 0 (seconds)", self.timeout_s)
-        _require(self.nproc_per_node >= 1, "dist.nproc_per_node", ">= 1", self.nproc_per_node)
-        _require(self.max_restarts >= 0, "dist.max_restarts", ">= 0", self.max_restarts)
+        check_setting(self.timeout_s > 0, "dist.timeout_s", "> 0 (seconds)", self.timeout_s)
+        check_setting(self.nproc_per_node >= 1, "dist.nproc_per_node", ">= 1", self.nproc_per_node)
+        check_setting(self.max_restarts >= 0, "dist.max_restarts", ">= 0", self.max_restarts)
 
 
 @dataclass

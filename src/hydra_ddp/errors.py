@@ -29,6 +29,13 @@ class UserError(Exception):
     as one line and exits with status 2, instead of a traceback from every rank."""
 
 
+def check_setting(ok: bool, key: str, allowed: str, value: object) -> None:
+    """The typed config's check of one key (config.py and logger_config.py use it): unless
+    `ok`, a UserError naming the key, its value and what it must be."""
+    if not ok:
+        raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
+
+
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 # The words of the two messages below that say a rank failed *because of* another one: the
 # launcher blames such a rank only when no rank said anything better (`worker_failed`).
@@ -250,13 +257,14 @@ def file_too_large(path: object) -> str:
 def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
     """Re-raise what `one_line` can say in one line as that UserError (the original chained
     as its cause, so the rank's log file keeps the traceback). Under self-launch the error is
-    also recorded for the launcher (`record`) here, before the process group is torn down:
-    the peers' "lost contact" comes after it, and the launcher may kill this rank soon after."""
+    also written for the launcher (`write_rank_error`) here, before the process group is torn
+    down: the peers' "lost contact" comes after it, and the launcher may kill this rank soon
+    after."""
     try:
         yield
     except Exception as e:
         better = one_line(e, rank, timeout_s, output_dir)
-        record(better or e, rank, Path(output_dir) / "errors")
+        write_rank_error(better or e, rank, Path(output_dir) / "errors")
         if better is None or better is e:
             raise
         raise better from e
@@ -314,17 +322,19 @@ def translated_evaluation(
         yield
     except Exception as e:
         if isinstance(e, UserError):
-            record(e, rank, Path(output_dir) / "errors")  # for the launcher, as `translated`
+            write_rank_error(
+                e, rank, Path(output_dir) / "errors"
+            )  # for the launcher, as `translated`
             raise
         if not lost_peer(e):
             logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
                                              exc_info=e)  # fmt: skip
         better = evaluation_one_line(e, rank, timeout_s, output_dir, doing[0])
-        record(better, rank, Path(output_dir) / "errors")
+        write_rank_error(better, rank, Path(output_dir) / "errors")
         raise better from e
 
 
-def record(e: BaseException, rank: int, errors_dir: Path) -> None:
+def write_rank_error(e: BaseException, rank: int, errors_dir: Path) -> None:
     """Write why this rank failed to `errors_dir/rank<r>.txt` (one line; the file's mtime is
     when), for `worker_failed`. Only where the launcher made that dir (self-launch), and only
     the rank's first error: what follows it (a failed teardown) is not the cause."""

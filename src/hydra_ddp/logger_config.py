@@ -14,13 +14,8 @@ from typing import Any, List, Mapping, Optional
 
 from hydra.utils import get_object
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check_setting
 from hydra_ddp.protocols import Sink, missing_members
-
-
-def _require(ok: bool, key: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
 
 
 class Layout(Enum):
@@ -72,11 +67,11 @@ class LoggerConfig:
     finish_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        _require(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
-        _require(
+        check_setting(self.init_timeout_s > 0, "logger.init_timeout_s", "> 0", self.init_timeout_s)
+        check_setting(
             self.finish_timeout_s >= 0, "logger.finish_timeout_s", ">= 0", self.finish_timeout_s
         )
-        _require(
+        check_setting(
             self.min_interval_s >= 0,
             "logger.min_interval_s",
             ">= 0 (0: every interval)",

@@ -44,8 +44,8 @@ from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
+from hydra_ddp.loop.job_types import build_components
 from hydra_ddp.loop.objective import to_device
-from hydra_ddp.loop.parts import build_components
 from hydra_ddp.step import StepTools
 from hydra_ddp.tracking.peak import PeakMeter
 
@@ -112,7 +112,7 @@ class MemoryPlan:
 @dataclass
 class Counted:
     """What one step on the meta device (or the CPU) counted, for the whole model (no
-    sharding): the pieces `plan` divides and combines."""
+    sharding): the pieces `plan_memory` divides and combines."""
 
     params: int
     values: int  # parameters, counted
@@ -139,7 +139,7 @@ def count(cfg: TrainConfig, source: DataSource) -> Counted:
         return _count(cfg, source, torch.device("cpu"))
 
 
-def plan(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
+def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
          distributed: bool | None = None) -> MemoryPlan:  # fmt: skip
     """One rank's plan under `wrapper` on `world_size` ranks, at trainer.batch_size;
     `distributed`: with a process group (default: more than one rank), so wrapped."""
@@ -179,8 +179,8 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
     acts: dict[int, int] = {}
     meta = torch.device("meta") if device.type == "meta" else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), meta:  # the job's random streams stay as they were
-        parts = build_components(probe, source, device, total_steps=1)
-        model, optimizers = parts.model, parts.optimizers.optimizers
+        components = build_components(probe, source, device, total_steps=1)
+        model, optimizers = components.model, components.optimizers.optimizers
         tools = StepTools(
             torch.amp.GradScaler("cpu", enabled=False),
             contextlib.nullcontext(),
@@ -202,7 +202,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
                 return t
 
             with saved_tensors_hooks(pack, lambda t: t):
-                parts.step_fn(tools, model, [batch], parts.objective, optimizers)
+                components.step_fn(tools, model, [batch], components.objective, optimizers)
             acts[rows] = sum(saved.values())
     tensors = [*model.parameters(), *model.buffers()]
     units = find_units(model, cfg.ddp)
@@ -297,7 +297,7 @@ def of_this_run_or_none(*args: Any) -> MemoryPlan | None:
         return None
 
 
-def checked(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMeter) -> dict:
+def memory_summary(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMeter) -> dict:
     """Collective: summary.json's memory entries: this run's plan (`of_this_run`), every rank's
     measured peak (tracking/peak.py), and the largest over the plan."""
     peaks = [int(p[0]) for p in all_gather_floats([meter.peak() or -1], env)]

@@ -99,7 +99,7 @@ def _match(
     return hit, [(n, p) for n, p in named if not any(fnmatch.fnmatchcase(n, q) for q in pats)]
 
 
-class Interval(Enum):
+class ScheduleInterval(Enum):
     """scheduler.interval: when a schedule steps."""
 
     step = "step"  # after each optimizer step
@@ -111,7 +111,7 @@ class Timing:
     """When one schedule steps: by `interval`, or after each validation with the metric
     `monitor` (the key of the validation results: `val/loss` -> `loss`)."""
 
-    interval: Interval = Interval.step
+    interval: ScheduleInterval = ScheduleInterval.step
     monitor: str | None = None
 
 
@@ -119,14 +119,14 @@ def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> T
     """Take the template's keys `interval` and `monitor` out of a scheduler's config `sched`
     (the rest builds the schedule), checked: one line naming the key when wrong."""
     interval, monitor = sched.pop("interval", None), sched.pop("monitor", None)
-    choices = [i.value for i in Interval]
+    choices = [i.value for i in ScheduleInterval]
     if interval is not None and interval not in choices:
         raise UserError(
             f"{key}.interval={interval!r} is not one of {', '.join(choices)}: step after each "
             "optimizer step (the default) or at each epoch's end"
         )
     if monitor is None:
-        return Timing(Interval(interval or "step"))
+        return Timing(ScheduleInterval(interval or "step"))
     if interval is not None:
         raise UserError(
             f"{key}: give interval or monitor, not both: a schedule with a monitor steps after "
@@ -184,7 +184,7 @@ class Optimizers:
             mine = labels.setdefault(name, [])
             opt = build(spec, key, params=_grouped(named, groups, f"{key}.param_groups", mine))
             timing = timings[name] = _timing(sched, sched_key, metrics) if sched else Timing()
-            by_epoch = timing.interval == Interval.epoch and total_epochs is not None
+            by_epoch = timing.interval == ScheduleInterval.epoch and total_epochs is not None
             length = total_epochs if by_epoch else total_steps
             return opt, build(sched, sched_key, optimizer=opt, total_steps=length)
 
@@ -215,11 +215,11 @@ class Optimizers:
 
     def step_schedules(self) -> None:
         """After each optimizer step: the schedules stepped by step (the default)."""
-        self._step(Timing(Interval.step))
+        self._step(Timing(ScheduleInterval.step))
 
     def end_epoch(self) -> None:
         """At each epoch's end: the schedules with `interval: epoch`."""
-        self._step(Timing(Interval.epoch))
+        self._step(Timing(ScheduleInterval.epoch))
 
     def after_validation(self, metrics: Mapping[str, float]) -> None:
         """After each validation (`metrics`: its results, `loss`, `acc`, ...): the schedules

@@ -77,7 +77,9 @@ def world_size(cfg: TrainConfig, ranks: int | None) -> int:
 
 def plans(cfg: TrainConfig, ranks: int) -> tuple[memory.Counted, list[memory.MemoryPlan]]:
     counted = memory.count(cfg, build(cfg.data, "data"))
-    return counted, [memory.plan(counted, cfg, ranks, w) for w in (Wrapper.ddp, Wrapper.fsdp2)]
+    return counted, [
+        memory.plan_memory(counted, cfg, ranks, w) for w in (Wrapper.ddp, Wrapper.fsdp2)
+    ]
 
 
 def mib(n: float) -> str:

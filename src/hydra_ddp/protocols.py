@@ -102,11 +102,11 @@ class SamplerPolicy(Protocol):
     - `seed`: None becomes `trainer.seed` before first use.
     - `check(num_rows, file_rows, world, batch_size)`: raise a one-line UserError for a split
       it cannot serve; runs in the launching process before any data is loaded.
-    - `parts(num_rows, file_rows, world, epoch)`: each rank's global row ranges to load (a list
-      of `world` Ranges), or None (every rank loads the whole split). With
+    - `rank_ranges(num_rows, file_rows, world, epoch)`: each rank's global row ranges to load
+      (a list of `world` Ranges), or None (every rank loads the whole split). With
       `reloads_each_epoch = True` they are asked again at each epoch start.
-    - `sampler(rows_held, parts, rank, world, batch_size)`: this rank's `EpochSampler`.
-    - `eval_parts(num_rows, world)`: the rows each rank evaluates, every row once over the
+    - `sampler(rows_held, rank_ranges, rank, world, batch_size)`: this rank's `EpochSampler`.
+    - `eval_rank_ranges(num_rows, world)`: the rows each rank evaluates, every row once over the
       ranks (None: every rank loads the split and takes rank, rank + world, ...).
     - `rows_per_rank(rows_held, world)`: about how many rows a rank trains on (the plan).
     - `settings()`: what decides an epoch's order, recorded in checkpoints; None, or
@@ -114,7 +114,7 @@ class SamplerPolicy(Protocol):
       read twice or skipped.
     - `name`: what summary.json's `sampler` says.
 
-    Base with the defaults (override `sampler`, and `parts` if ranks load only some rows):
+    Base with the defaults (override `sampler`, and `rank_ranges` if ranks load only some rows):
     `hydra_ddp.data.policies.SamplerPolicy`."""
 
     name: str
@@ -123,15 +123,20 @@ class SamplerPolicy(Protocol):
 
     def check(self, num_rows: int, file_rows: list[int], world: int, batch_size: int) -> None: ...
 
-    def parts(
+    def rank_ranges(
         self, num_rows: int, file_rows: list[int], world: int, epoch: int
     ) -> list[Ranges] | None: ...
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler: ...
 
-    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None: ...
+    def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None: ...
 
     def rows_per_rank(self, rows_held: int, world: int) -> int: ...
 
@@ -303,8 +308,8 @@ class Member(Protocol):
     entries in the same order on every rank, declared when the job is built:
 
     - `name`: its key in the checkpoint.
-    - `get(parts)`: the `Stateful` holding it in this job's parts, or None when the job has
-      none (neither saved nor loaded). Saving calls its `state_dict()`, resume its
+    - `get(objects)`: the `Stateful` holding it among the job's checkpointed objects, or None
+      when the job has none (neither saved nor loaded). Saving calls its `state_dict()`, resume its
       `load_state_dict(state)`, in the table's order.
     - `per_rank`: every rank saves and loads its own state (RNG, a comm hook's error
       feedback); else one global state, saved by rank 0 (fsdp2: by every rank when sharded)

@@ -24,10 +24,10 @@ from hydra_ddp.distributed.entry import main as run_main
 from hydra_ddp.distributed.preemption import exit_with_parent
 from hydra_ddp.errors import translated
 from hydra_ddp.loop.checkpointing import checkpointed, checkpointer_for, finished_summary, resume
-from hydra_ddp.loop.fit import build_loop, finish, fit
+from hydra_ddp.loop.fit import build_loop, finish_run, fit
 from hydra_ddp.loop.job import begin, build_data, prepare, start_rank, start_tracker
-from hydra_ddp.loop.parts import Job
-from hydra_ddp.loop.wrapping import wrap
+from hydra_ddp.loop.job_types import Job
+from hydra_ddp.loop.wrapping import wrap_job
 from hydra_ddp.tracking import RunInfo
 
 
@@ -58,21 +58,21 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 def _train_in_group(job: Job) -> dict[str, Any]:
     """Everything after the process group is up. Its frame holds the wrapped model, which so
     dies when it returns, before the process group."""
-    wrapped = wrap(job)  # collective: DDP or FSDP2 (ddp.wrapper), the EMA, torch.compile
-    parts = checkpointed(job, wrapped)  # the objects a checkpoint holds; the position at 0
-    checkpointer = checkpointer_for(job, parts)  # with the template's and callbacks' members
+    wrapped = wrap_job(job)  # collective: DDP or FSDP2 (ddp.wrapper), the EMA, torch.compile
+    objects = checkpointed(job, wrapped)  # the objects a checkpoint holds; the position at 0
+    checkpointer = checkpointer_for(job, objects)  # with the template's and callbacks' members
     resumed = resume(job, checkpointer)  # collective
-    step = parts.position.pos.step
+    step = objects.position.pos.step
     if resumed and (done := finished_summary(job, step)) is not None:  # collective
         return done
     tracker = start_tracker(job, step if resumed else None)  # collective
     with tracker, contextlib.ExitStack() as scope:
         scope.callback(checkpointer.abandon)  # a failed job leaves no half-written save
         begin(job, scope)  # the config and the plan said
-        loop = build_loop(job, wrapped, parts, checkpointer, tracker, scope)
+        loop = build_loop(job, wrapped, objects, checkpointer, tracker, scope)
         wall = fit(loop)  # collective: the steps, evaluation and checkpoints on their cadence
         # Collective: the last validation and checkpoint, test, this rank's stats, the summary.
-        return finish(loop, step, wall)
+        return finish_run(loop, step, wall)
 
 
 if __name__ == "__main__":

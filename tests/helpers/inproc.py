@@ -33,13 +33,12 @@ from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.distributed import DistEnv, env_from_environ, under_launcher
 from hydra_ddp.distributed.entry import config_dir, preflight, to_typed
 from hydra_ddp.loop import job as rank_job
-from hydra_ddp.loop.parts import Job
+from hydra_ddp.loop.job_types import Job
 from hydra_ddp.rundir.paths import register_resolvers
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import train
 
 __all__ = [
-    "FAST",
     "compose",
     "config_dir",
     "entry",
@@ -59,8 +58,6 @@ __all__ = [
 register_configs()
 register_resolvers()
 
-# As on the command line in tests/conftest.py: no W&B, no progress bar.
-FAST = ["logger=none", "trainer.progress=false"]
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 

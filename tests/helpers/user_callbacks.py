@@ -110,8 +110,8 @@ class Notes:
         from hydra_ddp.checkpoint.state import Member
 
         return [
-            Member("note", lambda parts: self.shared, required=self.required),
-            Member("my_note", lambda parts: self.mine, per_rank=True),
+            Member("note", lambda objects: self.shared, required=self.required),
+            Member("my_note", lambda objects: self.mine, per_rank=True),
         ]
 
     def on_train_start(self, ctx) -> None:

@@ -32,7 +32,7 @@ class Backwards(Strided):
         super().__init__(shuffle=False, seed=0, drop_last=drop_last)
         self.record_dir = record_dir
 
-    def sampler(self, rows_held, parts, rank, world, batch_size):
+    def sampler(self, rows_held, rank_ranges, rank, world, batch_size):
         return BackwardsSampler(
             rows_held, rank, world, batch_size, shuffle=False, drop_last=self.drop_last,
             record=f"{self.record_dir}/rank{rank}.txt",

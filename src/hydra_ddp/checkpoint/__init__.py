@@ -16,7 +16,14 @@
 """
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
-from hydra_ddp.checkpoint.files import best, checkpoint_dir, latest, save, set_aside, write_error
+from hydra_ddp.checkpoint.files import (
+    best,
+    checkpoint_dir,
+    latest,
+    save,
+    set_aside_checkpoints,
+    write_error,
+)
 from hydra_ddp.checkpoint.init_from import init_weights
 from hydra_ddp.checkpoint.reading import load, resolve_resume
 
@@ -29,6 +36,6 @@ __all__ = [
     "load",
     "resolve_resume",
     "save",
-    "set_aside",
+    "set_aside_checkpoints",
     "write_error",
 ]

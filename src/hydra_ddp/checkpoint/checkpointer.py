@@ -21,7 +21,7 @@ class Checkpointer:
     """The training state on disk: `maybe_save` every trainer.ckpt_interval steps, `save` at
     the end or on a stop signal, `restore` on resume.
 
-    `parts` are this job's checkpointed objects; what of them a checkpoint holds, and how, is
+    `objects` are what this job checkpoints; what of them a checkpoint holds, and how, is
     `members` (state.members: the defaults and the user's). Rank 0 saves the global members;
     the per-rank ones (every rank's RNG and callback state, a comm hook's error feedback) are
     gathered into the same file. Every rank first takes rank 0's buffers (state.agree). Saving
@@ -32,21 +32,21 @@ class Checkpointer:
         self,
         output_dir: Path,
         env: DistEnv,
-        parts: state.Parts,
+        objects: state.CheckpointedObjects,
         members: Iterable[state.Member] = state.DEFAULT_MEMBERS,
         *,
         interval: int = 0,
         keep: int = 1,
         total_steps: int = 0,
     ) -> None:
-        self.output_dir, self.env, self.parts = Path(output_dir), env, parts
+        self.output_dir, self.env, self.objects = Path(output_dir), env, objects
         self.interval, self.keep, self.total_steps = interval, keep, total_steps
-        self.members = state.of(parts, members)
+        self.members = state.held_members(objects, members)
 
     @property
     def step(self) -> int:
         """The optimizer steps the position has taken (0 without a position)."""
-        position = self.parts.position
+        position = self.objects.position
         return int(position.pos.step) if position is not None else 0
 
     def due(self, step: int) -> bool:
@@ -62,7 +62,7 @@ class Checkpointer:
         """Collective: gather every rank's per-rank state, then global rank 0 alone writes
         checkpoints/step_<step>.pt, or checkpoints/<name> (the best one, never rotated)."""
         env = self.env
-        state.agree(self.parts, env)  # collective
+        state.agree(self.objects, env)  # collective
         main, refused = None, None
         try:  # what resume could not read is refused now, on every rank alike
             if env.is_main:

@@ -34,14 +34,14 @@ import torch.distributed.checkpoint as dcp
 
 from hydra_ddp.checkpoint import safe_state, state
 from hydra_ddp.checkpoint.checkpointer import Checkpointer
-from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.damage, dcp.load_full: the folder's readers)
+from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.dcp_folder_damage, dcp.load_full: the folder's readers)
     EXTRA,
     MANIFEST,
     NAME,
     SUFFIX,
     _crc,
     _read_extra,
-    damage,
+    dcp_folder_damage,
     is_checkpoint,
     left_by_swap,
     load_full,
@@ -85,7 +85,7 @@ class DCPCheckpointer(Checkpointer):
     def save(self, name: str | None = None, background: bool = False) -> None:
         """Write step_<step>.dcp (or best.dcp for name=best.pt) from every rank."""
         self.wait()
-        state.agree(self.parts, self.env)  # collective
+        state.agree(self.objects, self.env)  # collective
         folder = checkpoint_dir(self.output_dir)
         final = folder / (_dcp_name(name) or f"step_{self.step:08d}{SUFFIX}")
         tmp = folder / f".{final.name}.tmp"
@@ -237,7 +237,7 @@ class DCPCheckpointer(Checkpointer):
                 f"weights with trainer.init_from={path} and trainer.resume=never, or resume "
                 "it with ddp=default"
             )
-        why = damage(path)
+        why = dcp_folder_damage(path)
         if why is not None:
             raise UserError(
                 f"{path} is not a readable checkpoint ({why}): point trainer.resume at "
@@ -283,8 +283,8 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
     """Rename the complete folder `tmp` to `final` (best.dcp, being replaced). A rename
     cannot replace a folder that holds files, so the old one is moved aside first and deleted
     only once the new one is in place: a kill between the two renames leaves both whole
-    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `dcp_files.best` reads, and the
-    next save puts back, the newest whole one."""
+    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `dcp_files.best_dcp_folder`
+    reads, and the next save puts back, the newest whole one."""
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames

@@ -28,7 +28,7 @@ def is_checkpoint(path: Path) -> bool:
     return Path(path).name.endswith(SUFFIX) and Path(path).is_dir()
 
 
-def best(folder: Path) -> Path | None:
+def best_dcp_folder(folder: Path) -> Path | None:
     """checkpoints/best.dcp, or what a replacement of it killed half-way left (see
     `left_by_swap`); None when the run has no best checkpoint."""
     final = Path(folder) / f"best{SUFFIX}"
@@ -43,10 +43,10 @@ def left_by_swap(final: Path) -> Path | None:
     tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
     if final.exists() or not (old.is_dir() or final.name == f"best{SUFFIX}"):
         return None
-    return next((p for p in (tmp, old) if p.is_dir() and damage(p) is None), None)
+    return next((p for p in (tmp, old) if p.is_dir() and dcp_folder_damage(p) is None), None)
 
 
-def damage(path: Path) -> str | None:
+def dcp_folder_damage(path: Path) -> str | None:
     """Why a checkpoint folder is not whole, or None when every file its manifest lists is
     there with its size and CRC-32. Cached while no file in it changes (picking the newest
     checkpoint and then loading it read the files once)."""
@@ -93,7 +93,7 @@ def load_full(path: Path) -> dict[str, Any]:
     in the single-file checkpoint's layout ({"model": ..., "ema": ..., "step": ...}). Needs no
     process group: DCP assembles every tensor from all ranks' shards."""
     path = Path(path)
-    why = damage(path)
+    why = dcp_folder_damage(path)
     if why is not None:
         raise UserError(
             f"{path} is not a readable checkpoint ({why}): use another one of the run's "

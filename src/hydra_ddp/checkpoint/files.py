@@ -1,6 +1,6 @@
 """The checkpoint files on disk: written atomically by global rank 0, the newest K kept,
-each checked whole before it is trusted (`damage`), the newest intact one found (`latest`),
-and set aside (never deleted) when a run starts over."""
+each checked whole before it is trusted (`checkpoint_damage`), the newest intact one found
+(`latest`), and set aside (never deleted) when a run starts over."""
 
 from __future__ import annotations
 
@@ -80,9 +80,12 @@ def keep_as_best(output_dir: Path, step: int) -> None:
 
 def best(output_dir: Path) -> Path | None:
     """The run's best checkpoint: checkpoints/best.pt, or a ddp=fsdp2 run's best.dcp (also
-    when a replacement of it was killed half-way: dcp_files.best); None when it has none."""
+    when a replacement of it was killed half-way: dcp_files.best_dcp_folder); None when it has
+    none."""
     folder = checkpoint_dir(output_dir)
-    return folder / "best.pt" if (folder / "best.pt").exists() else dcp_files.best(folder)
+    return (
+        folder / "best.pt" if (folder / "best.pt").exists() else dcp_files.best_dcp_folder(folder)
+    )
 
 
 def write_error(e: BaseException, folder: Path) -> str:
@@ -123,7 +126,7 @@ def _complete(folder: Path) -> list[tuple[int, Path]]:
     return [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
 
 
-def damage(path: Path) -> str | None:
+def checkpoint_damage(path: Path) -> str | None:
     """Why a file is not a whole, intact torch.save archive, or None when it is.
 
     torch.save writes a zip whose members each carry a CRC-32: checking every member finds
@@ -131,7 +134,7 @@ def damage(path: Path) -> str | None:
     reads the whole file, so the answer is kept for as long as the file is unchanged: picking
     the newest checkpoint and then loading it check it once."""
     if path.is_dir():
-        return dcp_files.damage(path)
+        return dcp_files.dcp_folder_damage(path)
     check_regular(path, "checkpoint", _NOT_A_FILE.format(folder=path.parent))
     try:
         st = path.stat()
@@ -156,7 +159,7 @@ def latest(output_dir: Path) -> Path | None:
     """The newest intact checkpoint in the job's output dir, if any. A step file that is
     truncated or corrupt is skipped with a warning, and the one before it is used."""
     for _, path in sorted(_complete(checkpoint_dir(output_dir)), reverse=True):
-        why = damage(path)
+        why = checkpoint_damage(path)
         if why is None:
             return path
         log.warning("skipping %s: %s; trying the previous checkpoint", path, why)
@@ -173,7 +176,7 @@ def check_folder(output_dir: Path) -> None:
         )
 
 
-def set_aside(output_dir: Path) -> Path | None:
+def set_aside_checkpoints(output_dir: Path) -> Path | None:
     """trainer.resume=never in a dir that holds checkpoints: move them to
     checkpoints.before-<n>/ (nothing made earlier is deleted), so the new run's rotation and a
     later resume see only its own. Rank 0, before any checkpoint is written."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.checkpoint import dcp_files
-from hydra_ddp.checkpoint.files import damage, latest
+from hydra_ddp.checkpoint.files import checkpoint_damage, latest
 from hydra_ddp.errors import UserError, check_archive, first_line
 from hydra_ddp.export.folder import CONFIG, read_state
 
@@ -92,7 +92,7 @@ def read_archive(path: Path, key: str, map_location: Any = "cpu", mmap: bool = F
     check_archive(path, key)  # a FIFO, a text file, random bytes: one line each
     if path.is_file() and path.stat().st_size == 0:
         raise UserError(f"{path} is empty (a checkpoint whose write never completed?): {point}")
-    why = damage(path) if zipfile.is_zipfile(path) else None
+    why = checkpoint_damage(path) if zipfile.is_zipfile(path) else None
     if why is not None:
         raise UserError(f"{path} is not a readable checkpoint ({why}): {point}")
     try:

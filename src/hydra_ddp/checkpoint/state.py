@@ -2,8 +2,9 @@
 template's `DEFAULT_MEMBERS` and the user's), handed to both checkpointers.
 
 Every member is an object with `state_dict()` / `load_state_dict(state)` (torch's
-`torch.distributed.checkpoint.stateful.Stateful`), taken from this job's `Parts` by its entry's
-`get`; a member the job lacks (no EMA, no comm hook) gets None and is neither saved nor loaded.
+`torch.distributed.checkpoint.stateful.Stateful`), taken from this job's
+`CheckpointedObjects` by its entry's `get`; a member the job lacks (no EMA, no comm hook) gets
+None and is neither saved nor loaded.
 Resume loads the members in the table's order. An entry says:
 
     required   a checkpoint without it is refused; else (a feature switched on later) the
@@ -19,8 +20,8 @@ Resume loads the members in the table's order. An entry says:
 
 Changing what the template's checkpoints hold is one entry of `DEFAULT_MEMBERS`. A user's own
 object joins through a callback (callbacks.py) whose `checkpoint_members()` returns its
-members, e.g. `[Member("counter", lambda parts: self.counter)]`: the job (loop/job.py) asks
-every callback when it is built, on every rank alike.
+members, e.g. `[Member("counter", lambda objects: self.counter)]`: the job asks every callback
+when it is built, on every rank alike (loop/checkpointing.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Stateful(Protocol):
 
 
 @dataclass(kw_only=True)
-class Parts:
+class CheckpointedObjects:
     """This job's checkpointed objects, as the loop holds them (None: the job has none)."""
 
     model: torch.nn.Module
@@ -73,7 +74,7 @@ class Parts:
 @dataclass(frozen=True)
 class Member:
     name: str  # its key in the checkpoint
-    get: Callable[[Parts], Stateful | None]
+    get: Callable[[CheckpointedObjects], Stateful | None]
     required: bool = False
     per_rank: bool = False
     sharded: bool = False
@@ -192,22 +193,22 @@ class RNGState:
             torch.cuda.set_rng_state(state["cuda"].cpu(), self.device)
 
 
-def _ema(parts: Parts) -> Stateful | None:
-    return EMAState(parts.ema, parts.sharded) if parts.ema is not None else None
+def _ema(objects: CheckpointedObjects) -> Stateful | None:
+    return EMAState(objects.ema, objects.sharded) if objects.ema is not None else None
 
 
-def _ema_count(parts: Parts) -> Stateful | None:
-    return EMACount(parts.ema) if parts.ema is not None and parts.sharded else None
+def _ema_count(objects: CheckpointedObjects) -> Stateful | None:
+    return EMACount(objects.ema) if objects.ema is not None and objects.sharded else None
 
 
-def _schedules(parts: Parts) -> Stateful | None:
-    return SchedulerState(parts.optimizers) if parts.optimizers is not None else None
+def _schedules(objects: CheckpointedObjects) -> Stateful | None:
+    return SchedulerState(objects.optimizers) if objects.optimizers is not None else None
 
 
-def _opt(parts: Parts) -> Stateful | None:
-    if parts.optimizers is None:
+def _opt(objects: CheckpointedObjects) -> Stateful | None:
+    if objects.optimizers is None:
         return None
-    return OptimizerState(parts.optimizers, parts.model, parts.sharded)
+    return OptimizerState(objects.optimizers, objects.model, objects.sharded)
 
 
 # The template's members, in load order (the schedules before the optimizers).
@@ -246,9 +247,11 @@ def members(extra: Iterable[Member] = ()) -> list[Member]:
     return table
 
 
-def of(parts: Parts, table: Iterable[Member] = DEFAULT_MEMBERS) -> list[tuple[Member, Stateful]]:
+def held_members(
+    objects: CheckpointedObjects, table: Iterable[Member] = DEFAULT_MEMBERS
+) -> list[tuple[Member, Stateful]]:
     """This job's members (`table`, from `members`) and their objects, in the table's order."""
-    found = ((m, m.get(parts)) for m in table)
+    found = ((m, m.get(objects)) for m in table)
     return [(m, obj) for m, obj in found if obj is not None]
 
 
@@ -280,11 +283,11 @@ def global_state(members: list[tuple[Member, Stateful]]) -> dict[str, Any]:
     return state
 
 
-def agree(parts: Parts, env: DistEnv) -> None:
+def agree(objects: CheckpointedObjects, env: DistEnv) -> None:
     """`# collective`, first in every save: what each rank holds a copy of and updates on its
     own, the model's and the EMA's buffers (BatchNorm statistics), becomes rank 0's, so a
     checkpoint holds one rank's state and not a mix of them (distributed/ddp.py)."""
-    sync_buffers([parts.model, *([parts.ema.module] if parts.ema is not None else [])], env)
+    sync_buffers([objects.model, *([objects.ema.module] if objects.ema is not None else [])], env)
 
 
 def gather_per_rank(

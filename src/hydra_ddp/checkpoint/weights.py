@@ -159,7 +159,7 @@ def _safetensors(files: dict[str, Path], path: Path, kind: str, key: str) -> Wei
 
 
 def _dcp(path: Path) -> Weights:
-    why = dcp_files.damage(path)
+    why = dcp_files.dcp_folder_damage(path)
     if why is not None:
         raise UserError(f"{KEY}={path}: not a readable checkpoint ({why}); give another one")
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

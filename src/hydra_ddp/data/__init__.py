@@ -26,8 +26,9 @@ to disk by scripts/make_synthetic.py.
 Where things are (what you edit is marked *):
 
 * sources.py*: `DataSource` (a base with the defaults) and the example sources (Digits,
-  Diabetes, CharText, InMemoryArrays, TorchDatasets); files.py*: `SyntheticArrays`, shards on
-  disk. Copy one.
+  Diabetes, CharText, InMemoryArrays, TorchDatasets; `split_digits`, the digits' one split,
+  which the examples' digit datasets share); files.py*: `SyntheticArrays`, shards on disk. Copy
+  one.
 * datasets.py: `Rows`, `TokenWindows`, what `load` returns; checks.py: `check_loaded`.
 * policies.py*: the sampler policies (`Strided`, `Sharded`; a policy of yours subclasses
   `SamplerPolicy` and is chosen by `sampler._target_` in a conf/sampler/ YAML);
@@ -51,6 +52,7 @@ from hydra_ddp.data.sources import (
     TorchDatasets,
     check_fractions,
     check_source,
+    split_digits,
 )
 from hydra_ddp.data.view import EvalData, TrainData, check_sampling, loader
 
@@ -58,5 +60,5 @@ __all__ = [
     "SPLITS", "CharText", "DataSource", "Diabetes", "Digits", "EvalData", "InMemoryArrays",
     "Origin", "Ranges", "Rows", "SamplerPolicy", "Sharded", "Strided", "SyntheticArrays",
     "TokenWindows", "TorchDatasets", "TrainData", "check_fractions", "check_loaded",
-    "check_sampling", "check_source", "loader",
+    "check_sampling", "check_source", "loader", "split_digits",
 ]  # fmt: skip

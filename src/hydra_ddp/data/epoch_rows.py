@@ -6,7 +6,7 @@ already read in the epoch in progress, under the old settings on the old ranks, 
 with the rows the new settings still read in it on the new ranks: the log then says exactly how
 many rows of the epoch are read twice and how many are skipped, or that there are none. The
 rows are global row numbers of the training split (a sharded rank's local row i is the i-th
-row of its parts, in order, as DataSource.load reads them).
+row of its row ranges, in order, as DataSource.load reads them).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hydra_ddp.data.policies import BUILT_IN, SamplerPolicy, built, from_settings
+from hydra_ddp.data.policies import BUILT_IN, SamplerPolicy, build_policy, from_settings
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def settings(sampler: Any, seed: int) -> dict[str, Any]:
     """What a checkpoint records of the sampler: the settings that decide an epoch's order.
     `sampler`: the policy or its config. A policy that declares none is recorded by its class
     name and `undeclared` (a resume mid-epoch then says it cannot count)."""
-    policy = built(sampler, seed)
+    policy = build_policy(sampler, seed)
     declared = policy.settings()
     if declared is None:
         kind = type(policy)
@@ -55,7 +55,9 @@ def _relevant(saved: dict[str, Any]) -> dict[str, Any]:
     return {k: saved.get(k) for k in keys}
 
 
-def changed(old: dict[str, Any], new: dict[str, Any], old_world: int, new_world: int) -> bool:
+def reading_order_changed(
+    old: dict[str, Any], new: dict[str, Any], old_world: int, new_world: int
+) -> bool:
     """Whether the rest of the epoch is read by another rule than its start: other settings,
     or another number of ranks under any policy but strided (which keeps its order then). A
     policy that declares no settings: always (it cannot be told)."""
@@ -97,15 +99,15 @@ def _sampler(
     (None: it holds the whole split)."""
     policy: SamplerPolicy = from_settings(setup.settings)
     world = setup.world_size
-    parts = policy.parts(num_rows, file_rows, world, epoch)
-    if parts is None:
+    rank_ranges = policy.rank_ranges(num_rows, file_rows, world, epoch)
+    if rank_ranges is None:
         return policy.sampler(num_rows, None, rank, world, setup.batch_size), None
-    mine = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in parts[rank]] or [[]])
+    mine = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in rank_ranges[rank]] or [[]])
     mine = mine.astype(np.int64)
-    return policy.sampler(len(mine), parts, rank, world, setup.batch_size), mine
+    return policy.sampler(len(mine), rank_ranges, rank, world, setup.batch_size), mine
 
 
-def epoch_length(setup: Setup, num_rows: int, file_rows: list[int], limit: int) -> int:
+def batches_per_epoch(setup: Setup, num_rows: int, file_rows: list[int], limit: int) -> int:
     """Batches per epoch and rank (the same on every rank), at most `limit` (0: no limit)."""
     batches = len(_sampler(setup, num_rows, file_rows, 0, 0)[0])
     return min(batches, limit) if limit else batches
@@ -121,7 +123,7 @@ def twice_and_skipped(
     of `new` reads that neither part reads."""
     before = np.zeros(num_rows, dtype=bool)
     before[rows_read(old, num_rows, file_rows, epoch, 0, done)] = True
-    length = epoch_length(new, num_rows, file_rows, limit)
+    length = batches_per_epoch(new, num_rows, file_rows, limit)
     after = np.zeros(num_rows, dtype=bool)
     after[rows_read(new, num_rows, file_rows, epoch, start, length)] = True
     whole = np.zeros(num_rows, dtype=bool)
@@ -148,7 +150,7 @@ def say_reordered(
             path, undeclared[0], epoch,
         )  # fmt: skip
         return
-    if not 0 < done < epoch_length(old, num_rows, file_rows, limit):
+    if not 0 < done < batches_per_epoch(old, num_rows, file_rows, limit):
         return  # nothing read yet, or the whole epoch: the next one starts in the new order
     was = ", ".join(
         f"sampler{'' if k == 'policy' else '.' + k}={v}"

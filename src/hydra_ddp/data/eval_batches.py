@@ -1,15 +1,15 @@
 """Evaluation batches that line up across ranks, as accelerate's `even_batches` does.
 
 Ranks evaluate uneven shares of a split (one row more or less, more with a policy's own
-`eval_parts`), so they would hold different numbers of batches, and a loss or metric that gathers
-(`all_gather_with_grad`, `gather_for_metrics`) would pair one rank's gather with another rank's
-next collective: gloo aborts a rank, or the shapes read back are garbage. Here every rank gets the
-same batches, batch i the same size on every rank. The batch boundaries are every multiple of the
-batch size and every rank's row count, so each batch is, on each rank, either all real rows or
-all padding: a padded batch repeats rows of the rank's own (the model sees real data) and counts
+`eval_rank_ranges`), so they would hold different numbers of batches, and a loss or metric that
+gathers (`all_gather_with_grad`, `gather_for_metrics`) would pair one rank's gather with another
+rank's next collective: gloo aborts a rank, or the shapes read back are garbage. Here every rank
+gets the same batches, batch i the same size on every rank. The batch boundaries are every multiple
+of the batch size and every rank's row count, so each batch is, on each rank, either all real rows
+or all padding: a padded batch repeats rows of the rank's own (the model sees real data) and counts
 for nothing: its loss and sums are left out (loop/scoring.py), its predictions too
-(loop/predict.py), and `gather_for_metrics` leaves it out of what it gathers. Without uneven
-shares nothing is padded and the batches are those of a plain sequential pass.
+(loop/predict.py), and `gather_for_metrics` leaves it out of what it gathers. Without uneven shares
+nothing is padded and the batches are those of a plain sequential pass.
 """
 
 from __future__ import annotations

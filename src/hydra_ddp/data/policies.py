@@ -2,10 +2,10 @@
 like a model or a loss (`sampler=strided`, `sampler=sharded`, or a YAML of yours).
 
 A policy decides, once per epoch and for every rank at once, which global rows each rank loads
-(`parts`) and in which batches it reads them (`sampler`, an `EpochSampler` of sampling.py). The
-contract, method by method: `hydra_ddp.protocols.SamplerPolicy`; `SamplerPolicy` below is a
-base with its defaults. The settings a checkpoint records let a resume that changes the policy
-count the rows read twice or skipped (epoch_rows.py).
+(`rank_ranges`) and in which batches it reads them (`sampler`, an `EpochSampler` of
+sampling.py). The contract, method by method: `hydra_ddp.protocols.SamplerPolicy`;
+`SamplerPolicy` below is a base with its defaults. The settings a checkpoint records let a
+resume that changes the policy count the rows read twice or skipped (epoch_rows.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from hydra_ddp.errors import UserError
 
 class SamplerPolicy:
     """The base of a policy of yours (the contract: `hydra_ddp.protocols.SamplerPolicy`):
-    subclass it (or a built-in one) and override `sampler`, and `parts` if ranks load only some
-    rows. `seed` None: trainer.seed (see `built`)."""
+    subclass it (or a built-in one) and override `sampler`, and `rank_ranges` if ranks load
+    only some rows. `seed` None: trainer.seed (see `build_policy`)."""
 
     name = "custom"  # what summary.json's `sampler` says
     reloads_each_epoch = False
@@ -40,17 +40,22 @@ class SamplerPolicy:
         """Refuse, with a UserError naming the key and what to do, a split this policy cannot
         serve on `world` ranks."""
 
-    def parts(
+    def rank_ranges(
         self, num_rows: int, file_rows: list[int], world: int, epoch: int
     ) -> list[Ranges] | None:
         return None
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler:
         raise NotImplementedError(f"{type(self).__qualname__} must define sampler()")
 
-    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None:
+    def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None:
         """The rows each rank evaluates, every row exactly once over the ranks (None: every
         rank loads the split and takes positions rank, rank + world, ...)."""
         return partition_rows(num_rows, world)
@@ -81,14 +86,19 @@ class Strided(SamplerPolicy):
             )
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler:
         return StridedSampler(
             rows_held, rank, world, batch_size,
             shuffle=self.shuffle, seed=int(self.seed or 0), drop_last=self.drop_last,
         )  # fmt: skip
 
-    def eval_parts(self, num_rows: int, world: int) -> list[Ranges] | None:
+    def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None:
         return None
 
     def rows_per_rank(self, rows_held: int, world: int) -> int:
@@ -141,7 +151,7 @@ class Sharded(SamplerPolicy):
                 f"rows, fewer than trainer.batch_size={batch_size}; lower trainer.batch_size"
             )
 
-    def parts(
+    def rank_ranges(
         self, num_rows: int, file_rows: list[int], world: int, epoch: int
     ) -> list[Ranges] | None:
         if self.shard_by == "files":
@@ -149,11 +159,16 @@ class Sharded(SamplerPolicy):
         return partition_rows(num_rows, world, epoch, self.rotate)
 
     def sampler(
-        self, rows_held: int, parts: list[Ranges] | None, rank: int, world: int, batch_size: int
+        self,
+        rows_held: int,
+        rank_ranges: list[Ranges] | None,
+        rank: int,
+        world: int,
+        batch_size: int,
     ) -> EpochSampler:
-        assert parts is not None
+        assert rank_ranges is not None
         return ShardedSampler(
-            rows_held, samples_per_epoch(parts), rank, batch_size,
+            rows_held, samples_per_epoch(rank_ranges), rank, batch_size,
             shuffle=self.shuffle, seed=int(self.seed or 0), drop_last=self.drop_last,
         )  # fmt: skip
 
@@ -167,7 +182,7 @@ class Sharded(SamplerPolicy):
 BUILT_IN = {"strided": Strided, "sharded": Sharded}
 
 
-def built(sampler: Any, seed: int) -> SamplerPolicy:
+def build_policy(sampler: Any, seed: int) -> SamplerPolicy:
     """The policy `sampler` names: a policy object as it is, or the `sampler` config (its
     `_target_` and arguments) built; a seed of None becomes `seed` (trainer.seed)."""
     if isinstance(sampler, Mapping):
@@ -177,6 +192,13 @@ def built(sampler: Any, seed: int) -> SamplerPolicy:
             f"sampler._target_ built a {type(sampler).__qualname__}, not a sampler policy: "
             "subclass hydra_ddp.data.policies.SamplerPolicy (the contract: "
             "hydra_ddp.protocols.SamplerPolicy)"
+        )
+    # The methods' old names: a policy still defining them would be read as loading every row.
+    old = [f"{n}()" for n in ("parts", "eval_parts") if callable(getattr(sampler, n, None))]
+    if old:
+        raise UserError(
+            f"sampler._target_ {type(sampler).__qualname__} defines {' and '.join(old)}: these "
+            "are now rank_ranges() and eval_rank_ranges(); rename them (same arguments)"
         )
     if getattr(sampler, "seed", None) is None:
         sampler.seed = seed

@@ -371,8 +371,8 @@ def partition_files(
     return result
 
 
-def samples_per_epoch(parts: list[list[tuple[int, int]]]) -> int:
+def samples_per_epoch(rank_ranges: list[list[tuple[int, int]]]) -> int:
     """Min over ranks of the rows each holds: the number every rank uses per epoch."""
-    if not parts:
-        raise ValueError("parts must hold one list of ranges per rank, got an empty list")
-    return min(sum(stop - start for start, stop in ranges) for ranges in parts)
+    if not rank_ranges:
+        raise ValueError("rank_ranges must hold one list of ranges per rank, got an empty list")
+    return min(sum(stop - start for start, stop in ranges) for ranges in rank_ranges)

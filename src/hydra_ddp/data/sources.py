@@ -165,17 +165,28 @@ class InMemoryArrays(DataSource):
         )
 
 
+def split_digits(
+    val_fraction: float, test_fraction: float, split_seed: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """scikit-learn's 8x8 digits and their split, the one place that cuts them (`Digits`, and the
+    examples' own digit datasets, which hold the same rows): the images flattened to [1797, 64]
+    float32 in [0, 1], the labels (int64), and each split's row indices (a seeded shuffle cut
+    into val, test and train)."""
+    from sklearn.datasets import load_digits
+
+    check_fractions(val_fraction, test_fraction)
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32)
+    y = bunch.target.astype(np.int64)
+    return x, y, _split_rows(len(x), val_fraction, test_fraction, split_seed)
+
+
 class Digits(InMemoryArrays):
     """scikit-learn's 8x8 digits, scaled to [0, 1], split train/val/test by a seeded shuffle."""
 
     def __init__(self, val_fraction: float, test_fraction: float, split_seed: int):
-        from sklearn.datasets import load_digits
-
-        check_fractions(val_fraction, test_fraction)
-        bunch = load_digits()
-        x = (bunch.data / 16.0).astype(np.float32)
-        y = bunch.target.astype(np.int64)
-        cut = self.origins = _split_rows(len(x), val_fraction, test_fraction, split_seed)
+        x, y, cut = split_digits(val_fraction, test_fraction, split_seed)
+        self.origins = cut
         self.split_settings = _settings(val_fraction, test_fraction, split_seed)
         self.arrays = {s: (x[i], y[i]) for s, i in cut.items()}
         self.spec = {"in_features": 64, "out_features": 10, "image_shape": (1, 8, 8)}

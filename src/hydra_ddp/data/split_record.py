@@ -72,7 +72,7 @@ def _decode(text: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8").reshape(-1, 2)
 
 
-def record(source: Any) -> dict[str, Any] | None:
+def recorded_split(source: Any) -> dict[str, Any] | None:
     """What a checkpoint records of `source`'s split (None: the source does not say)."""
     origin = getattr(source, "origin", None)
     if not callable(origin):

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from hydra_ddp.data.checks import check_loaded
 from hydra_ddp.data.datasets import Ranges
 from hydra_ddp.data.eval_batches import EvenBatches
-from hydra_ddp.data.policies import built
+from hydra_ddp.data.policies import build_policy
 from hydra_ddp.data.sources import DataSource
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.distributed.preemption import data_worker_init
@@ -43,7 +43,7 @@ class TrainData:
     ):
         self.source, self.env, self.num_workers = source, env, num_workers
         self.batch_size = batch_size
-        self.policy = built(sampler, seed)
+        self.policy = build_policy(sampler, seed)
         check_sampling(source, self.policy, env.world_size, batch_size)
         self._epoch: int | None = None
         self._view(0)
@@ -57,10 +57,12 @@ class TrainData:
         """The one place this rank's view is made: the rows the policy gives it in `epoch`,
         loaded and checked, the policy's batches of them, and the loader."""
         n, world, rank = self.source.num_rows("train"), self.env.world_size, self.env.rank
-        parts = self.policy.parts(n, _file_rows(self.source), world, epoch)
-        self.dataset = self.source.load("train", None if parts is None else parts[rank])
+        rank_ranges = self.policy.rank_ranges(n, _file_rows(self.source), world, epoch)
+        self.dataset = self.source.load("train", None if rank_ranges is None else rank_ranges[rank])
         check_loaded(self.dataset, self.source.spec, "train")
-        self.sampler = self.policy.sampler(len(self.dataset), parts, rank, world, self.batch_size)
+        self.sampler = self.policy.sampler(
+            len(self.dataset), rank_ranges, rank, world, self.batch_size
+        )
         self.loader = loader(self.source, self.dataset, self.sampler, self.env, self.num_workers)
         self._epoch = epoch
 
@@ -104,14 +106,14 @@ def _rows_of(part: Ranges) -> np.ndarray:
 def check_sampling(source: DataSource, sampler: Any, world: int, batch_size: int) -> None:
     """Refuse a policy the training split cannot support, before any data is loaded.
     `sampler`: a policy, or the `sampler` config (built here: a bad argument fails too)."""
-    policy = built(sampler, 0)
+    policy = build_policy(sampler, 0)
     policy.check(source.num_rows("train"), _file_rows(source), world, batch_size)
 
 
 class EvalData:
     """A held-out split, partitioned so each row is evaluated exactly once across ranks (no
     DistributedSampler padding of rows: ranks may hold one row more or less). The policy says
-    which rows each rank loads (`eval_parts`); they are read in order, in batches that line up
+    which rows each rank loads (`eval_rank_ranges`); they are read in order, in batches that line up
     across ranks (eval_batches.py): every rank has the same number, batch i the same size on
     each, and a rank short of rows evaluates a padded batch that counts for nothing
     (`is_padding(i)`, `padded_ranks(i)`)."""
@@ -127,17 +129,19 @@ class EvalData:
     ):
         self.source, self.env, self.num_workers = source, env, num_workers
         n, world, rank = source.num_rows(split), env.world_size, env.rank
-        parts = built(sampler, 0).eval_parts(n, world)
-        if parts is None:  # every rank loads the split and takes rows rank, rank + world, ...
+        rank_ranges = build_policy(sampler, 0).eval_rank_ranges(n, world)
+        if rank_ranges is None:  # every rank loads the split and takes rows rank, rank + world, ...
             counts = [len(range(r, n, world)) for r in range(world)]
             self.dataset = source.load(split, None)
             # The split's row numbers of this rank's rows, and where they are in the dataset.
             self.split_rows = indices = np.arange(rank, n, world, dtype=np.int64)
         else:
-            counts = [sum(b - a for a, b in part) for part in parts]
+            counts = [sum(b - a for a, b in part) for part in rank_ranges]
             # A rank with none of the split's rows still evaluates (padding): one row to show.
-            self.dataset = source.load(split, parts[rank] if counts[rank] or not n else [(0, 1)])
-            self.split_rows = _rows_of(parts[rank])
+            self.dataset = source.load(
+                split, rank_ranges[rank] if counts[rank] or not n else [(0, 1)]
+            )
+            self.split_rows = _rows_of(rank_ranges[rank])
             indices = np.arange(counts[rank], dtype=np.int64)
         check_loaded(self.dataset, source.spec, split)
         self.sampler = EvenBatches(indices, counts, rank, batch_size)

@@ -15,14 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.components import build, check
+from hydra_ddp.config import COMM_HOOKS
 from hydra_ddp.errors import UserError
-
-# A built-in's name on the command line (ddp.comm_hook=NAME) -> its component.
-_BUILT_IN = {
-    "fp16_compress": "hydra_ddp.distributed.comm_hooks.FP16Compress",
-    "bf16_compress": "hydra_ddp.distributed.comm_hooks.BF16Compress",
-    "powersgd": "hydra_ddp.distributed.comm_hooks.PowerSGD",
-}
 
 
 class CommHook:
@@ -119,13 +113,13 @@ class _Function(CommHook):
         self.hook = fn  # type: ignore[method-assign]
 
 
-def built(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) -> Any:
+def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) -> Any:
     """The hook `ddp.comm_hook` names (None for `none`): a built-in's name (PowerSGD then takes
     ddp.powersgd_rank and ddp.powersgd_start_iter), or a component built with `device` offered."""
     if isinstance(spec, str):
         if spec == "none":
             return None
-        spec = {"_target_": _BUILT_IN[spec]}
+        spec = {"_target_": f"{__name__}.{COMM_HOOKS[spec]}"}  # config.COMM_HOOKS: the built-ins
         if spec["_target_"].endswith("PowerSGD"):
             spec.update(rank=powersgd_rank, start_iter=powersgd_start_iter)
     hook = build(spec, "ddp.comm_hook", _as_function=True, device=device)
@@ -140,7 +134,7 @@ def built(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) 
     return hook
 
 
-def register(hook: Any, ddp: torch.nn.parallel.DistributedDataParallel) -> str:
+def register_comm_hook(hook: Any, ddp: torch.nn.parallel.DistributedDataParallel) -> str:
     """Register `hook` on the DDP wrap; its name for the log ("none" if None)."""
     if hook is None:
         return "none"

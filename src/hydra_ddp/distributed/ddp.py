@@ -76,8 +76,10 @@ def wrap_model(
         static_graph=cfg.static_graph,
         init_sync=cfg.init_sync,
     )
-    hook = comm_hooks.built(cfg.comm_hook, cfg.powersgd_rank, cfg.powersgd_start_iter, env.device)
-    name = comm_hooks.register(hook, ddp)
+    hook = comm_hooks.build_comm_hook(
+        cfg.comm_hook, cfg.powersgd_rank, cfg.powersgd_start_iter, env.device
+    )
+    name = comm_hooks.register_comm_hook(hook, ddp)
     # Read back from the wrapper, not echoed from the config: what DDP actually does.
     log.info(
         "DDP: static_graph=%s find_unused_parameters=%s gradient_as_bucket_view=%s "

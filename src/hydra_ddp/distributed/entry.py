@@ -43,8 +43,8 @@ from hydra_ddp.distributed.env import (
 from hydra_ddp.distributed.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
 from hydra_ddp.logger_config import sink_class
+from hydra_ddp.loop.job_types import build_components
 from hydra_ddp.loop.monitor import monitor_key
-from hydra_ddp.loop.parts import build_components
 from hydra_ddp.rundir import claim, sweeps
 from hydra_ddp.rundir.paths import override_value, register_resolvers
 from hydra_ddp.tracking import RunInfo, redact
@@ -197,7 +197,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
     check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)
     build_components(cfg, source, torch.device("cpu"), total_steps=1)
     if cfg.ddp.wrapper == Wrapper.ddp:  # a hook of the user's is built here once, not per rank
-        comm_hooks.built(
+        comm_hooks.build_comm_hook(
             cfg.ddp.comm_hook, cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter, "cpu"
         )
 

@@ -21,7 +21,7 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.distributed import env_from_environ
 from hydra_ddp.distributed.preemption import Preempted, run_dir_override, signal_name
 from hydra_ddp.distributed.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
-from hydra_ddp.errors import exit_code, one_line, record, worker_failed
+from hydra_ddp.errors import exit_code, one_line, worker_failed, write_rank_error
 from hydra_ddp.rundir import claim
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,9 @@ def worker(
         # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
-        record(e, rank, Path(run.output_dir) / "errors")  # unless `translated` did already
+        write_rank_error(
+            e, rank, Path(run.output_dir) / "errors"
+        )  # unless `translated` did already
         # A clean exit code rather than a traceback from every worker (the log has it).
         _exit(code)
 

@@ -23,22 +23,30 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
 
+from hydra_ddp.data import split_digits
 from hydra_ddp.distributed import all_gather_with_grad
 
-_SPLITS = {"train": slice(0, 1200), "val": slice(1200, 1500), "test": slice(1500, None)}
 _SEEDS = {"train": 1, "val": 2, "test": 3}  # fixed: str hashes differ between processes
 
 
 class DigitViews(Dataset):
-    """Two augmented views of each digit image of a split (deterministic per item)."""
+    """Two augmented views of each digit image of a split (deterministic per item); the split's
+    rows are those of `hydra_ddp.data.Digits` with the same fractions and seed."""
 
-    def __init__(self, split: str, noise: float = 0.1, drop: float = 0.1) -> None:
-        digits = load_digits()
-        x = torch.tensor(digits.data, dtype=torch.float32).view(-1, 8, 8) / 16.0
-        self.x, self.y = x[_SPLITS[split]], torch.tensor(digits.target)[_SPLITS[split]]
+    def __init__(
+        self,
+        split: str,
+        noise: float = 0.1,
+        drop: float = 0.1,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        split_seed: int = 0,
+    ) -> None:
+        x, y, rows = split_digits(val_fraction, test_fraction, split_seed)
+        self.x = torch.from_numpy(x[rows[split]]).view(-1, 8, 8)
+        self.y = torch.from_numpy(y[rows[split]])
         self.seed, self.noise, self.drop = _SEEDS[split], noise, drop
 
     def __len__(self) -> int:

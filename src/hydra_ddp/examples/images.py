@@ -5,8 +5,9 @@ random) when training. `experiment=images`."""
 from __future__ import annotations
 
 import torch
-from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
+
+from hydra_ddp.data import split_digits
 
 
 class RandomCropFlip:
@@ -27,9 +28,8 @@ class RandomCropFlip:
 
 
 class DigitImages(Dataset):
-    """One split of the digits as (image [1, 8, 8] in [0, 1], label) items: the same split of
-    rows as `hydra_ddp.data.Digits` (a seeded permutation: the first `test_fraction` of it
-    test, the next `val_fraction` val)."""
+    """One split of the digits as (image [1, 8, 8] in [0, 1], label) items: the same rows as
+    `hydra_ddp.data.Digits` with the same fractions and seed (`hydra_ddp.data.split_digits`)."""
 
     def __init__(
         self,
@@ -39,18 +39,9 @@ class DigitImages(Dataset):
         split_seed: int = 0,
         augment: bool = False,
     ) -> None:
-        digits = load_digits()
-        n = len(digits.target)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed))
-        n_test, n_val = int(n * test_fraction), int(n * val_fraction)
-        rows = {
-            "test": order[:n_test],
-            "val": order[n_test : n_test + n_val],
-            "train": order[n_test + n_val :],
-        }[split]
-        images = torch.tensor(digits.images, dtype=torch.float32)[rows] / 16.0
-        self.images = images.unsqueeze(1)
-        self.labels = torch.tensor(digits.target)[rows]
+        x, y, rows = split_digits(val_fraction, test_fraction, split_seed)
+        self.images = torch.from_numpy(x[rows[split]]).view(-1, 1, 8, 8)
+        self.labels = torch.from_numpy(y[rows[split]])
         self.transform = RandomCropFlip() if augment else None
 
     def __len__(self) -> int:

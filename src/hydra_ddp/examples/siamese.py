@@ -10,19 +10,27 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
+
+from hydra_ddp.data import split_digits
 
 _SEEDS = {"train": 1, "val": 2, "test": 3}  # fixed: str hashes differ between processes
 
 
 class DigitPairs(Dataset):
-    def __init__(self, split: str, pairs: int = 1024) -> None:
-        digits = load_digits()
-        x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-        y = torch.tensor(digits.target)
-        half = {"train": slice(0, 1200), "val": slice(1200, 1500)}.get(split, slice(1500, None))
-        self.x, self.y, self.pairs, self.seed = x[half], y[half], pairs, _SEEDS[split]
+    """`pairs` pairs of one split of the digits (the rows of `hydra_ddp.data.Digits`)."""
+
+    def __init__(
+        self,
+        split: str,
+        pairs: int = 1024,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        split_seed: int = 0,
+    ) -> None:
+        x, y, rows = split_digits(val_fraction, test_fraction, split_seed)
+        self.x, self.y = torch.from_numpy(x[rows[split]]), torch.from_numpy(y[rows[split]])
+        self.pairs, self.seed = pairs, _SEEDS[split]
 
     def __len__(self) -> int:
         return self.pairs

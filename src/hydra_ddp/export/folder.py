@@ -63,7 +63,7 @@ def load(folder: str | Path, device: str | torch.device = "cpu", strict: bool = 
     """The exported model, rebuilt from its class and arguments and loaded (strict: every
     tensor, no more), in eval mode."""
     config = read_config(folder)
-    model = build(config["model"], config.get("spec") or {})
+    model = build_target(config["model"], config.get("spec") or {})
     load_model(model, str(Path(folder) / WEIGHTS), strict=strict, device=str(device))
     return model.to(device).eval()
 
@@ -110,12 +110,12 @@ def vocabulary(folder: str | Path) -> Vocabulary:
     return Vocabulary(list(data["tokens"]))
 
 
-def build(spec_or_args: dict[str, Any], spec: dict[str, Any]) -> Any:
+def build_target(spec_or_args: dict[str, Any], spec: dict[str, Any]) -> Any:
     """`{"_target_": "pkg.mod.Class", **arguments}` called, nested `_target_`s first, with the
     data's `spec` entries its signature takes and the arguments leave out (what the template's
     components.build does at training)."""
     args = {
-        k: build(v, {}) if isinstance(v, dict) and "_target_" in v else v
+        k: build_target(v, {}) if isinstance(v, dict) and "_target_" in v else v
         for k, v in spec_or_args.items()
         if k != "_target_"
     }

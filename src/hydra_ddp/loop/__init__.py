@@ -3,9 +3,10 @@
 - `job`: one rank's job, built before its process group (hydra_ddp.train calls it in order);
   `wrapping`: the model wrapped (DDP/FSDP2), the EMA, torch.compile; `checkpointing`: the
   job's checkpoint members (the template's and the callbacks'), its checkpointer, resume.
-- `parts`: what a rank's job is made of (`Job`, and the user's `Components` with their builder).
-- `fit`: the loop's parts (`build_loop`), the training loop (`fit`) and the end of the run
-  (`finish`: last validation, last checkpoint, test, summary).
+- `job_types`: what a rank's job is made of (`Job`, and the user's `Components` with their
+  builder).
+- `fit`: what the loop works with (`build_loop`), the training loop (`fit`) and the end of the
+  run (`finish_run`: last validation, last checkpoint, test, summary).
 - `position`: where the loop is (`Position`, moved only by the loop), the batches from there,
   and the position as a checkpoint member with its resume arithmetic (`PositionState`).
 - `objective`: how a batch reaches the model and how the loss sees the output.

@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from hydra_ddp import tracking
-from hydra_ddp.checkpoint import Checkpointer, resolve_resume, set_aside, state
+from hydra_ddp.checkpoint import Checkpointer, resolve_resume, set_aside_checkpoints, state
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer
 from hydra_ddp.checkpoint.files import check_folder
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
 from hydra_ddp.distributed import DistEnv, all_gather_objects
+from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.monitor import Monitor, monitor_key
-from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Counting, Position, PositionState
 from hydra_ddp.loop.wrapping import Wrapped
 from hydra_ddp.rundir import jsonfile
@@ -37,17 +37,17 @@ def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console)
     with console.said_by_main("hydra_ddp.checkpoint.files"):  # "skipping <damaged>": once
         found = resolve_resume(cfg.trainer.resume, run.output_dir)
     if cfg.trainer.resume == "never" and env.is_main:
-        set_aside(run.output_dir)
-        tracking.set_aside(run.output_dir)  # the stats files and summary.json
+        set_aside_checkpoints(run.output_dir)
+        tracking.set_aside_stats(run.output_dir)  # the stats files and summary.json
     return found
 
 
-def checkpointed(job: Job, wrapped: Wrapped) -> state.Parts:
+def checkpointed(job: Job, wrapped: Wrapped) -> state.CheckpointedObjects:
     """This job's checkpointed objects, around the wrapped model: the position starts at 0."""
     cfg, env = job.cfg, job.env
-    return state.Parts(
-        model=job.parts.model,
-        optimizers=job.parts.optimizers,
+    return state.CheckpointedObjects(
+        model=job.components.model,
+        optimizers=job.components.optimizers,
         scaler=scaler_for(cfg.trainer.precision, env.device),
         ema=wrapped.ema,
         monitor=Monitor(cfg.trainer, monitor_key(cfg)),
@@ -59,7 +59,7 @@ def checkpointed(job: Job, wrapped: Wrapped) -> state.Parts:
     )
 
 
-def checkpointer_for(job: Job, parts: state.Parts) -> Checkpointer:
+def checkpointer_for(job: Job, objects: state.CheckpointedObjects) -> Checkpointer:
     """The job's checkpointer, holding the members declared here: the template's
     (state.DEFAULT_MEMBERS) and every callback's `checkpoint_members()`. ddp=fsdp2: sharded
     folders, every rank writing its own shards (dcp.py); else single files."""
@@ -68,11 +68,11 @@ def checkpointer_for(job: Job, parts: state.Parts) -> Checkpointer:
     common: dict[str, Any] = dict(
         interval=tcfg.ckpt_interval, keep=tcfg.keep_ckpts, total_steps=job.total_steps
     )
-    if parts.sharded:
+    if objects.sharded:
         return DCPCheckpointer(
-            job.run.output_dir, job.env, parts, members, async_save=tcfg.async_ckpt, **common
+            job.run.output_dir, job.env, objects, members, async_save=tcfg.async_ckpt, **common
         )
-    return Checkpointer(job.run.output_dir, job.env, parts, members, **common)
+    return Checkpointer(job.run.output_dir, job.env, objects, members, **common)
 
 
 def resume(job: Job, checkpointer: Checkpointer) -> bool:

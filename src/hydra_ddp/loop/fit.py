@@ -1,6 +1,7 @@
-"""The training loop: `build_loop` gathers its parts, `fit` runs the steps, `finish` ends the run
-(last validation, last checkpoint, test, summary). It calls each periodic concern explicitly,
-in order; each one decides its own cadence (`due(step)`) and owns its state:
+"""The training loop: `build_loop` gathers what it works with, `fit` runs the steps,
+`finish_run` ends the run (last validation, last checkpoint, test, summary). It calls each
+periodic concern explicitly, in order; each one decides its own cadence (`due(step)`) and owns
+its state:
 
     stopper      preemption.StopOnSignal   a stop signal: checkpoint, then exit
     step_fn      step.py                   forward, loss, backward, clip, optimizer step
@@ -37,9 +38,9 @@ from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.objective import rows, to_device
-from hydra_ddp.loop.parts import Job
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.loop.pruning import Pruning
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class Loop:
-    """The loop's parts (see the module docstring), built by `build_loop`."""
+    """What the loop works with (see the module docstring), built by `build_loop`."""
 
     env: DistEnv
     tcfg: TrainerConfig
@@ -79,34 +80,34 @@ class Loop:
 def build_loop(
     job: Job,
     wrapped: Wrapped,
-    parts: state.Parts,
+    objects: state.CheckpointedObjects,
     checkpointer: Checkpointer,
     tracker: Tracker,
     scope: contextlib.ExitStack,
 ) -> Loop:
-    """The loop's parts, around the wrapped model, the checkpointed objects and the tracker;
+    """What the loop works with, around the wrapped model, the checkpointed objects and the tracker;
     what must be undone when the job ends goes on `scope`."""
-    cfg, env, run, model = job.cfg, job.env, job.run, job.parts.model
-    tcfg, pos, ema = cfg.trainer, parts.position.pos, wrapped.ema
+    cfg, env, run, model = job.cfg, job.env, job.run, job.components.model
+    tcfg, pos, ema = cfg.trainer, objects.position.pos, wrapped.ema
     autocast = autocast_for(tcfg.precision, env.device)
     evaluator = Evaluator(
         env=env, splits=job.evals, model=model if ema is None else ema.module,
-        loss_fn=job.parts.objective, metrics=job.parts.metrics, autocast=autocast,
+        loss_fn=job.components.objective, metrics=job.components.metrics, autocast=autocast,
         limit=tcfg.limit_eval_batches, interval=tcfg.eval_interval,
-        total_steps=job.total_steps, monitor=parts.monitor, checkpointer=checkpointer,
+        total_steps=job.total_steps, monitor=objects.monitor, checkpointer=checkpointer,
         tracker=tracker, console=job.console,
         pruning=Pruning(env),  # a no-op unless a pruning sweep started this job
     )  # fmt: skip
     # This rank's stats: its own file, the console (rank 0) and the tracker's sinks.
     stats = StepStats(
         env=env, tracker=tracker, console=job.console, log_interval=tcfg.log_interval,
-        total_steps=job.total_steps, start_step=pos.step, unit=job.parts.source.unit,
-        items_per_row=job.parts.source.items_per_row,
+        total_steps=job.total_steps, start_step=pos.step, unit=job.components.source.unit,
+        items_per_row=job.components.source.items_per_row,
     )  # fmt: skip
     tools = StepTools(
-        scaler=parts.scaler, autocast=autocast, max_norm=tcfg.grad_clip,
+        scaler=objects.scaler, autocast=autocast, max_norm=tcfg.grad_clip,
         skip_non_finite=tcfg.nan_policy == NanPolicy.skip, raw_model=model,
-        optimizers=job.parts.optimizers.optimizers,
+        optimizers=job.components.optimizers.optimizers,
     )  # fmt: skip
     loop = Loop(
         env=env, tcfg=tcfg, job=job, pos=pos, raw_model=model, step_model=wrapped.step_model,
@@ -124,17 +125,17 @@ def fit(loop: Loop) -> float:
     """The training loop, from `loop.pos` to trainer.max_steps (or the end of trainer.epochs,
     or an early stop); returns its wall time. `# collective`: every rank, same step."""
     tcfg, env, job, pos = loop.tcfg, loop.env, loop.job, loop.pos
-    parts, callbacks = job.parts, job.callbacks
+    components, callbacks = job.components, job.callbacks
     data = batches(job.train_data, pos, tcfg)
     epochs_done = pos.epochs_done(job.micro_batches_per_epoch)
-    callbacks("on_train_start", _at(loop.ctx, pos))
+    callbacks("on_train_start", _context_at(loop.ctx, pos))
     t_start = time.perf_counter()
     loop.step_model.train()
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
     loop.meter = PeakMeter(env.device)
-    held = functools.partial(held_bytes, loop.raw_model, parts.optimizers.optimizers.values())
+    held = functools.partial(held_bytes, loop.raw_model, components.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
         if signum:
@@ -149,14 +150,14 @@ def fit(loop: Loop) -> float:
         micro_batches = [to_device(b, env.device) for b in micro_batches]
         micro_rows = [rows(b) for b in micro_batches]
         with loop.meter.saving(loop.raw_model, micro_rows[0], len(micro_batches)):
-            losses = parts.step_fn(
-                loop.tools, loop.step_model, micro_batches, parts.objective,
-                parts.optimizers.optimizers,
+            losses = components.step_fn(
+                loop.tools, loop.step_model, micro_batches, components.objective,
+                components.optimizers.optimizers,
             )  # fmt: skip
         grad_norm = loop.tools.update()
         outputs, loop.tools.outputs = loop.tools.outputs, []
         loop.health.observe(pos.step + 1, losses["loss"], grad_norm)
-        parts.optimizers.step_schedules()
+        components.optimizers.step_schedules()
         if loop.ema is not None:
             loop.ema.update(loop.raw_model)
         loop.profiler.step()
@@ -166,18 +167,20 @@ def fit(loop: Loop) -> float:
         pos.samples_seen += batch_rows
         loop.stats.add_step(losses, batch_rows, time.perf_counter() - t_step, data_wait)
         _periodic(loop, grad_norm)  # collective
-        callbacks("on_step_end", _at(loop.ctx, pos, loss=losses["loss"], batch=micro_batches,
-                                     outputs=outputs, losses=losses))  # fmt: skip
-        _at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
+        at_step = _context_at(
+            loop.ctx, pos, loss=losses["loss"], batch=micro_batches, outputs=outputs, losses=losses
+        )
+        callbacks("on_step_end", at_step)
+        _context_at(loop.ctx, pos, batch=None, outputs=None, losses=None)  # kept for the call only
         del outputs
         for epoch in range(epochs_done, pos.epochs_done(job.micro_batches_per_epoch)):
-            callbacks("on_epoch_end", _at(loop.ctx, pos, epoch=epoch))
-            parts.optimizers.end_epoch()  # scheduler.interval=epoch
+            callbacks("on_epoch_end", _context_at(loop.ctx, pos, epoch=epoch))
+            components.optimizers.end_epoch()  # scheduler.interval=epoch
             epochs_done = epoch + 1
         if loop.evaluator.due(pos.step):
             metrics = loop.evaluator.validate(pos)  # collective (+ best.pt)
-            parts.optimizers.after_validation(metrics)  # scheduler.monitor
-            callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
+            components.optimizers.after_validation(metrics)  # scheduler.monitor
+            callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
             if loop.evaluator.stopped:
                 break
         loop.checkpointer.maybe_save()  # collective
@@ -199,11 +202,11 @@ def _periodic(loop: Loop, grad_norm: Any) -> None:
 
 
 def _log_stats(loop: Loop, grad_norm: Any) -> None:
-    lrs = loop.job.parts.optimizers.learning_rates()
+    lrs = loop.job.components.optimizers.learning_rates()
     loop.stats.log(loop.pos.step, grad_norm, lrs, **_data_stats(loop.job, loop.pos))
 
 
-def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
+def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     """Collective: last validation, last checkpoint, test, summary; the same on every rank."""
     job, env, run, pos = loop.job, loop.env, loop.job.run, loop.pos
     if loop.stopper.received:  # came after the last step: the run ends normally
@@ -215,7 +218,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     validated = not loop.evaluator.stopped  # else the loop validated this very step
     val = loop.evaluator.final_validation(pos)  # collective
     if validated:
-        job.callbacks("on_eval_end", _at(loop.ctx, pos, metrics=_prefixed("val", val)))
+        job.callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=_prefixed("val", val)))
     # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
     # a finished run extended with a larger trainer.max_steps continues their counters.
     val, test = loop.evaluator.finish(pos)  # collective
@@ -223,9 +226,9 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     summary.update(loop.evaluator.monitor.summary())
     if loop.meter is not None:  # the memory plan, checked by this run
         planned = memory.of_this_run_or_none(
-            job.cfg, env, loop.raw_model, job.parts.optimizers.optimizers.values(), loop.meter
+            job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
         )
-        summary.update(memory.checked(planned, env, loop.meter))  # collective
+        summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     if env.is_main:
         jsonfile.write(run.output_dir / "summary.json", json_safe(summary))
@@ -233,7 +236,7 @@ def finish(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
         (run.output_dir / "failure.json").unlink(missing_ok=True)
     job.console.show_summary(summary, run.output_dir)
     metrics = {**_prefixed("val", val), **_prefixed("test", test)}
-    job.callbacks("on_train_end", _at(loop.ctx, pos, metrics=metrics))
+    job.callbacks("on_train_end", _context_at(loop.ctx, pos, metrics=metrics))
     # Every rank is past its last collective before rank 0 waits on W&B's uploads.
     loop.tracker.close_all()  # collective
     return summary
@@ -263,7 +266,7 @@ def _micro_batches(job: Job, pos: Position) -> int:
     return min(accum, job.total_micro - done)
 
 
-def _at(ctx: Context, pos: Position, **fields_: Any) -> Context:
+def _context_at(ctx: Context, pos: Position, **fields_: Any) -> Context:
     """The callbacks' context, moved to `pos` (and `fields_`: loss, metrics, epoch)."""
     ctx.step, ctx.epoch = pos.step, pos.epoch
     for name, value in fields_.items():
@@ -290,7 +293,7 @@ def _summary(
     test: dict[str, float],
 ) -> dict[str, Any]:
     """Collective: the job's summary.json, the same on every rank."""
-    cfg, env, unit = job.cfg, job.env, job.parts.source.unit
+    cfg, env, unit = job.cfg, job.env, job.components.source.unit
     samples = all_reduce_sum([float(stats.total_samples)], env)[0]
     held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
     summary: dict[str, Any] = {
@@ -306,7 +309,8 @@ def _summary(
         "state_bytes_per_rank": [
             int(b[0])
             for b in all_gather_floats(
-                [state_bytes(job.parts.model, job.parts.optimizers.optimizers.values())], env
+                [state_bytes(job.components.model, job.components.optimizers.optimizers.values())],
+                env,
             )
         ],  # fmt: skip
         "bytes_held_per_rank": [int(h[1]) for h in held],

@@ -22,8 +22,8 @@ from hydra_ddp.config import TrainConfig, Wrapper
 from hydra_ddp.data import EvalData, TrainData, check_source
 from hydra_ddp.distributed import DistEnv, use_device
 from hydra_ddp.loop.checkpointing import resume_point
+from hydra_ddp.loop.job_types import Job, build_components
 from hydra_ddp.loop.monitor import monitor_key
-from hydra_ddp.loop.parts import Job, build_components
 from hydra_ddp.loop.position import epoch_length, total_epochs
 from hydra_ddp.rundir import provenance
 from hydra_ddp.tracking import RunInfo, Tracker, make_tracker, redact
@@ -76,13 +76,13 @@ def prepare(
     total_micro = tcfg.epochs * per_epoch if tcfg.max_steps <= 0 else None
     total_steps = tcfg.max_steps if total_micro is None else -(-total_micro // tcfg.grad_accum)
     epochs = total_epochs(total_steps, tcfg.grad_accum, per_epoch)
-    parts = build_components(cfg, train_data.source, env.device, total_steps, epochs)
+    components = build_components(cfg, train_data.source, env.device, total_steps, epochs)
     callbacks = Callbacks(cfg.callbacks, data=train_data.source)
     resume_from = resume_point(cfg, env, run, console)
     # Names and shapes checked here, before any group; ddp=fsdp2 loads into each rank's
     # shards after the wrap (loop/wrapping.py).
     init_sharded = for_fresh_run(
-        parts.model, tcfg.init_from, resume_from, init_map=tcfg.init_map,
+        components.model, tcfg.init_from, resume_from, init_map=tcfg.init_map,
         strict=tcfg.init_strict, sharded=cfg.ddp.wrapper == Wrapper.fsdp2,
     )  # fmt: skip
     return Job(
@@ -90,7 +90,7 @@ def prepare(
         env=env,
         run=run,
         console=console,
-        parts=parts,
+        components=components,
         train_data=train_data,
         evals=evals,
         micro_batches_per_epoch=per_epoch,
@@ -106,7 +106,7 @@ def start_tracker(job: Job, resumed_step: int | None) -> Tracker:
     """Collective: the run's provenance (run.json), then the tracker's sinks (stats files,
     W&B, TensorBoard), continuing the resumed run's at `resumed_step` (None: a fresh run)."""
     cfg, env, run = job.cfg, job.env, job.run
-    origin = provenance.record(
+    origin = provenance.record_run(
         run.output_dir, env, run.overrides, cfg.trainer.untracked_content
     )  # collective
     tracker = make_tracker(cfg.logger, env, run, resumed_step=resumed_step)

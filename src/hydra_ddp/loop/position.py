@@ -89,7 +89,7 @@ class PositionState:
     def __init__(self, pos: Position, counting: Counting) -> None:
         self.pos, self.counting = pos, counting
         # Which rows are training rows (None: the source does not say): see split_record.py.
-        self.split = split_record.record(counting.source)
+        self.split = split_record.recorded_split(counting.source)
 
     def state_dict(self) -> dict[str, Any]:
         here = self.counting
@@ -135,7 +135,9 @@ def continue_epoch(pos: Position, here: Counting, saved: epoch_rows.Setup, path:
     world, batch_size, done = saved.world_size, saved.batch_size, pos.batch_in_epoch
     # A checkpoint from before the settings were recorded: taken to have this job's.
     saved.settings = saved.settings or here.sampler
-    reordered = epoch_rows.changed(saved.settings, here.sampler, world, here.world_size)
+    reordered = epoch_rows.reading_order_changed(
+        saved.settings, here.sampler, world, here.world_size
+    )
     if (world, batch_size) != (here.world_size, here.batch_size):
         rows_done = pos.batch_in_epoch * batch_size * world
         per_batch = here.batch_size * here.world_size

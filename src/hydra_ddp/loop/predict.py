@@ -31,7 +31,9 @@ from hydra_ddp.rundir import jsonfile
 log = logging.getLogger(__name__)
 
 
-def kept(output: Any, rows: int, key: str | None) -> tuple[str, dict[str, torch.Tensor], list]:
+def prediction_entries(
+    output: Any, rows: int, key: str | None
+) -> tuple[str, dict[str, torch.Tensor], list]:
     """The kind of `output` (tensor, tuple, dict), its entries kept for prediction, by name
     ("" for a tensor, "0", "1", ... for a tuple's), and the names of those left out."""
     if key is not None:
@@ -103,7 +105,7 @@ def predict(
             output = forward(model, to_device(batch, env.device))
         if not len(ids):  # a padded batch (data/eval_batches.py): run, but not kept
             continue
-        kind, entries, dropped = kept(output, len(ids), key)
+        kind, entries, dropped = prediction_entries(output, len(ids), key)
         size = len(entries) + len(dropped)
         if dropped and not parts and env.is_main:
             log.info("predict: left out of the %s output (no row per batch row): %s", kind,

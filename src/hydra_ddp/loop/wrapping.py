@@ -14,14 +14,14 @@ from hydra_ddp.checkpoint.init_from import apply
 from hydra_ddp.config import Wrapper
 from hydra_ddp.distributed.ddp import wrap_model
 from hydra_ddp.loop.ema import EMA
-from hydra_ddp.loop.parts import Job
+from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.position import total_epochs
 from hydra_ddp.optim import Optimizers
 
 
 @dataclass
 class Wrapped:
-    """What `wrap` gives the loop; the raw model stays `job.parts.model` (checkpoints use it,
+    """What `wrap_job` gives the loop; the raw model stays `job.components.model` (checkpoints use it,
     so their keys carry no wrapper's or `_orig_mod.` prefix)."""
 
     step_model: torch.nn.Module  # the DDP/FSDP2 wrapper, compiled with trainer.compile
@@ -30,22 +30,22 @@ class Wrapped:
     sharded: bool  # ddp=fsdp2: model, optimizer and EMA are DTensor shards
 
 
-def wrap(job: Job) -> Wrapped:
-    """Collective: wrap `job.parts.model` for the job's ddp.wrapper (every rank at once)."""
-    cfg, env, parts = job.cfg, job.env, job.parts
+def wrap_job(job: Job) -> Wrapped:
+    """Collective: wrap `job.components.model` for the job's ddp.wrapper (every rank at once)."""
+    cfg, env, components = job.cfg, job.env, job.components
     tcfg = cfg.trainer
     sharded = cfg.ddp.wrapper == Wrapper.fsdp2
     # Before the wrap: ddp=fsdp2 shards the average like the model (its first update copies
     # the weights, so what it starts from does not matter).
-    ema = EMA(parts.model, tcfg.ema_decay) if tcfg.ema_decay else None
+    ema = EMA(components.model, tcfg.ema_decay) if tcfg.ema_decay else None
     model, hook_state = wrap_model(
-        parts.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
+        components.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
         compile_units=tcfg.compile and sharded,
     )  # fmt: skip
     if job.init_sharded is not None:
-        apply(parts.model, job.init_sharded, env.distributed)  # collective
+        apply(components.model, job.init_sharded, env.distributed)  # collective
     if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
-        parts.optimizers = Optimizers.build(
+        components.optimizers = Optimizers.build(
             cfg.optim, cfg.scheduler, model, job.total_steps,
             total_epochs(job.total_steps, tcfg.grad_accum, job.micro_batches_per_epoch),
             ["loss", *cfg.metrics],

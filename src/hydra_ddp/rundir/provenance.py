@@ -38,7 +38,7 @@ UNTRACKED_MAX_BYTES = 1 << 20
 _PACKAGES = ("hydra-core", "omegaconf", "wandb", "numpy", "hydra-ddp")
 
 
-def record(
+def record_run(
     output_dir: Path, env: DistEnv, overrides: list[str], untracked_content: bool = False
 ) -> dict[str, Any]:
     """Collective (every rank's host): append this run's entry to <output_dir>/run.json on rank

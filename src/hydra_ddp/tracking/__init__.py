@@ -18,7 +18,7 @@ A user adds a sink as one module with a class meeting `hydra_ddp.protocols.Sink`
 conf/logger/ naming it in `logger.sink._target_`; nothing here is meant to be edited.
 """
 
-from hydra_ddp.tracking.files import set_aside
+from hydra_ddp.tracking.files import set_aside_stats
 from hydra_ddp.tracking.names import STEP_METRIC
 from hydra_ddp.tracking.sink import Record, RunInfo, Sink
 from hydra_ddp.tracking.tracker import Tracker, make_tracker
@@ -34,5 +34,5 @@ __all__ = [
     "make_tracker",
     "physical_gpu",
     "resolve_mode",
-    "set_aside",
+    "set_aside_stats",
 ]

@@ -8,7 +8,7 @@ Each line is flushed as it is written, so a killed rank leaves its stats up to t
 A resumed job continues the same files after moving the rows past its checkpoint (written by the
 attempt that went on beyond it) to ``stats/superseded/<file>``: no step appears twice in a stats
 file, and nothing is deleted. ``trainer.resume=never`` in a used dir moves the old files aside
-(`set_aside`), as checkpoint.set_aside does with the checkpoints.
+(`set_aside_stats`), as checkpoint.set_aside_checkpoints does with the checkpoints.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def stats_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "stats"
 
 
-def set_aside(output_dir: Path) -> Optional[Path]:
+def set_aside_stats(output_dir: Path) -> Optional[Path]:
     """trainer.resume=never in a used dir: move its stats/ to stats.before-<n>/ and its
     summary.json into that folder, so the new run's files hold only its own rows. Rank 0,
     before any rank opens a stats file (see loop.checkpointing.resume_point)."""

@@ -35,7 +35,7 @@ class Interval:
     time: float
     queued: Queued = field(default_factory=list)  # this rank's ctx.log rows to hand to rank 0
     signature: float = 0.0
-    parts: List[torch.Tensor] = field(default_factory=list)
+    gathered: List[torch.Tensor] = field(default_factory=list)  # the all_gather's output, by rank
     work: Optional[Any] = None  # the async all_gather's handle; None when not distributed
 
 
@@ -47,8 +47,8 @@ def start(env: DistEnv, interval: Interval) -> Interval:
     interval.signature = float(zlib.crc32("\0".join(interval.keys).encode()))
     head = [interval.signature, float(len(interval.queued))]
     local = torch.tensor([*head, *interval.values], dtype=torch.float64, device=env.device)
-    interval.parts = [torch.empty_like(local) for _ in range(env.world_size)]
-    interval.work = dist.all_gather(interval.parts, local, async_op=True)
+    interval.gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+    interval.work = dist.all_gather(interval.gathered, local, async_op=True)
     return interval
 
 
@@ -61,7 +61,7 @@ def finish(
     if interval.work is None:
         return {env.rank: interval.values}, []
     interval.work.wait()
-    rows = torch.stack(interval.parts).cpu().tolist()
+    rows = torch.stack(interval.gathered).cpu().tolist()
     if any(row[0] != interval.signature for row in rows):
         # Every rank sees every signature, so all ranks raise here together.
         raise RuntimeError(

@@ -2,7 +2,8 @@
 
 The loop writes its stats under these names (stats.StepStats), the aggregates are derived from
 them (gather.aggregate), the console reads them back (console.Console) and `ctx.log` may not
-reuse them (values.check): a name changed here changes everywhere, so two places cannot drift.
+reuse them (values.loggable_values): a name changed here changes everywhere, so two places
+cannot drift.
 """
 
 from __future__ import annotations

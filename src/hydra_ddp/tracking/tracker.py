@@ -43,7 +43,7 @@ class Tracker:
         self.sinks: List[Sink] = [self.files]
         self.pending: Optional[gather.Interval] = None
         self.queued: gather.Queued = []  # this rank's ctx.log rows for rank 0 to forward
-        self.stat_keys: Set[str] = set()  # what ctx.log may not reuse (values.check)
+        self.stat_keys: Set[str] = set()  # what ctx.log may not reuse (values.loggable_values)
         # (step, aggregates) of the newest interval whose gather completed, on rank 0.
         self.last_aggregate: Tuple[int, Dict[str, float]] = (0, {})
         self.forward = False  # whether other ranks' ctx.log values go to rank 0's sinks
@@ -115,7 +115,7 @@ class Tracker:
         """A callback's `ctx.log` at `step` on this rank, under the rule of values.py (a
         reserved key or a value of no sink's type: ValueError). Not collective: ranks may log
         different keys at different steps."""
-        checked = values.check(new, self.stat_keys)
+        checked = values.loggable_values(new, self.stat_keys)
         if self.closed or not checked:
             return
         self._fan_out(Record(Kind.values, self.env.rank, checked, time.time()), step)

@@ -30,7 +30,7 @@ def is_media(value: Any) -> bool:
     return type(value).__module__.split(".")[0] == "wandb"
 
 
-def check(values: Mapping[str, Any], logged: Iterable[str]) -> Dict[str, Any]:
+def loggable_values(values: Mapping[str, Any], logged: Iterable[str]) -> Dict[str, Any]:
     """`values` as the sinks take them: scalars as float or int, text, W&B media; raises a
     one-line ValueError for a reserved key or a value of no sink's type."""
     seen = set(logged)

@@ -71,7 +71,7 @@ class Job:
     env: DistEnv
     run: RunInfo
     console: Console
-    parts: Components
+    components: Components
     train_data: TrainData
     evals: dict[str, EvalData]
     micro_batches_per_epoch: int  # per rank
