@@ -21,8 +21,8 @@ from hydra_ddp.optim import Optimizers
 
 @dataclass
 class Wrapped:
-    """What `wrap_job` gives the loop; the raw model stays `job.components.model` (checkpoints use it,
-    so their keys carry no wrapper's or `_orig_mod.` prefix)."""
+    """What `wrap_job` gives the loop; the raw model stays `job.components.model` (checkpoints
+    use it, so their keys carry no wrapper's or `_orig_mod.` prefix)."""
 
     step_model: torch.nn.Module  # the DDP/FSDP2 wrapper, compiled with trainer.compile
     ema: EMA | None  # trainer.ema_decay's average
