@@ -143,10 +143,10 @@ def find_own_plugins() -> None:
 find_own_plugins()
 
 
-@hydra.main(version_base="1.3", config_path=config_dir(), config_name="train")
 def hydra_entry(dict_cfg: DictConfig) -> float:
-    """Compose, validate, then train here or start a worker group; returns the objective
-    (validation loss) for Hydra sweepers."""
+    """Validate the composed config, then train here or start a worker group; returns the
+    objective (validation loss) for Hydra sweepers. `main` wraps it in `hydra.main` with the
+    config dir it is given."""
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -245,10 +245,10 @@ def _unknown_top_level_key(override: str, groups: set[str]) -> str | None:
     return key if root and root not in known else None
 
 
-def _check_keys(argv: list[str]) -> None:
+def _check_keys(argv: list[str], conf: str) -> None:
     """`reads_dir=...` (no such key): one line saying where user variables go, before Hydra's
-    "Could not override" paragraph."""
-    groups = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}
+    "Could not override" paragraph. The groups are the engine's and those of `conf`."""
+    groups = {p.name for d in {config_dir(), conf} for p in Path(d).iterdir() if p.is_dir()}
     for arg in argv:
         key = _unknown_top_level_key(arg, groups)
         if key is not None:
@@ -256,11 +256,15 @@ def _check_keys(argv: list[str]) -> None:
             sys.exit(2)
 
 
-def main() -> None:
+def main(config_path: str | None = None, config_name: str = "train") -> None:
+    """`python -m hydra_ddp.train`: compose `config_name` from `config_path` (None: the
+    engine's conf; a thin project passes its own dir, whose primary config layers over the
+    engine's through `hydra.searchpath`), then run `hydra_entry` with the command line."""
+    conf = str(Path(config_path).resolve()) if config_path else config_dir()
     _check_run_dir(sys.argv[1:])
-    _check_keys(sys.argv[1:])
+    _check_keys(sys.argv[1:], conf)
     try:
-        hydra_entry()
+        hydra.main(version_base="1.3", config_path=conf, config_name=config_name)(hydra_entry)()
         code = 1 if sweeps.sweep_failed() else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
