@@ -2,7 +2,7 @@
 
     python scripts/new_project.py myproj                    # src/hydra_ddp -> src/myproj, ...
     python scripts/new_project.py my_proj --strip model/gpt --strip data/text --dry-run
-    python scripts/new_project.py myproj --thin [--dir PATH]   # ./myproj/ on the engine
+    python scripts/new_project.py myproj --thin --dir ..       # ../myproj/ on this engine
 
 Two ways to make it yours. A full clone (the default) owns all the machinery and takes no fix
 from upstream. A thin project (--thin) is a project of its own in ./NAME/ (or --dir PATH/NAME/),
@@ -150,7 +150,10 @@ def make_thin(name: str, parent: Path, root: Path, dry_run: bool) -> None:
     if target.exists():
         fail(f"{target} already exists: remove it, or give another NAME or --dir")
     if target.is_relative_to(root):
-        fail(f"{target} is inside the engine's checkout {root}: give --dir a folder outside it")
+        fail(
+            f"{target} is inside the engine's checkout {root}: give --dir a folder outside it "
+            "(e.g. --dir .. from the checkout's root)"
+        )
     files = thin_files(name, engine_version(root))
     verb = "would " if dry_run else ""
     for rel in files:
