@@ -143,6 +143,25 @@ def test_its_configs_compose_over_the_engines(made: SimpleNamespace) -> None:
     assert compose(conf, "my_proj", ["debug=fast"]).trainer.max_steps == 3
 
 
+def test_the_api_is_one_documented_module_that_has_what_the_template_uses() -> None:
+    import hydra_ddp.api as api
+
+    assert "whole" in api.__doc__ and "may change between versions" in api.__doc__
+    missing = [name for name in api.__all__ if not hasattr(api, name)]
+    assert not missing, missing
+    template = REPO / "scripts" / "thin_template"
+    used = {
+        alias.name
+        for path in template.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "hydra_ddp.api"
+        for alias in node.names
+    }
+    assert used and used <= set(api.__all__), used - set(api.__all__)
+    undocumented = [n for n in api.__all__ if n != "__version__" and f"`{n}" not in api.__doc__]
+    assert not undocumented, undocumented
+
+
 @pytest.mark.parametrize("how", ["exists", "inside", "strip"])
 def test_refusals_write_nothing(tmp_path: Path, how: str) -> None:
     args = {

@@ -1,4 +1,4 @@
-"""The engine's public API: everything a thin project may import, and nothing else.
+"""The engine's public API: the whole surface a thin project may import, and nothing else.
 
 A thin project (`python scripts/new_project.py myproj --thin`) keeps its model, data, loss and
 callbacks in a package of its own and imports from the engine only `hydra_ddp.api`. The names
