@@ -143,6 +143,13 @@ def test_its_configs_compose_over_the_engines(made: SimpleNamespace) -> None:
     assert compose(conf, "my_proj", ["debug=fast"]).trainer.max_steps == 3
 
 
+def test_dry_run_lists_the_files_and_writes_nothing(tmp_path: Path) -> None:
+    proc = new_project("preview", "--thin", "--dir", str(tmp_path), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "would write preview/src/preview/train.py" in proc.stdout and "dry run:" in proc.stdout
+    assert files_of(tmp_path) == [] and not (tmp_path / "preview").exists()
+
+
 def test_the_api_is_one_documented_module_that_has_what_the_template_uses() -> None:
     import hydra_ddp.api as api
 
