@@ -2,6 +2,14 @@
 
     python scripts/new_project.py myproj                    # src/hydra_ddp -> src/myproj, ...
     python scripts/new_project.py my_proj --strip model/gpt --strip data/text --dry-run
+    python scripts/new_project.py myproj --thin --dir ..       # ../myproj/ on this engine
+
+Two ways to make it yours. A full clone (the default) owns all the machinery and takes no fix
+from upstream. A thin project (--thin) is a project of its own in ./NAME/ (or --dir PATH/NAME/),
+written from scripts/thin_template/ with `myproj` replaced by NAME: its model, data, loss,
+callbacks, configs layered over the engine's, tests and CI, depending on hydra-ddp at this
+version and importing only `hydra_ddp.api`; upgrading the engine is `pip install -U`. It never
+writes into the engine's checkout.
 
 In place, in the repository root (or --root), it
 
@@ -15,7 +23,8 @@ In place, in the repository root (or --root), it
     pyproject.toml, the README and docs/;
   * with --strip GROUP/CHOICE, deletes conf/GROUP/CHOICE.yaml, unless a defaults list chooses it
     (conf/train.yaml's default, or e.g. data/diabetes.yaml's `override /loss: mse`);
-  * removes this script and its test: they only apply to the template.
+  * removes this script, its tests and the thin project's template: they only apply to the
+    template.
 
 Every check runs before anything changes; a refusal is one `error: ...` line and exit 2.
 """
@@ -27,13 +36,21 @@ import importlib.util
 import keyword
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 OLD = "hydra_ddp"
 SKIP_DIRS = {".git", ".venv", "outputs", "multirun", "wandb", "__pycache__", ".pytest_cache"}
-SELF = [Path("scripts/new_project.py"), Path("tests/test_new_project.py")]
+SELF = [
+    Path("scripts/new_project.py"),
+    Path("scripts/thin_template"),
+    Path("tests/test_new_project.py"),
+    Path("tests/test_thin_project.py"),
+]
+TEMPLATE = Path(__file__).resolve().parent / "thin_template"
+TEMPLATE_NAME = "myproj"  # the project's name in the template's paths and text
 
 
 def fail(message: str) -> None:
@@ -102,6 +119,60 @@ def yaml_target(path: Path, name: str) -> str:
     return "no _target_"
 
 
+def is_self(rel: Path) -> bool:
+    return any(rel.is_relative_to(p) for p in SELF)
+
+
+def engine_version(root: Path) -> str:
+    """hydra_ddp.__version__ of the checkout at `root`, read without importing it."""
+    init = (root / "src" / OLD / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', init, re.M).group(1)
+
+
+def thin_files(name: str, version: str) -> dict[Path, tuple[str, int]]:
+    """The thin project's files: relative path -> (text, mode), NAME put in for the template's."""
+    files = {}
+    for path in sorted(TEMPLATE.rglob("*")):
+        rel = path.relative_to(TEMPLATE)
+        if not path.is_file() or any(p in SKIP_DIRS or p.endswith("_cache") for p in rel.parts):
+            continue
+        text = path.read_text().replace(f"{TEMPLATE_NAME}-train", f"{name.replace('_', '-')}-train")
+        text = text.replace(TEMPLATE_NAME, name)
+        if rel == Path("pyproject.toml"):
+            text = re.sub(r'"hydra-ddp==[^"]*"', f'"hydra-ddp=={version}"', text)
+        files[Path(str(rel).replace(TEMPLATE_NAME, name))] = (text, path.stat().st_mode & 0o777)
+    return files
+
+
+def make_thin(name: str, parent: Path, root: Path, dry_run: bool) -> None:
+    """Write the thin project NAME into parent/NAME (see the module docstring)."""
+    target = (parent / name).resolve()
+    if target.exists():
+        fail(f"{target} already exists: remove it, or give another NAME or --dir")
+    if target.is_relative_to(root):
+        fail(
+            f"{target} is inside the engine's checkout {root}: give --dir a folder outside it "
+            "(e.g. --dir .. from the checkout's root)"
+        )
+    files = thin_files(name, engine_version(root))
+    verb = "would " if dry_run else ""
+    for rel in files:
+        print(f"  {verb}write {target.name}/{rel}")
+    if dry_run:
+        print(f"dry run: {len(files)} files would be written; nothing was written")
+        return
+    for rel, (text, mode) in files.items():
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        (target / rel).write_text(text)
+        (target / rel).chmod(mode)
+    print(
+        f"\ndone: {target} ({len(files)} files), on hydra-ddp {engine_version(root)}\nnext:\n"
+        f'  cd {target}\n  pip install -e ".[dev]"    # with hydra-ddp installed, or from '
+        "your index\n"
+        f"  torchrun --standalone --nproc_per_node=2 -m {name}.train\n  python -m pytest"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Rename the template's package, distribution, console script and W&B "
@@ -126,6 +197,17 @@ def main() -> None:
         default=Path(__file__).resolve().parents[1],
         help="repository root (default: the one holding this script)",
     )
+    parser.add_argument(
+        "--thin",
+        action="store_true",
+        help="write a thin project NAME/ that depends on this engine, instead of renaming it",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path.cwd(),
+        help="with --thin: the folder to make NAME/ in (default: the current one)",
+    )
     args = parser.parse_args()
     root, name = args.root.resolve(), args.name
 
@@ -135,6 +217,11 @@ def main() -> None:
         fail(f"NAME {name!r} is the template's own name, a Python keyword or a standard module")
     if importlib.util.find_spec(name) is not None:
         fail(f"NAME {name!r} would shadow the installed module {name!r}; pick another")
+    if args.thin:
+        if args.strip:
+            fail("--strip is for the full clone: a thin project has only its own configs")
+        make_thin(name, args.dir, root, args.dry_run)
+        return
     if not (root / "src" / OLD).is_dir():
         fail(f"{root / 'src' / OLD} does not exist: already renamed, or --root is wrong")
     if (root / "src" / name).exists():
@@ -160,7 +247,7 @@ def main() -> None:
     files = project_files(root, use_git)
     texts, plan = {}, {}  # path -> its text after the rename; path -> replacements made
     for rel in files:
-        if rel in strips or rel in SELF:
+        if rel in strips or is_self(rel):
             continue
         try:
             text = (root / rel).read_bytes().decode("utf-8")  # bytes: line endings kept
@@ -207,8 +294,10 @@ def main() -> None:
 
     def remove(rel: Path) -> None:
         if use_git and git(root, "ls-files", str(rel)).strip():
-            git(root, "rm", "-q", "-f", str(rel))
-        else:
+            git(root, "rm", "-r", "-q", "-f", str(rel))
+        if (root / rel).is_dir():  # what git did not track in it
+            shutil.rmtree(root / rel)
+        elif (root / rel).exists():
             (root / rel).unlink()
 
     for path in strips:

@@ -186,7 +186,11 @@ def test_rename_without_git_then_refuse_a_second_time(tmp_path: Path) -> None:
     assert (root / "src" / "my_proj" / "train.py").is_file() and not (root / "src" / OLD).exists()
     assert not (root / "scripts" / "new_project.py").exists()
     now = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
-    assert len(now) == len(files) - 2 and leftovers(root, now) == []  # itself and its test
+    # Gone: itself, its tests and the thin project's template.
+    only_template = ("scripts/new_project.py", "scripts/thin_template/", "tests/test_new_project")
+    gone = [f for f in files if f.startswith((*only_template, "tests/test_thin_project"))]
+    assert len(gone) > 4 and not (root / "scripts" / "thin_template").exists()
+    assert len(now) == len(files) - len(gone) and leftovers(root, now) == []
     assert 'name = "my-proj"' in (root / "pyproject.toml").read_text()
     again = new_project(
         root, "other", "--root", str(root), script=REPO / "scripts" / "new_project.py"

@@ -1,0 +1,24 @@
+"""The entry: the engine's training job with this project's configs.
+
+torchrun --standalone --nproc_per_node=2 -m myproj.train        # 2 ranks
+python -m myproj.train dist.nproc_per_node=2 trainer.epochs=5   # the job starts its ranks
+python -m myproj.train --cfg job                                # the composed config
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra_ddp.api import main
+
+# conf/ ships inside the package (pyproject.toml's package-data), so this works once installed.
+CONF = Path(__file__).resolve().parent / "conf"
+
+
+def run() -> None:
+    """Compose conf/myproj.yaml (over the engine's conf) with the command line, then train."""
+    main(config_path=CONF, config_name="myproj")
+
+
+if __name__ == "__main__":
+    run()
