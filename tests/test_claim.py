@@ -83,6 +83,7 @@ def _lone_rank_with_bad_master(env, cfg, run):
     return train(cfg, env, run)
 
 
+@pytest.mark.slow
 def test_an_unresolvable_master_addr_fails_at_once_naming_the_host(tmp_path: Path) -> None:
     from conftest import FAST
     from helpers import ranks

@@ -48,6 +48,7 @@ def fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return job
 
 
+@pytest.mark.slow
 def test_cpu_offload_trains_like_the_run_without_it(fp32: Path, tmp_path: Path) -> None:
     """On a CPU job the shards already live in CPU memory, so offloading changes no value: the
     losses are the same to the last bit, through FSDP2's offload path."""
@@ -117,6 +118,7 @@ def test_compile_makes_each_unit_compiled_and_sharded() -> None:
         assert rank["sharded"] == ["<root>", "blocks.0", "blocks.1"], rank
 
 
+@pytest.mark.slow
 def test_gan_example_trains_under_fsdp2_as_under_ddp(tmp_path: Path) -> None:
     """experiment=gan (two optimizers, each clipped to its own threshold, a custom step that
     alternates them, gradient accumulation) under ddp=fsdp2: the same losses as under DDP."""

@@ -94,7 +94,7 @@ def mlp_runs(tmp_path_factory) -> dict[str, Path]:
     return {kind: _trained(root / kind, *o) for kind, o in MLP_JOBS.items()}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_tensor_tuple_and_dict_outputs_in_the_splits_row_order(mlp_runs, world: int) -> None:
     for kind, run in mlp_runs.items():
         model, rows = _by_hand(run)
@@ -121,7 +121,7 @@ def test_tensor_tuple_and_dict_outputs_in_the_splits_row_order(mlp_runs, world: 
     assert described["key"] == "embedding"
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_padded_text_kept_per_row_or_padded_to_the_longest(tmp_path: Path, world: int) -> None:
     run = _trained(tmp_path / "lm", "experiment=dict_lm")
     model, rows = _by_hand(run)

@@ -107,6 +107,7 @@ def test_experiment_keeps_the_data_sets_task_and_the_command_line_wins() -> None
 EXAMPLES = {
     "images", "dict_lm", "dict_lm_transformers", "siamese", "gradient_penalty", "gan",
     "contrastive",  # trained on 2 ranks by test_contrastive.py
+    "text_gpt",  # trained on 2 ranks, in process, by test_end_of_job.py
 }  # fmt: skip
 
 

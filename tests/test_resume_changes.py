@@ -41,7 +41,7 @@ def _rows_read(reads: Path) -> collections.Counter:
     )
 
 
-@pytest.mark.parametrize("first, second", [(32, 64), (64, 32)])
+@pytest.mark.parametrize("first, second", [(32, 64), pytest.param(64, 32, marks=pytest.mark.slow)])
 def test_a_resume_with_another_batch_size_sees_each_row_once(
     tmp_path: Path, first: int, second: int, caplog
 ) -> None:

@@ -497,6 +497,7 @@ def test_resumed_job_continues_its_wandb_runs(tmp_path: Path, layout: str) -> No
     assert not first.resume and second.resume  # W&B records the second as a resume
 
 
+@pytest.mark.slow
 def test_resumed_from_an_older_checkpoint_skips_the_steps_wandb_has(tmp_path: Path) -> None:
     """Killed after logging step 8 but checkpointed at 6 (here: resumed from the step-6
     checkpoint on purpose): steps 7 and 8 are trained again but not sent again, on either
