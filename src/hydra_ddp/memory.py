@@ -9,9 +9,11 @@ what those leave out (activations, DDP's buckets):
     optimizer    the optimizer's state after a step (fsdp2: sharded)
     buckets      DDP's gradient buckets (a copy of the gradients unless
                  ddp.gradient_as_bucket_view), with a process group only
-    gathered     fsdp2: the root unit gathered whole, two of the largest other unit (the one
-                 being computed and the one prefetched) and its unsharded gradients, in
-                 ddp.param_dtype
+    gathered     fsdp2: the unit-sized buffers FSDP2 holds at once in the backward (see
+                 `gathered_bytes`): the root gathered whole and its unsharded gradients, and of
+                 the largest other unit up to four copies (its gathered parameters, its
+                 unsharded gradients, the next unit's all-gather buffer, the previous unit's
+                 reduce-scatter input), in ddp.param_dtype
     activations  what the forward saves for the backward, at trainer.batch_size
 
 Measured, not assumed: the model and its optimizers are built on the meta device (no memory,
@@ -119,7 +121,7 @@ class Counted:
     trainable: int
     optimizer: int
     root_unit: int  # parameters no fsdp2 unit holds
-    largest_unit: int  # the largest fsdp2 unit's own parameters
+    units: list[int]  # each fsdp2 unit's own parameters (the root's left out)
     activations: dict[int, int]  # probe batch size -> saved bytes
     where: str
 
@@ -152,10 +154,7 @@ def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wr
         half = half or cfg.ddp.param_dtype in _HALF
     scale = 0.5 if half else 1.0  # 16-bit autocast: the saved floats take half the bytes
     shard = world_size if sharded else 1
-    gathered = 0
-    if sharded:
-        unit_dtype = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
-        gathered = int(unit_dtype * (counted.root_unit + 3 * counted.largest_unit))
+    gathered = gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0
     buckets = 0
     if wrapper == Wrapper.ddp and wrapped and cfg.ddp.enabled:
         buckets = 0 if cfg.ddp.gradient_as_bucket_view else counted.trainable
@@ -172,6 +171,36 @@ def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wr
         activations_per_row=per_row * scale,
         where=counted.where,
     ).at(cfg.trainer.batch_size)
+
+
+def gathered_bytes(root: int, units: list[int], cfg: TrainConfig) -> int:
+    """The unit-sized buffers fully_shard holds at once on a rank, at the backward's peak, from
+    the whole (unsharded) bytes of the root's own parameters and of each other unit's
+    (torch/distributed/fsdp/_fully_shard/, 2.13):
+
+    - the root: gathered for the forward and kept so (reshard_after_forward=False in
+      distributed/fsdp.py), and its unsharded gradients: the root's backward comes first (the
+      head) and its reduce-scatter last, after every unit's: 2 x root;
+    - the units, with reshard_after_forward (one gathered at a time), of the largest: the
+      unit computing its backward (its gathered parameters and its unsharded gradients, until
+      its reduce-scatter copies them into a flat reduce-scatter input), the next unit's flat
+      all-gather output (prefetched during this one's backward) and the previous unit's
+      reduce-scatter input (kept until this unit's reduce-scatter): 4 x the largest unit from
+      the third unit on, 3 with two units, 2 with one;
+    - without reshard_after_forward every unit stays gathered from its forward to its
+      backward: all of them, plus the computing unit's gradients and the previous unit's
+      reduce-scatter input.
+
+    The sharded gradients (the reduce-scatter outputs) are the plan's `grads`. In
+    ddp.param_dtype (the gradients too: autograd makes them in the gathered parameters' dtype).
+    """
+    largest = max(units, default=0)
+    if cfg.ddp.reshard_after_forward:
+        held = min(len(units) + 1, 4) * largest if units else 0
+    else:
+        held = sum(units) + min(len(units), 2) * largest
+    scale = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
+    return int(scale * (2 * root + held))
 
 
 def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counted:
@@ -213,7 +242,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
         trainable=sum(_nbytes(p) for p in model.parameters() if p.requires_grad),
         optimizer=sum(_state_bytes(o) for o in optimizers.values()),
         root_unit=sum(_nbytes(p) for p in model.parameters()) - sum(unit_bytes),
-        largest_unit=max(unit_bytes, default=0),
+        units=unit_bytes,
         activations=acts,
         where=device.type,
     )
@@ -270,8 +299,7 @@ def of_this_run(
         units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
         unit_bytes = [_own_bytes(unit, units) for _, unit in units]
         root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
-        unit_dtype = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
-        gathered = int(unit_dtype * (root + 3 * max(unit_bytes, default=0)))
+        gathered = gathered_bytes(root, unit_bytes, cfg)
     ddp = cfg.ddp.wrapper == Wrapper.ddp and env.distributed and cfg.ddp.enabled
     return MemoryPlan(
         wrapper=cfg.ddp.wrapper.value,
