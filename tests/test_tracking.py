@@ -333,8 +333,10 @@ def _fails_alone(tmp_path: Path, env: dict, *overrides: str) -> tuple[str, ranks
     return line, done
 
 
-# online: the same wait as auto, in the slow set.
-@pytest.mark.parametrize("mode", [pytest.param("online", marks=pytest.mark.slow), "auto"])
+# Both modes wait out the init timeout: the slow set. (A W&B init that fails fast stops every
+# rank in the default suite: test_wandb_init_failing_on_rank_0_stops_every_rank_at_once.)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["online", "auto"])
 def test_wandb_unreachable_fails_within_the_init_timeout(tmp_path: Path, mode: str) -> None:
     """A key but no server (WANDB_BASE_URL on a closed local port): the job stops after the
     init timeout with one line saying what to do, and the key is written nowhere."""

@@ -211,6 +211,7 @@ def test_ddp_matches_one_process_with_the_global_batch(tmp_path: Path, shuffle: 
     assert_same_params(params["ddp_b8_accum2"], params["one_b32"], atol=1e-5)
 
 
+@pytest.mark.slow  # sharded training is also in test_sampling's and test_train's uneven shards
 def test_sharded_sampler_reaches_the_strided_accuracy_band(tmp_path: Path) -> None:
     """The default job (strided) reaches 0.95 above; sharded, each rank holding its half."""
     s = train_ranks(tmp_path / "job", *FAST, "sampler=sharded")[0]
