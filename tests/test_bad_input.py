@@ -340,6 +340,7 @@ CASES = [
         ["ddp=none", "dist.nproc_per_node=2"],
         ["ddp=none", "diverging copy"],
         exit_code=2,
+        slow=True,  # starts 2 workers; the self-launch's preflight errors are in the default set
     ),
     Case(
         "rendezvous_port_in_use",
@@ -449,6 +450,7 @@ def _one_error_line(proc, procs: int = 1) -> str:
     return errors[0]
 
 
+@pytest.mark.slow  # the refusals themselves: the resume_* cases above, in process
 def test_cli_refused_resume_is_one_line_exit_2_and_keeps_the_record(
     cwd: Path, world: dict[str, Path]
 ) -> None:

@@ -172,6 +172,7 @@ def test_resume_on_2_then_1_then_2_ranks_continues_the_run(tmp_path: Path) -> No
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_meta_init_draws_each_shard_of_its_own(tmp_path: Path) -> None:
     """ddp.meta_init on 2 ranks: the randomly initialised weights, gathered whole (lr 0: the
     one step changes nothing), have halves that differ: no rank's shard is a copy of

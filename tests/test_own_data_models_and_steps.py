@@ -37,7 +37,7 @@ def _blob_job(log_dir: Path | None = None) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("sampler", ["strided", "sharded"])
+@pytest.mark.parametrize("sampler", [pytest.param("strided", marks=pytest.mark.slow), "sharded"])
 def test_a_per_item_dataset_trains_on_two_ranks_by_config_alone(
     tmp_path: Path, sampler: str
 ) -> None:
@@ -86,6 +86,7 @@ def test_the_gan_trains_on_two_ranks_with_two_optimizers(tmp_path: Path) -> None
     assert s["steps"] == 50 and s["steps_this_run"] == 10
 
 
+@pytest.mark.slow  # each part also in test_weights, test_resume_changes, test_predict
 def test_fine_tuning_resume_changes_and_evaluation(tmp_path: Path, caplog) -> None:
     base, tuned, other = tmp_path / "base", tmp_path / "tuned", tmp_path / "other"
     job = [*FAST, "trainer.max_steps=60", "trainer.ckpt_interval=30"]

@@ -152,6 +152,7 @@ def test_run_json_records_code_versions_and_each_resume(tmp_path: Path) -> None:
     assert first["command"] and first["hosts"]
 
 
+@pytest.mark.slow
 def test_a_changed_learning_rate_on_resume_is_applied_and_said(tmp_path: Path, caplog) -> None:
     train_here(tmp_path, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
     with caplog.at_level(logging.WARNING):

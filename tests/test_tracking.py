@@ -599,7 +599,7 @@ def test_wandb_gpu_ids_follow_cuda_visible_devices(monkeypatch) -> None:
     assert physical_gpu(1) == 1
 
 
-@pytest.mark.parametrize("layout", ["gather", "group"])
+@pytest.mark.parametrize("layout", ["gather", pytest.param("group", marks=pytest.mark.slow)])
 def test_every_ranks_ctx_log_and_every_groups_lr_reach_wandb(tmp_path: Path, layout: str) -> None:
     """ctx.log on both ranks at every step: under gather rank 1's values reach rank 0's run as
     rank1/<key> (at the next log interval, the last ones at the end), under group its own run;

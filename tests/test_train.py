@@ -294,7 +294,14 @@ PRESET_EFFECT = {
 }
 
 
-@pytest.mark.parametrize("ddp", list(PRESET_EFFECT))
+# The two comm hooks in the default set; the two DDP flags are slow, for time.
+SLOW_PRESETS = {"unused_params", "static_graph"}
+
+
+@pytest.mark.parametrize(
+    "ddp",
+    [pytest.param(d, marks=pytest.mark.slow) if d in SLOW_PRESETS else d for d in PRESET_EFFECT],
+)
 def test_ddp_presets_train_and_take_effect(tmp_path: Path, ddp: str) -> None:
     extra = ["ddp.powersgd_start_iter=2"] if ddp == "powersgd" else []
     done = train_ranks(tmp_path / "job", *FAST, f"ddp={ddp}", "trainer.max_steps=20", *extra)
@@ -357,6 +364,7 @@ def test_regression_job_reports_mse_and_r2(tmp_path: Path) -> None:
     assert "val_acc" not in s
 
 
+@pytest.mark.slow
 def test_label_smoothing_from_the_command_line(tmp_path: Path) -> None:
     """The smoothed loss cannot fall below the entropy of the smoothed targets (0.50 nats for
     0.1 over 10 classes), while accuracy is still reported and high."""
