@@ -256,7 +256,7 @@ def test_a_disk_that_fills_up_says_no_space_and_gives_the_space_back(
     # it; the launcher's last line names the rank that said why (worker_failed).
     assert all("\n" not in line for line in lines), lines
     assert any("No space left on device" in line for line in lines), lines
-    assert all("No space left on device" in line or LOST_CONTACT in line for line in lines)
+    assert all("No space left on device" in line or LOST_CONTACT in line for line in lines), lines
     named = str(worker_failed({r: 1 for r in range(len(lines))}, run_dir / "errors", run_dir))
     assert "No space left on device" in named, named
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name != f"best{suffix}")
