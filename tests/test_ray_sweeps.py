@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST, REPO, job_dirs, python_train, summary, user_env
+from conftest import FAST, REPO, TESTS, job_dirs, python_train, summary, user_env
 
 from hydra_ddp import checkpoint
 from hydra_ddp.errors import UserError
@@ -216,6 +217,32 @@ def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) 
     # Each rank ran with its CPU share of OpenMP threads (one CPU: one thread).
     out = proc.stdout + proc.stderr
     assert "1 CPU(s) (1 thread(s) per rank)" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.timeout(600)
+def test_the_next_sweep_on_a_joined_cluster_starts_warm(tmp_path: Path, head) -> None:
+    """The node's warm server outlives a sweep on a joined cluster: the next sweep's jobs are
+    forked from the same server, so even its first job pays no imports."""
+    address, _ = head
+    parents = []
+    for name in ("first", "second"):
+        sweep_cwd = tmp_path / name
+        sweep_cwd.mkdir()
+        # The job's callback, importable from the sweep's working dir as in a fresh process.
+        shutil.copy(TESTS / "helpers" / "warm_probe.py", sweep_cwd / "warm_probe.py")
+        probe = "+callbacks.probe._target_=warm_probe.Probe"
+        proc = _sweep(sweep_cwd, address, *SHORT, probe, "optim.lr=0.01,0.02")
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        probes = [json.loads(p.read_text()) for p in sweep_cwd.rglob("probe.json")]
+        assert len(probes) == 2, probes
+        for p in probes:
+            assert "hydra_ddp_ray_launcher._warm" in p["parent_cmdline"], p
+            assert p["left_behind"] is None and p["sys_path0"] == str(sweep_cwd), p
+        parents.append({p["ppid"] for p in probes})
+    assert len(parents[0]) == 1 and parents[1] == parents[0], parents
+    assert psutil.pid_exists(next(iter(parents[0])))  # still there for the sweep after
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """hydra/launcher=ray's warm job starts: each job forked from a process that imported torch,
-Hydra and the template once, with nothing of one job reaching the next.
+Hydra and the template once, with nothing of one job reaching the next; that process ends by
+itself (idle, its keeper gone, the code changed).
 
 Slow: a real sweep of the command a user types, on a Ray it starts with one CPU, so its three
 jobs run one after another on one Ray worker and so are forked from the same warm parent. Each
@@ -12,6 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +89,61 @@ def test_warm_start_false_starts_a_fresh_interpreter_per_job(tmp_path: Path) -> 
         assert "hydra_ddp_ray_launcher._job" in p["cmdline"], p
         assert "_warm" not in p["parent_cmdline"] and p["left_behind"] is None, p
     assert len({p["pid"] for p in probes}) == 3
+
+
+def _server(path: Path, idle_s: float, tmp: Path) -> subprocess.Popen:
+    """The warm server as its keeper starts it (stdin: the line whose end means the keeper
+    died), once it listens."""
+    cmd = [sys.executable, "-m", "hydra_plugins.hydra_ddp_ray_launcher._warm", str(path)]
+    proc = subprocess.Popen(
+        [*cmd, str(idle_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=user_env(tmp)
+    )
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert proc.poll() is None, f"the warm server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the warm server did not listen within 120 s"
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_warm_server_ends_idle_with_its_keeper_or_when_the_code_changed(tmp_path: Path) -> None:
+    """The server a Ray sweep leaves behind (it outlives the sweep) ends by itself: after
+    warm_idle_s without a job, when its keeper (the Ray actor) is gone, and, told so by the
+    next job, when the template's code changed since it imported it."""
+    from hydra_plugins.hydra_ddp_ray_launcher import _warm
+
+    # Idle: a task that connects and hangs up is no job; then nothing for 2 s, and it ends.
+    path = tmp_path / "idle.sock"
+    proc = _server(path, 2.0, tmp_path)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+    assert proc.wait(timeout=60) == 0
+    assert not path.exists()
+
+    # Its keeper gone (stdin closed): it ends at once, idle time or not.
+    path = tmp_path / "keeper.sock"
+    proc = _server(path, 600.0, tmp_path)
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert not path.exists()
+
+    # The template changed: the next job hears `stale`, the keeper is told to start a new
+    # server, and this one (no job running) ends with the status that says so.
+    path = tmp_path / "stale.sock"
+    proc = _server(path, 600.0, tmp_path)
+    source = REPO / "src" / "hydra_ddp" / "api.py"
+    stat = source.stat()
+    try:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        request = {"spec": "x", "result": str(tmp_path / "r"), "env": {}, "cwd": str(tmp_path)}
+        child = _warm.start(str(path), request, wait_s=5.0)
+        assert child is None  # no server came back (no keeper here): the task starts cold
+        assert proc.stdout.readline().strip() == b"stale"
+        assert proc.wait(timeout=30) == 3
+        assert not path.exists()
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        if proc.poll() is None:
+            proc.kill()

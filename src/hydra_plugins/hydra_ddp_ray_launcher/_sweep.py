@@ -9,6 +9,7 @@ a node has them free. What runs inside a task is _task.py's.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -72,6 +73,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
         log.error("error: %s", e)
         session.stop()
         sys.exit(2)
+    if launcher.params.get("warm_start", True):
+        session.keep_warm_servers(jobs)
     log.info(
         "Ray: %d job(s) on %s; each job asks for %s; sweep dir: %s",
         len(jobs),
@@ -215,6 +218,43 @@ class Session:
 
         nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         fit_to_nodes(jobs, nodes, self.where)
+
+    def keep_warm_servers(self, jobs: list[Job]) -> None:
+        """A warm server on every node for each thread count the jobs use (_warm.py), held by
+        a detached actor that the next sweep on this cluster finds again by name. Waits only
+        until each keeper runs (its server may still import: the first jobs wait for it)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")]
+        wanted = [(n, t) for n in nodes for t in sorted({j.threads for j in jobs})]
+        for _ in range(20):  # a keeper that is ending (idle) frees its name in a moment
+            ready = {key: self._keeper(*key).ready.remote() for key in wanted}
+            for key, ref in ready.items():
+                with contextlib.suppress(RayActorError):
+                    if ray.get(ref):
+                        wanted.remove(key)
+            if not wanted:
+                return
+            time.sleep(0.25)
+        log.warning("no warm server on %d node(s): jobs there start cold", len(wanted))
+
+    def _keeper(self, node: str, threads: int) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from hydra_plugins.hydra_ddp_ray_launcher._warm import Keeper
+
+        options = dict(
+            name=f"warm-{node}-{threads}",
+            namespace="hydra_ddp",
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        )
+        idle_s = float(self.params.get("warm_idle_s", 1800.0))
+        return ray.remote(Keeper).options(**options).remote(node, threads, idle_s)
 
     def submit(self, job: Job, spec: bytes) -> Any:
         import ray

@@ -3,9 +3,9 @@ own (_job.py).
 
 That process has its own session: Ray reuses its worker processes from task to task, and a job
 changes process-wide state (signal handlers of torch's elastic agent, OpenMP threads, caches of
-the resolved job dir). By default it is forked from a warm parent that imported torch, Hydra
-and the template once (_warm.py), so a job starts in well under a second instead of paying the
-imports; `hydra.launcher.warm_start=false` starts a fresh interpreter per job instead. A stop
+the resolved job dir). By default it is forked from its node's warm server, which imported
+torch, Hydra and the template once (_warm.py), so a job starts in well under a second instead
+of paying the imports; `hydra.launcher.warm_start=false` starts a fresh interpreter per job. A stop
 (Ray's cancel of the task, on Ctrl-C / SIGTERM of the sweep) becomes SIGTERM to the job, which
 then saves a checkpoint and stops, as under SIGTERM from a scheduler.
 """
@@ -30,6 +30,8 @@ JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.distributed.entry.RAY_JOB_ENV
 STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.rundir.sweeps.STARTED_ENV
 # How often a task looks at its job and at the sweep's stop request.
 _POLL_S = 0.5
+# How long a job waits for its node's warm server while that still imports (its first sweep).
+_WARM_WAIT_S = 120.0
 # What a task returns when the sweep stopped before its job started.
 NOT_STARTED = "not started: the sweep was stopped"
 
@@ -58,15 +60,14 @@ def run_job(
         # When the job's process started, for the sweep's journal (a job's start-up is what
         # warm starts save: bench_sweep.py reads it).
         job_env[STARTED_ENV] = repr(time.time())
-        if warm:
-            proc = _warm_parent(job_env).start(str(spec_path), str(result_path), job_env, cwd)
-        else:
+        request = {"spec": str(spec_path), "result": str(result_path), "env": job_env, "cwd": cwd}
+        proc = _warm_start(request) if warm else None
+        if proc is None:
             cmd = [sys.executable, "-m", _job.__name__, str(spec_path), str(result_path)]
             # Its own session: its ranks are in its process group, which `_end` clears.
             proc = subprocess.Popen(cmd, env=job_env, cwd=cwd, start_new_session=True)
         try:
-            while proc.poll() is None:
-                time.sleep(_POLL_S)
+            while not _ended(proc, _POLL_S):
                 if os.path.exists(stop_file):
                     _stop(proc, grace_s)
         except KeyboardInterrupt:  # ray.cancel, where it reaches a running task
@@ -79,26 +80,29 @@ def run_job(
         return f"the job's process exited with status {proc.returncode} and no result"
 
 
-# This Ray worker's warm parents, one per OpenMP thread count (fixed when a library loads).
-_warm: dict[str, Any] = {}
+def _warm_start(request: dict[str, Any]) -> Any:
+    """The job forked from this node's warm server (for its thread count), waiting for one
+    that is still importing; None when there is none (the sweep made its keeper: _sweep.py)."""
+    import ray
+
+    from hydra_plugins.hydra_ddp_ray_launcher import _warm
+
+    threads = int(request["env"].get("OMP_NUM_THREADS", "1"))
+    path = _warm.socket_path(ray.get_runtime_context().get_node_id(), threads)
+    child = _warm.start(path, request, _WARM_WAIT_S) if path else None
+    if child is None:
+        print("no warm server on this node: the job starts a fresh interpreter", file=sys.stderr)
+    return child
 
 
-def _warm_parent(job_env: dict[str, str]) -> Any:
-    """The warm parent for this job's thread count: kept for the next job on this worker,
-    replaced when it died or the template's code changed since it imported it."""
-    from hydra_plugins.hydra_ddp_ray_launcher._warm import Warm
-
-    threads = job_env.get("OMP_NUM_THREADS", "")
-    parent = _warm.get(threads)
-    if parent is None or not parent.usable():
-        if parent is not None:
-            parent.close()
-        # It imports under the worker's own environment and the job's thread count; each
-        # child then takes its job's whole environment (CUDA_VISIBLE_DEVICES among it).
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        env["OMP_NUM_THREADS"] = threads or env.get("OMP_NUM_THREADS", "1")
-        parent = _warm[threads] = Warm(env)
-    return parent
+def _ended(proc: Any, timeout: float) -> bool:
+    """Whether the job ended, waiting up to `timeout` seconds for it (its end wakes this at
+    once, so the next job starts without waiting out a poll)."""
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _stop(proc: Any, grace_s: float) -> None:

@@ -26,9 +26,13 @@ class RayLauncherConf:
     num_cpus: Optional[int] = None
     num_gpus: Optional[int] = None
     # Start each job in a process forked from one that already imported torch, Hydra and the
-    # template (kept per Ray worker, replaced when the template's code changes), instead of a
+    # template (kept per node, replaced when the template's code changes), instead of a
     # fresh interpreter that pays those imports (10-15 s on a small machine) for every job.
     warm_start: bool = True
+    # A node's warm server (one per OpenMP thread count, ~0.5 GB with its keeper) outlives the
+    # sweep, so the next sweep on a joined cluster starts warm too: it ends after this many
+    # seconds without a job, or with the cluster (`ray stop`; a sweep-started Ray: at its end).
+    warm_idle_s: float = 1800.0
     # After Ctrl-C / SIGTERM of the sweep: seconds each running job gets to save its checkpoint
     # and stop before it is killed.
     stop_grace_s: float = 60.0
