@@ -58,36 +58,33 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     # Resolved here once: `${now:}` must name the same dir in every job's process.
     sweep_dir = str(config.hydra.sweep.dir)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
-    jobs = [
-        _job(launcher, list(overrides), first + i, sweep_dir)
-        for i, overrides in enumerate(job_overrides)
-    ]
     if launcher.session is None:
         launcher.session = Session.start(launcher.params)
     session = launcher.session
     session.stop_file = os.path.join(sweep_dir, ".stop_requested")
     Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
-    try:
-        session.check_fits(jobs)
-    except UserError as e:
-        log.error("error: %s", e)
-        session.stop()
-        sys.exit(2)
-    if launcher.params.get("warm_start", True):
-        session.keep_warm_servers(jobs)
-    log.info(
-        "Ray: %d job(s) on %s; each job asks for %s; sweep dir: %s",
-        len(jobs),
-        session.where,
-        ", ".join(sorted({_resources(j) for j in jobs})),
-        sweep_dir,
-    )
-    spec_of = {j.num: _spec(launcher, j) for j in jobs}
+    log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), session.where, sweep_dir)
+    nodes = session.nodes()
+    jobs: list[Job] = []
+    returns: dict[int, JobReturn] = {}
     with _StopRequests() as stop:
-        for j in jobs:
-            log.info("\t#%d : %s", j.num, " ".join(filter_overrides(j.overrides)))
-            j.ref = session.submit(j, spec_of[j.num])
-        returns = session.wait(jobs, stop)
+        # Each job is composed (a tenth of a second or so), checked and handed to Ray in turn:
+        # the first ones run while the later ones are composed.
+        for i, overrides in enumerate(job_overrides):
+            job = _job(launcher, list(overrides), first + i, sweep_dir)
+            jobs.append(job)
+            swept = " ".join(filter_overrides(job.overrides))
+            try:
+                fit_to_nodes([job], nodes, session.where)
+            except UserError as e:  # Ray would queue it forever: it fails, the others run
+                log.error("error: %s", e)
+                returns[job.num] = _not_run(job, str(e))
+                continue
+            if launcher.params.get("warm_start", True):
+                session.keep_warm_servers(job.threads)
+            log.info("\t#%d : %s (%s)", job.num, swept, _resources(job))
+            job.ref = session.submit(job, _spec(launcher, job))
+        returns.update(session.wait([j for j in jobs if j.ref is not None], stop))
         if stop.signum is not None:
             _stopped(launcher, jobs, returns, session, stop.signum)
     return [returns[j.num] for j in jobs]
@@ -121,7 +118,7 @@ def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
 def fit_to_nodes(jobs: list[Job], nodes: list[dict[str, float]], where: str) -> None:
     """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs) and check that
     every job fits on one node (`nodes`: each live node's resources, as ray.nodes() gives
-    them); else a UserError before any job starts, where Ray would queue the job forever."""
+    them); else a UserError, where Ray would queue the job forever."""
     most = {
         kind: max((float(r.get(kind, 0.0)) for r in nodes), default=0.0) for kind in ("CPU", "GPU")
     }
@@ -162,6 +159,7 @@ class Session:
         self.owned = owned
         # Created on a stop request; every job's task looks for it (_task.run_job).
         self.stop_file = ""
+        self.warm_threads: set[int] = set()  # the thread counts whose warm servers are made
 
     @classmethod
     def start(cls, params: dict[str, Any]) -> Session:
@@ -212,32 +210,33 @@ class Session:
         if ray.is_initialized():
             ray.shutdown()  # a joined cluster keeps running; only this driver goes
 
-    def check_fits(self, jobs: list[Job]) -> None:
-        """fit_to_nodes with the cluster's nodes as Ray sees them now."""
+    def nodes(self) -> list[dict[str, float]]:
+        """Each live node's resources, as Ray sees them now (for fit_to_nodes)."""
         import ray
 
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        fit_to_nodes(jobs, nodes, self.where)
+        return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
 
-    def keep_warm_servers(self, jobs: list[Job]) -> None:
-        """A warm server on every node for each thread count the jobs use (_warm.py), held by
+    def keep_warm_servers(self, threads: int) -> None:
+        """A warm server on every node for jobs of `threads` OpenMP threads (_warm.py), held by
         a detached actor that the next sweep on this cluster finds again by name. Waits only
         until each keeper runs (its server may still import: the first jobs wait for it)."""
         import ray
         from ray.exceptions import RayActorError
 
+        if threads in self.warm_threads:
+            return
+        self.warm_threads.add(threads)
         nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")]
-        wanted = [(n, t) for n in nodes for t in sorted({j.threads for j in jobs})]
         for _ in range(20):  # a keeper that is ending (idle) frees its name in a moment
-            ready = {key: self._keeper(*key).ready.remote() for key in wanted}
-            for key, ref in ready.items():
+            ready = {node: self._keeper(node, threads).ready.remote() for node in nodes}
+            for node, ref in ready.items():
                 with contextlib.suppress(RayActorError):
                     if ray.get(ref):
-                        wanted.remove(key)
-            if not wanted:
+                        nodes.remove(node)
+            if not nodes:
                 return
             time.sleep(0.25)
-        log.warning("no warm server on %d node(s): jobs there start cold", len(wanted))
+        log.warning("no warm server on %d node(s): jobs there start cold", len(nodes))
 
     def _keeper(self, node: str, threads: int) -> Any:
         import ray
@@ -325,6 +324,14 @@ def _result(ref: Any, job: Job) -> JobReturn:
         log.error("job #%d: %s", job.num, returned)
         return _no_result(job)
     return returned
+
+
+def _not_run(job: Job, why: str) -> JobReturn:
+    """A job Ray cannot run anywhere: recorded as failed (the report lists it with `why`)."""
+    job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
+    sweeps.record_failure(job_dir, why)
+    sweeps.record_not_started(job.config, job_dir, job.overrides)  # its row, with its overrides
+    return _no_result(job)
 
 
 def _no_result(job: Job) -> JobReturn:

@@ -34,6 +34,7 @@ SIGTERM: it saves a checkpoint and stops, as under a scheduler's SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib
 import json
@@ -358,6 +359,10 @@ class _Server:
             self._stale()
             conn.sendall(b"stale\n")
             return
+        # What the server imported, frozen before the fork: the job's garbage collections then
+        # skip those objects (a few hundred thousand: torch, Hydra, the libraries jobs loaded)
+        # instead of walking them, and copying their pages, again and again as it trains.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             self._as_child(request)
