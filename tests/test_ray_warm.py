@@ -3,7 +3,7 @@ Hydra and the template once, with nothing of one job reaching the next; that pro
 itself (idle, its keeper gone, the code changed).
 
 Slow: a real sweep of the command a user types, on a Ray it starts with one CPU, so its three
-jobs run one after another on one Ray worker and so are forked from the same warm parent. Each
+jobs run one after another and are forked from the node's one warm server. Each
 job's callback (helpers/warm_probe.py) writes what its process looks like at its start, then
 leaves a module global, an environment variable, a signal handler and seeds behind.
 """
@@ -57,7 +57,7 @@ def test_warm_jobs_share_a_parent_and_nothing_else(tmp_path: Path) -> None:
     proc = _sweep(tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
     probes = _probes(tmp_path)
-    # Forked from one warm parent (the imports paid once), each its own process and session.
+    # Forked from one warm server (the imports paid once), each its own process and session.
     assert len({p["ppid"] for p in probes}) == 1, probes
     assert "hydra_ddp_ray_launcher._warm" in probes[0]["parent_cmdline"], probes[0]
     assert len({p["pid"] for p in probes}) == 3

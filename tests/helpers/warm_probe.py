@@ -1,6 +1,6 @@
 """A callback that writes what a job's process looks like at its start, then leaves state
 behind (a module global, Python's and torch's seeds, an environment variable, a signal
-handler), for tests/test_ray_warm.py: the next job forked from the same warm parent must see
+handler), for tests/test_ray_warm.py: the next job forked from the same warm server must see
 none of it."""
 
 from __future__ import annotations
