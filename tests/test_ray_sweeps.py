@@ -432,7 +432,8 @@ def _describe(p: psutil.Process) -> str:
 def test_a_pruned_optuna_sweep_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
     """hydra/sweeper=optuna_pruned on Ray: two trials at a time, each reporting from its own
     process to the sweep's SQLite study and stopped by the pruner (a threshold no accuracy
-    reaches: every trial, at its evaluation of step 20)."""
+    reaches: every trial, at its evaluation of step 200). Each trial lasts about a second: the
+    second of a pair starts once it is composed (~0.1 s), so a shorter one could be over."""
     optuna = pytest.importorskip("optuna")
     address, _ = head
     proc = _sweep(
@@ -442,9 +443,11 @@ def test_a_pruned_optuna_sweep_keeps_n_jobs_trials_in_flight(tmp_path: Path, hea
         "hydra.sweeper.n_trials=4",
         "hydra.sweeper.n_jobs=2",
         "~hydra/sweeper/pruner",
-        "+hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,lower:1.1,n_warmup_steps:15}",
-        *SHORT,
-        "trainer.eval_interval=10",
+        "+hydra.sweeper.pruner={_target_:optuna.pruners.ThresholdPruner,lower:1.1,n_warmup_steps:150}",
+        *FAST,
+        "trainer.max_steps=300",
+        "trainer.log_interval=100",
+        "trainer.eval_interval=100",
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     sweep = _sweep_dir(tmp_path)
@@ -454,8 +457,8 @@ def test_a_pruned_optuna_sweep_keeps_n_jobs_trials_in_flight(tmp_path: Path, hea
         study_name="digits_mlp_pruned", storage=f"sqlite:///{sweep}/optuna.db"
     )
     assert [t.state.name for t in study.trials] == ["PRUNED"] * 4
-    assert all(sorted(t.intermediate_values) == [10, 20] for t in study.trials)
+    assert all(sorted(t.intermediate_values) == [100, 200] for t in study.trials)
     report = json.loads((sweep / "sweep_report.json").read_text())
-    assert [(j["status"], j["steps"]) for j in report] == [("PRUNED", 20)] * 4, report
+    assert [(j["status"], j["steps"]) for j in report] == [("PRUNED", 200)] * 4, report
     for j in report:
-        assert (Path(j["dir"]) / "checkpoints" / "step_00000020.pt").is_file()
+        assert (Path(j["dir"]) / "checkpoints" / "step_00000200.pt").is_file()
