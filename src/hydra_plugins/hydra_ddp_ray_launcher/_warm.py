@@ -69,8 +69,9 @@ def fingerprint() -> str:
     parts = []
     for root in (Path(hydra_ddp.__file__).parent, Path(plugin.__file__).parent):
         for p in sorted(root.rglob("*.py")):
-            st = p.stat()
-            parts.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")
+            with contextlib.suppress(OSError):  # an editor's lock file, a file just removed
+                st = p.stat()
+                parts.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")
     for d in [*site.getsitepackages(), site.getusersitepackages()]:
         with contextlib.suppress(OSError):
             parts.append(f"{d}:{os.stat(d).st_mtime_ns}")
