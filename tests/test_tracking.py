@@ -550,6 +550,21 @@ def test_wandb_init_failing_on_rank_0_stops_every_rank_at_once(tmp_path: Path) -
     assert str(done[1]).startswith("rank 0: W&B could not be reached"), done[1]
 
 
+def test_a_wandb_timeout_is_unreachable_even_with_403_in_the_run_id() -> None:
+    """W&B's own CommError for a server that timed out names the run id, which is hex: an id
+    holding "403" must not read as the server refusing the run (seen in CI)."""
+    import wandb
+
+    from hydra_ddp.config import LoggerConfig
+    from hydra_ddp.tracking.wandb_errors import init_error
+
+    cfg = LoggerConfig(sink={"_target_": "hydra_ddp.tracking.wandb_sink.WandbSink"})
+    timed_out = "Failed to get resume status for run 40379b8e21bb9fcd: context deadline exceeded"
+    assert "could not be reached" in str(init_error(wandb.errors.CommError(timed_out), cfg, "on"))
+    refused = "run 40379b8e21bb9fcd: 403 Forbidden"
+    assert "refused the run" in str(init_error(wandb.errors.CommError(refused), cfg, "online"))
+
+
 def test_a_resume_counts_only_its_own_runs_rows(tmp_path: Path) -> None:
     """Rows of an earlier W&B run in the same dir (before trainer.resume=never) do not count as
     sent: the resumed run re-sends from its own last row, not the earlier run's."""

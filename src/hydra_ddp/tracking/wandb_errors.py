@@ -51,7 +51,8 @@ def init_error(error: Exception, cfg: LoggerConfig, mode: str) -> UserError:
     if isinstance(error, (wandb.errors.AuthenticationError, wandb.errors.UsageError)):
         return _usage_error(error, cfg, mode)
     if isinstance(error, (wandb.errors.CommError, TimeoutError)):
-        if re.search(r"not found|404|403|permission|deleted|conflict|409", why, re.I):
+        # Status codes as whole words: a run id (hex) may hold "403" and time out all the same.
+        if re.search(r"not found|\b(404|403|409)\b|permission|deleted|conflict", why, re.I):
             # The server answered, and said no: nothing to do with the network.
             return UserError(
                 f"W&B refused the run ({why}): check logger.entity and logger.project "
