@@ -15,6 +15,7 @@ from typing import Any, List, Mapping, Optional
 from hydra.utils import get_object
 
 from hydra_ddp.errors import UserError, check_setting
+from hydra_ddp.protocols import Sink, missing_members
 
 
 class Layout(Enum):
@@ -88,10 +89,6 @@ def sink_class(sink: Any) -> type:
             f"logger.sink={sink!r} is not a sink: give null (logger=none) or a mapping with "
             "_target_ (a class meeting hydra_ddp.protocols.Sink), as conf/logger/*.yaml do"
         )
-    # Imported here: protocols.py names the loop's types (for type checkers), and the loop's
-    # modules import the config, of which this module is a part.
-    from hydra_ddp.protocols import Sink, missing_members
-
     target = sink["_target_"]
     try:
         cls = get_object(target)

@@ -97,7 +97,7 @@ def socket_path(node_id: str, threads: int) -> Optional[str]:
 
 class Keeper:
     """A detached Ray actor (no CPUs) that keeps one warm server running on its node; made by
-    the sweep (_sweep.Session.warm_servers), found again by the next sweep under its name.
+    the sweep (_sweep.Session.keep_warm_servers), found again by the next sweep under its name.
 
     It writes its pid beside the socket, so a task waiting for the server (still importing)
     knows there is one to wait for. The server is its child and ends when the keeper does (its
@@ -120,9 +120,11 @@ class Keeper:
     def ready(self) -> bool:
         """Whether this keeper's server runs (or is importing); a sweep that finds it counts
         as a use, so it does not end idle just as that sweep's jobs come."""
+        if self.server is None:  # starting, or no socket dir (its tasks start cold)
+            return True
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
             s.connect(self.path)
-        return self.server is None or self.server.poll() is None
+        return self.server.poll() is None
 
     def _keep(self, cmd: list[str], env: dict[str, str]) -> None:
         replaced = []  # stale servers finishing their jobs: their stdin must stay open
