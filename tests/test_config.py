@@ -344,7 +344,7 @@ def test_component_errors_name_the_key(overrides: list[str], expect: list[str]) 
 )
 def test_plus_key_under_a_typed_group_is_refused(override: str) -> None:
     """`+key=value` adds a key even to a typed group, where it used to be silently ignored."""
-    from hydra_ddp.distributed.entry import to_typed
+    from hydra_ddp.distributed.run_job import to_typed
 
     key = override[1:].split("=")[0]
     with pytest.raises(UserError, match=rf"^{key} is not a key of {key.split('.')[0]} "):

@@ -6,6 +6,7 @@ one line, the job and its log are named `train`."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +62,36 @@ def test_main_composes_from_a_project_config_dir_and_trains(tmp_path: Path) -> N
     cmd = [sys.executable, "-c", MAIN.format(path=str(tmp_path / "myconf")), "no_such_key=1"]
     proc = run(cmd, tmp_path)
     assert proc.returncode == 2 and "no_such_key" in proc.stderr.strip().splitlines()[-1]
+
+
+# What a sweep's launching process imports before it hands out a job: the command, Hydra's
+# plugins (every launcher and sweeper installed: Hydra's scan imports them all), the sweep
+# report callback, the log filter, and the Ray launcher's and pruning sweeper's own modules.
+DRIVER_IMPORTS = """\
+import importlib, sys
+import hydra_ddp.train
+from hydra_ddp.distributed.entry import find_own_plugins
+find_own_plugins()
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+found = [c.__name__ for kind in (Launcher, Sweeper) for c in Plugins.instance().discover(kind)]
+for name in ("hydra_ddp.rundir.sweeps", "hydra_ddp.tracking.redact",
+             "hydra_plugins.hydra_ddp_ray_launcher._sweep",
+             "hydra_plugins.hydra_ddp_optuna_pruned._study"):
+    importlib.import_module(name)
+print(sorted(found))
+print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+
+
+def test_a_sweeps_launching_process_imports_no_torch() -> None:
+    """A sweep on Ray or SLURM runs its jobs elsewhere: its own process imports no torch, so
+    its first job is handed out seconds sooner (tests/test_ray_sweeps.py checks a real one)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER_IMPORTS], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plugins, torch_modules = proc.stdout.strip().splitlines()[-2:]
+    assert "RayLauncher" in plugins and "PrunedOptunaSweeper" in plugins, plugins
+    assert torch_modules == "[]", torch_modules

@@ -224,7 +224,8 @@ def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) 
 @pytest.mark.timeout(600)
 def test_the_next_sweep_on_a_joined_cluster_starts_warm(tmp_path: Path, head) -> None:
     """The node's warm server outlives a sweep on a joined cluster: the next sweep's jobs are
-    forked from the same server, so even its first job pays no imports."""
+    forked from the same server, so even its first job pays no imports; and the sweep's own
+    process, which runs no job, never imports torch."""
     address, _ = head
     parents = []
     for name in ("first", "second"):
@@ -232,9 +233,15 @@ def test_the_next_sweep_on_a_joined_cluster_starts_warm(tmp_path: Path, head) ->
         sweep_cwd.mkdir()
         # The job's callback, importable from the sweep's working dir as in a fresh process.
         shutil.copy(TESTS / "helpers" / "warm_probe.py", sweep_cwd / "warm_probe.py")
+        shutil.copy(TESTS / "helpers" / "driver_probe.py", sweep_cwd / "driver_probe.py")
         probe = "+callbacks.probe._target_=warm_probe.Probe"
-        proc = _sweep(sweep_cwd, address, *SHORT, probe, "optim.lr=0.01,0.02")
+        driver = "+hydra.callbacks.driver._target_=driver_probe.DriverModules"
+        proc = _sweep(sweep_cwd, address, *SHORT, probe, driver, "optim.lr=0.01,0.02")
         assert proc.returncode == 0, proc.stderr[-6000:]
+        driver_modules = json.loads(
+            _sweep_dir(sweep_cwd).joinpath("driver_modules.json").read_text()
+        )
+        assert driver_modules == {"torch": []}, driver_modules
         probes = [json.loads(p.read_text()) for p in sweep_cwd.rglob("probe.json")]
         assert len(probes) == 2, probes
         for p in probes:

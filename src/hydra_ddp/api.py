@@ -53,7 +53,8 @@ from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, InMemoryArrays, Rows, TokenWindows, TorchDatasets
 from hydra_ddp.distributed import DistEnv, all_gather_with_grad, gather_for_metrics
-from hydra_ddp.distributed.entry import config_dir, to_typed
+from hydra_ddp.distributed.entry import config_dir
+from hydra_ddp.distributed.run_job import to_typed
 from hydra_ddp.errors import UserError
 from hydra_ddp.losses import CrossEntropy, ModelOutput
 from hydra_ddp.metrics import Accuracy, Metric

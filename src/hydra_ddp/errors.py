@@ -4,7 +4,7 @@ single `error:` line.
 
 A rank's training (train.py) and its evaluation of a saved checkpoint (loop/evaluation.py) run
 under `translated`, which raises what `one_line` can say in one line, so a message is written
-once and reads the same whichever path raised it. The entries (distributed/entry.py, with
+once and reads the same whichever path raised it. The entries (distributed/run_job.py, with
 `config_error` for the config; eval.py) and the launcher (launch.py) end a failed job through
 `exit_code`; the launcher names a failed worker with `worker_failed`.
 """

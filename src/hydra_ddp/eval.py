@@ -26,7 +26,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.distributed import env_from_environ, launch, launcher_rank, under_launcher
-from hydra_ddp.distributed.entry import config_dir, to_typed
+from hydra_ddp.distributed.entry import config_dir
+from hydra_ddp.distributed.run_job import to_typed
 from hydra_ddp.errors import UserError, exit_code, first_line
 from hydra_ddp.loop.evaluation import Request, evaluate_run
 from hydra_ddp.tracking import RunInfo

@@ -6,7 +6,7 @@ The terminal sends Ctrl-C to every process of the job, so each worker used to di
 with a KeyboardInterrupt traceback (often inside `import torch`), and the launcher's own line
 was lost among them. Importing this module (train.py does it first, before torch) makes a
 KeyboardInterrupt that ends a launched process exit 130 silently: the launcher says the one
-line (launch.py for a self-launched job, distributed/entry.py's rank 0 under torchrun).
+line (launch.py for a self-launched job, distributed/run_job.py's rank 0 under torchrun).
 
 The self-launch closes the remaining gap, the interpreter's own start-up before this import:
 its agent starts the workers with SIGINT blocked (`held_for_workers`), and a worker unblocks it

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 class DataSource(Protocol):
     """One data set with "train", "val" and "test" splits, chosen by `data._target_`.
 
-    The constructor runs in the launching process (train.preflight) and again on every rank
+    The constructor runs in the launching process (run_job.preflight) and again on every rank
     before the process group starts: check shapes and dtypes there (a UserError naming the
     `data.*` key), not in `load`. No method may call a collective.
 

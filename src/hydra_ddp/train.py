@@ -6,7 +6,8 @@
 
 `main` composes the config (Hydra: conf/ and the command line) and runs `train` on each rank,
 here or in workers it starts; the checks before launch, the launchers and the exit codes are
-distributed/entry.py's. `train` is the design, each step a call into the module that owns it.
+distributed/entry.py's and run_job.py's. `train` is the design, each step a call into the
+module that owns it.
 A call marked `# collective` must be reached by every rank at the same step (it talks to the
 other ranks); putting one under `if env.is_main:` hangs the job.
 """
@@ -14,21 +15,17 @@ other ranks); putting one under `if env.is_main:` hangs the job.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # First, before torch: a Ctrl-C while a launched worker imports exits quietly (interrupt.py).
 import hydra_ddp.interrupt  # noqa: F401
-from hydra_ddp.config import TrainConfig
-from hydra_ddp.distributed import DistEnv, process_group
 from hydra_ddp.distributed.entry import main as run_main
-from hydra_ddp.distributed.preemption import exit_with_parent
-from hydra_ddp.errors import translated
-from hydra_ddp.loop.checkpointing import checkpointed, checkpointer_for, finished_summary, resume
-from hydra_ddp.loop.fit import build_loop, finish_run, fit
-from hydra_ddp.loop.job import begin, build_data, prepare, start_rank, start_tracker
-from hydra_ddp.loop.job_types import Job
-from hydra_ddp.loop.wrapping import wrap_job
-from hydra_ddp.tracking import RunInfo
+
+if TYPE_CHECKING:
+    from hydra_ddp.config import TrainConfig
+    from hydra_ddp.distributed import DistEnv
+    from hydra_ddp.loop.job_types import Job
+    from hydra_ddp.tracking import RunInfo
 
 
 def main(config_path: str | None = None, config_name: str = "train") -> None:
@@ -40,6 +37,14 @@ def main(config_path: str | None = None, config_name: str = "train") -> None:
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     """One rank's share of the job; returns the job summary (the same on every rank)."""
+    # The job's modules (torch among them) are imported where a job runs, not with this file:
+    # a sweep's launching process (`-m` on Ray or SLURM) imports it to name the job, and its
+    # start, without torch, is shorter by 2-4 s (more from a cluster's shared file system).
+    from hydra_ddp.distributed import process_group
+    from hydra_ddp.distributed.preemption import exit_with_parent
+    from hydra_ddp.errors import translated
+    from hydra_ddp.loop.job import build_data, prepare, start_rank
+
     # Before any process group, so bad input fails once per rank, before any rank waits.
     console = start_rank(cfg, env)  # device, seed, determinism; other ranks quiet
     # The data and its sampling policy (which rows this rank reads, in what order), then the
@@ -58,6 +63,16 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 def _train_in_group(job: Job) -> dict[str, Any]:
     """Everything after the process group is up. Its frame holds the wrapped model, which so
     dies when it returns, before the process group."""
+    from hydra_ddp.loop.checkpointing import (
+        checkpointed,
+        checkpointer_for,
+        finished_summary,
+        resume,
+    )
+    from hydra_ddp.loop.fit import build_loop, finish_run, fit
+    from hydra_ddp.loop.job import begin, start_tracker
+    from hydra_ddp.loop.wrapping import wrap_job
+
     wrapped = wrap_job(job)  # collective: DDP or FSDP2 (ddp.wrapper), the EMA, torch.compile
     objects = checkpointed(job, wrapped)  # the objects a checkpoint holds; the position at 0
     checkpointer = checkpointer_for(job, objects)  # with the template's and callbacks' members

@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.distributed import DistEnv, env_from_environ, under_launcher
-from hydra_ddp.distributed.entry import config_dir, preflight, to_typed
+from hydra_ddp.distributed.entry import config_dir
+from hydra_ddp.distributed.run_job import preflight, to_typed
 from hydra_ddp.loop import job as rank_job
 from hydra_ddp.loop.job_types import Job
 from hydra_ddp.rundir.paths import register_resolvers

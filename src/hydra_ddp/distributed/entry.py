@@ -1,18 +1,14 @@
 """Launching a training job from the command line: what `hydra_ddp.train.main` hands over to.
 
 `main(job, config_path, config_name)` checks the command line, composes the config with Hydra
-(a sweep with `-m`: Basic, Ray, submitit, Optuna), then per job `hydra_entry`: type and check
-the config, and run `job(cfg, env, run)` (train.py's `train`) in this process (one rank of
-torchrun, of a Ray or submitit job, or a single process), or start its own worker group with
-torch's elastic agent (launch.py) after the checks that need no process group (`preflight`).
-Every way a job ends becomes an exit status here: a one-line error, a stop on a signal, a
-sweep that goes on past a failed job (its report lists it; a NaN objective for Optuna).
+(a sweep with `-m`: Basic, Ray, submitit, Optuna) and hands each job to `hydra_entry`, which
+runs it where Hydra's launcher puts it (run_job.py: the checks, the job here or on a worker
+group it starts, every way a job ends as an exit status). Nothing here imports torch: a sweep's
+launching process only composes and hands out jobs, and its start is every sweep's wait.
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import functools
 import gc
 import importlib
@@ -21,41 +17,20 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import hydra
-import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hydra_ddp import interrupt
-from hydra_ddp.components import build
-from hydra_ddp.config import TrainConfig, Wrapper, register_configs
-from hydra_ddp.data import check_sampling, check_source
-from hydra_ddp.distributed import comm_hooks, launch
-from hydra_ddp.distributed.env import (
-    env_from_environ,
-    export_submitit_env,
-    launcher_rank,
-    share_cpus_in_submitit_task,
-    under_launcher,
-)
-from hydra_ddp.distributed.preemption import Preempted
-from hydra_ddp.errors import UserError, config_error, exit_code, no_such_key
-from hydra_ddp.logger_config import sink_class
-from hydra_ddp.loop.job_types import build_components
-from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.config import TrainConfig, register_configs
+from hydra_ddp.distributed.launcher_env import launcher_rank, under_launcher
+from hydra_ddp.errors import no_such_key
 from hydra_ddp.rundir import claim, sweeps
 from hydra_ddp.rundir.paths import override_value, register_resolvers
-from hydra_ddp.tracking import RunInfo, redact
 
-log = logging.getLogger(__name__)
-
-# Set by hydra/launcher=ray in each job's process (hydra_plugins.hydra_ddp_ray_launcher._task).
-RAY_JOB_ENV = "HYDRA_DDP_RAY_JOB"
-
-Job = Callable[[TrainConfig, Any, RunInfo], dict[str, Any]]
+if TYPE_CHECKING:
+    from hydra_ddp.distributed.run_job import Job
 
 # At import, not in `main`: a sweep job of submitit or Ray runs in a process of its own that
 # unpickles `hydra_entry` (importing this module) and resolves the config's `${ddp_...}` names
@@ -109,122 +84,14 @@ def main(job: Job, config_path: str | None = None, config_name: str = "train") -
 
 
 def hydra_entry(dict_cfg: DictConfig, job: Job) -> float:
-    """One composed job: validate, then `job` here or on a worker group it starts; returns the
-    objective (validation loss) for Hydra sweepers, NaN for a failed job of a sweep."""
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    output_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        run = run_info(dict_cfg)
-        cfg = to_typed(dict_cfg)
-        if multirun and "TORCHELASTIC_RUN_ID" in os.environ:
-            raise UserError(
-                "a sweep (-m) under torchrun would run the whole sweep on every rank: "
-                "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead"
-            )
-        if cfg.dist.nproc_per_node > 1 and not under_launcher():
-            preflight(cfg, cfg.dist.nproc_per_node)
-            summary = launch.spawn(cfg, run, job)
-        else:
-            export_submitit_env()
-            share_cpus_in_submitit_task(HydraConfig.get().launcher.get("cpus_per_task"))
-            summary = job(cfg, env_from_environ(cfg.dist), run)
-        return float(summary["objective"])
-    except Preempted as e:
-        if not e.logged:
-            (log.warning if launcher_rank() == 0 else log.info)("%s", e)
-        if multirun and _under_submitit():
-            # A submitit job that was not requeued (submitit's handler ran already): a result
-            # for the sweep, so the others are still collected and reported.
-            sweeps.record_failure(output_dir, str(e))
-            return float("nan")
-        if multirun and RAY_JOB_ENV in os.environ:
-            # A job of a Ray sweep that is being stopped: the report lists it as preempted.
-            sweeps.record_failure(output_dir, str(e), status="PREEMPTED")
-            return float("nan")
-        # In one process, a sweep ends here too: the jobs after this one would be stopped the
-        # same way.
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
-        # once: one line, not a traceback. Under the self-launch this is the launching process
-        # before its workers start.
-        if multirun and (_under_submitit() or RAY_JOB_ENV in os.environ):
-            raise
-        interrupt.ignore_more()
-        line = launch.stopped_line("stopped on SIGINT", output_dir)
-        (log.warning if launcher_rank() == 0 else log.info)("%s", line)
-        sys.exit(interrupt.EXIT_CODE)
-    except Exception as e:
-        e = config_error(e) or e
-        code = exit_code(e, log)
-        if not multirun:
-            sys.exit(code)
-        # Let the sweep go on: the report at its end lists this job as failed, and a NaN
-        # objective marks the trial failed for sweepers such as Optuna's.
-        why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-        sweeps.record_failure(output_dir, why)
-        _fail_task_at_exit(code)
-        return float("nan")
-    finally:
-        # The job's end (main() is not run under submitit, nor for each job of a sweep).
-        claim.release_all()
+    """One composed job, where Hydra's launcher runs it (this process, a Ray task, a SLURM
+    job): `run_job.run_job`; returns the objective for Hydra sweepers."""
+    # Imported here, where a job runs: a sweep's launching process (Ray, submitit) only
+    # composes and hands out jobs, so it never imports torch (2-4 s; longer from a cluster's
+    # shared file system).
+    from hydra_ddp.distributed.run_job import run_job
 
-
-def to_typed(dict_cfg: DictConfig) -> TrainConfig:
-    """The composed config as dataclasses; runs every __post_init__ check."""
-    # `+trainer.x=1` adds a key even to a typed group, where it would be silently ignored.
-    for f in fields(TrainConfig):
-        node = dict_cfg.get(f.name)
-        if not isinstance(node, DictConfig):
-            continue
-        schema = OmegaConf.get_type(node)
-        if schema is not None and dataclasses.is_dataclass(schema):
-            known = {k.name for k in fields(schema)}
-            extra = sorted(set(node.keys()) - known)
-            if extra:
-                raise UserError(
-                    f"{f.name}.{extra[0]} is not a key of {f.name} "
-                    f"({schema.__name__}; see src/hydra_ddp/config.py): check the "
-                    f"spelling, its keys are {', '.join(sorted(known))}"
-                )
-    return OmegaConf.to_object(dict_cfg)  # type: ignore[return-value]
-
-
-def preflight(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the data and the components but no process group, so a bad job fails
-    once, in the launching process, instead of once per worker."""
-    monitor_key(cfg)  # trainer.monitor names a metric the job computes
-    sink = sink_class(cfg.logger.sink) if cfg.logger.sink is not None else None
-    if hasattr(sink, "check_before_launch"):  # W&B: mode=online without a login fails here, once
-        sink.check_before_launch(cfg.logger)
-    source = build(cfg.data, "data")
-    check_source(source)
-    check_sampling(source, cfg.sampler, world_size, cfg.trainer.batch_size)
-    build_components(cfg, source, torch.device("cpu"), total_steps=1)
-    if cfg.ddp.wrapper == Wrapper.ddp:  # a hook of the user's is built here once, not per rank
-        comm_hooks.build_comm_hook(
-            cfg.ddp.comm_hook, cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter, "cpu"
-        )
-
-
-def run_info(dict_cfg: DictConfig) -> RunInfo:
-    """The job's name, group, output dir and resolved config, from Hydra's runtime."""
-    hc = HydraConfig.get()
-    multirun = hc.mode == RunMode.MULTIRUN
-    output_dir = Path(hc.runtime.output_dir)
-    if multirun:
-        name = hc.job.override_dirname or f"job{hc.job.num}"
-        group = "sweep-" + "-".join(Path(hc.sweep.dir).parts[-2:])
-    else:
-        name = hc.job.override_dirname or hc.job.name
-        group = "-".join(output_dir.parts[-2:])
-    config = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
-    # The name and group reach W&B and wandb_ids.json: no secret value in them. Jobs of a
-    # sweep that differ only in a secret are then told apart by their number, as their dirs.
-    blanked = ",".join(redact.overrides(name.split(",")))
-    name = f"{hc.job.num}_{blanked}" if multirun and blanked != name else blanked
-    overrides = list(hc.overrides.task)
-    return RunInfo(output_dir, job_name=name, group=group, config=config, overrides=overrides)
+    return run_job(dict_cfg, job)
 
 
 def config_dir() -> str:
@@ -255,18 +122,6 @@ def _importable(job: Job) -> Job:
     if job.__module__ != "__main__" or spec is None:
         return job
     return getattr(importlib.import_module(spec.name), job.__qualname__)
-
-
-def _under_submitit() -> bool:
-    return "SUBMITIT_EXECUTOR" in os.environ
-
-
-def _fail_task_at_exit(code: int) -> None:
-    """Under submitit: the job's result (NaN, so the sweep goes on and reports it) is saved when
-    this returns, and the task's exit status is then `code`, so SLURM's accounting (sacct) shows
-    the failed job as FAILED rather than COMPLETED."""
-    if _under_submitit():
-        atexit.register(os._exit, code)
 
 
 def _check_run_dir(argv: list[str]) -> None:

@@ -1,8 +1,9 @@
-"""Where this process sits in the job: the only module that reads RANK, LOCAL_RANK and WORLD_SIZE.
+"""Where this process sits in the job: a rank's `DistEnv`, from RANK, LOCAL_RANK and WORLD_SIZE.
 
 A `DistEnv` is built once per process from what the launcher (torchrun, torch's elastic agent,
-SLURM through submitit) put in the environment, and passed explicitly to everything else. With
-none of those variables set the job runs as one process with no process group at all.
+SLURM through submitit) put in the environment (`launcher_env` reads those variables without
+torch), and passed explicitly to everything else. With none of them set the job runs as one
+process with no process group at all.
 """
 
 import logging
@@ -13,11 +14,10 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.config import Backend, Device, DistConfig
+from hydra_ddp.distributed.launcher_env import LAUNCHER_VARS, submitit_tasks
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
-
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -44,27 +44,6 @@ class DistEnv:
         return dist.is_available() and dist.is_initialized()
 
 
-def under_launcher() -> bool:
-    """True when torchrun, torch's elastic agent or SLURM/submitit started this process."""
-    return "RANK" in os.environ or _submitit_tasks() > 1
-
-
-def export_submitit_env() -> None:
-    """Inside a submitit task with several tasks, export RANK/WORLD_SIZE/... the way torchrun
-    does, from SLURM's variables (or submitit's local ones), so the rest of the code sees one
-    kind of environment."""
-    if "RANK" in os.environ or _submitit_tasks() <= 1:
-        return
-    from submitit.helpers import TorchDistributedEnvironment
-
-    # A MASTER_ADDR / MASTER_PORT the user (or a site's script) set is respected: submitit's
-    # export would refuse to run with them set ("Cannot export ... is already set").
-    given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
-    # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    os.environ.update(given)
-
-
 def share_cpus_in_submitit_task(cpus_per_task: int | None) -> int | None:
     """Inside a submitit task (one rank) whose OMP_NUM_THREADS nobody set: give its OpenMP pool
     its CPU share, as torchrun does for its workers (SLURM's cpus-per-task, else the
@@ -75,29 +54,18 @@ def share_cpus_in_submitit_task(cpus_per_task: int | None) -> int | None:
         return None
     share = int(os.environ.get("SLURM_CPUS_PER_TASK") or cpus_per_task or 0)
     if share < 1:
-        share = max(1, (os.cpu_count() or 1) // max(1, _submitit_tasks()))
+        share = max(1, (os.cpu_count() or 1) // max(1, submitit_tasks()))
     os.environ["OMP_NUM_THREADS"] = str(share)  # for the processes it starts (data workers)
     torch.set_num_threads(share)
     return share
 
 
-def _submitit_tasks() -> int:
-    if "SUBMITIT_EXECUTOR" not in os.environ:
-        return 0
-    try:
-        from submitit import JobEnvironment
-
-        return JobEnvironment().num_tasks
-    except Exception:  # not inside a submitit job after all
-        return 0
-
-
 def env_from_environ(cfg: DistConfig) -> DistEnv:
     """Read the launcher's variables and pick this rank's device."""
-    present = [k for k in _LAUNCHER_VARS if k in os.environ]
+    present = [k for k in LAUNCHER_VARS if k in os.environ]
     if not present:
         return DistEnv(device=_pick_device(cfg, local_rank=0))
-    missing = [k for k in _LAUNCHER_VARS if k not in os.environ]
+    missing = [k for k in LAUNCHER_VARS if k not in os.environ]
     if missing:
         raise UserError(
             f"the environment sets {', '.join(present)} but not {', '.join(missing)}: start the "
@@ -154,12 +122,3 @@ def backend_for(cfg: DistConfig, device: torch.device) -> str:
             "dist.backend=gloo (or auto)"
         )
     return cfg.backend.value
-
-
-def launcher_rank() -> int:
-    for key in ("RANK", "SLURM_PROCID"):
-        if key in os.environ:
-            return int(os.environ[key])
-    if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
-        return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
-    return 0

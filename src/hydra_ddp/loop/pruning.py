@@ -15,8 +15,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
-from hydra_ddp.distributed import DistEnv, all_gather_objects
+# The module, not its names: the sweeper reads the constants below in a sweep's launching
+# process, which runs no job and so never imports torch (hydra_ddp/lazy_names.py).
+from hydra_ddp import distributed
+
+if TYPE_CHECKING:
+    from hydra_ddp.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -77,4 +83,4 @@ class Pruning:
         pruned = self.trial.should_prune(step, value) if self.trial is not None else False
         # One rank alone stopping would leave the others waiting in a collective: rank 0's
         # decision is everyone's (the same path as the monitor's).
-        return bool(all_gather_objects(pruned, self.env)[0])
+        return bool(distributed.all_gather_objects(pruned, self.env)[0])

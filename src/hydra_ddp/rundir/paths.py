@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hydra_ddp.disk import open_regular
@@ -57,6 +56,10 @@ def job_dir(default: str) -> str:
 
 
 def _agree_through_store(default: str) -> str:
+    # Here, in a torchrun rank, not at the top: a sweep's launching process composes too and
+    # runs no job, so it never imports torch.
+    import torch.distributed as dist
+
     key = f"hydra_ddp/job_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],

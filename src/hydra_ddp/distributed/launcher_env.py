@@ -1,0 +1,52 @@
+"""What a launcher (torchrun, torch's elastic agent, SLURM through submitit) put in the
+environment, read without torch: a sweep's launching process asks it too (which rank logs, is
+this a launched worker) and runs no job. `env.py` builds a rank's `DistEnv` from the same
+variables.
+"""
+
+import os
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_launcher() -> bool:
+    """True when torchrun, torch's elastic agent or SLURM/submitit started this process."""
+    return "RANK" in os.environ or submitit_tasks() > 1
+
+
+def export_submitit_env() -> None:
+    """Inside a submitit task with several tasks, export RANK/WORLD_SIZE/... the way torchrun
+    does, from SLURM's variables (or submitit's local ones), so the rest of the code sees one
+    kind of environment."""
+    if "RANK" in os.environ or submitit_tasks() <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # A MASTER_ADDR / MASTER_PORT the user (or a site's script) set is respected: submitit's
+    # export would refuse to run with them set ("Cannot export ... is already set").
+    given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    os.environ.update(given)
+
+
+def submitit_tasks() -> int:
+    """The tasks of this submitit job (SLURM's or the local executor's); 0 outside one."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return 0
+    try:
+        from submitit import JobEnvironment
+
+        return JobEnvironment().num_tasks
+    except Exception:  # not inside a submitit job after all
+        return 0
+
+
+def launcher_rank() -> int:
+    """This process's global rank as its launcher numbered it (0 with no launcher)."""
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
+        return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
+    return 0
