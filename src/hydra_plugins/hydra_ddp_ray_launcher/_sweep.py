@@ -59,7 +59,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     sweep_dir = str(config.hydra.sweep.dir)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
     if launcher.session is None:
-        launcher.session = Session.start(launcher.params)
+        prepare(launcher)
     session = launcher.session
     session.stop_file = os.path.join(sweep_dir, ".stop_requested")
     Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
@@ -88,6 +88,18 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
         if stop.signum is not None:
             _stopped(launcher, jobs, returns, session, stop.signum)
     return [returns[j.num] for j in jobs]
+
+
+def prepare(launcher: Any) -> None:
+    """Start or join Ray, and start the node's warm server and a Ray worker per job that fits
+    on this node at once, for jobs shaped as the primary config's: they start while Hydra
+    composes and checks the batch, so its first jobs start at once. Jobs of another shape get
+    theirs when they are handed out."""
+    launcher.session = Session.start(launcher.params)
+    _, cpus, _, threads = job_resources(launcher.config)
+    if launcher.params.get("warm_start", True):
+        launcher.session.keep_warm_servers(threads)
+    launcher.session.start_workers(cpus)
 
 
 def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> Job:
@@ -215,6 +227,23 @@ class Session:
         import ray
 
         return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+    def start_workers(self, cpus: float) -> None:
+        """A Ray worker for each job of `cpus` CPUs this node runs at once, started with an
+        empty task. Ray's workers serve one driver, so each sweep would otherwise wait for its
+        own to start (Python and Ray's imports: a second or more here) as its first jobs are
+        handed out. `ray start` prestarts one per CPU the same way, for its first driver."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        node = next((n for n in ray.nodes() if n["NodeID"] == here), {})
+        lanes = int(node.get("Resources", {}).get("CPU", 0) // cpus) if cpus > 0 else 0
+        started = ray.remote(_task.started).options(
+            num_cpus=cpus, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)
+        )
+        for _ in range(lanes):
+            started.remote()
 
     def keep_warm_servers(self, threads: int) -> None:
         """A warm server on every node for jobs of `threads` OpenMP threads (_warm.py), held by

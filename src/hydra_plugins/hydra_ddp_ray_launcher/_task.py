@@ -80,6 +80,11 @@ def run_job(
         return f"the job's process exited with status {proc.returncode} and no result"
 
 
+def started() -> None:
+    """An empty task: its worker process, once started, runs the sweep's jobs next
+    (Session.start_workers)."""
+
+
 def _warm_start(request: dict[str, Any]) -> Any:
     """The job forked from this node's warm server (for its thread count), waiting for one
     that is still importing; None when there is none (the sweep made its keeper: _sweep.py)."""

@@ -27,6 +27,11 @@ class RayLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
+        # Before Hydra composes and checks every job of the batch (a second or more): Ray, the
+        # node's warm server and Ray's workers start meanwhile.
+        from hydra_plugins.hydra_ddp_ray_launcher import _sweep
+
+        _sweep.prepare(self)
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
