@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Optional
 
-from hydra.utils import get_object
-
-from hydra_ddp.errors import UserError, check_setting
-from hydra_ddp.protocols import Sink, missing_members
+from hydra_ddp.errors import check_setting
 
 
 class Layout(Enum):
@@ -77,35 +74,3 @@ class LoggerConfig:
             ">= 0 (0: every interval)",
             self.min_interval_s,
         )
-        if self.sink is not None:
-            sink_class(self.sink)
-
-
-def sink_class(sink: Any) -> type:
-    """The class `logger.sink` names, checked against `hydra_ddp.protocols.Sink`: a bad
-    `_target_` fails in one line when the config is typed, before any worker starts."""
-    if not isinstance(sink, Mapping) or not isinstance(sink.get("_target_"), str):
-        raise UserError(
-            f"logger.sink={sink!r} is not a sink: give null (logger=none) or a mapping with "
-            "_target_ (a class meeting hydra_ddp.protocols.Sink), as conf/logger/*.yaml do"
-        )
-    target = sink["_target_"]
-    try:
-        cls = get_object(target)
-    except Exception as e:
-        # Hydra's message puts the cause (the ImportError) on its later lines.
-        cause = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        raise UserError(
-            f"logger.sink._target_={target!r} cannot be imported ({cause}): pick a logger of "
-            "conf/logger/*.yaml (logger=wandb, tensorboard, none) or give the dotted path of "
-            "a sink class of yours"
-        ) from None
-    missing = missing_members(cls, Sink)
-    if not isinstance(cls, type) or missing:
-        lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else "is no class"
-        raise UserError(
-            f"logger.sink._target_={target!r} {lacks}: a sink is a class with log(record, "
-            "step), summary(values), add_config(values) and close(failed, preempted) "
-            "(hydra_ddp.protocols.Sink; subclass hydra_ddp.tracking.Sink for the defaults)"
-        )
-    return cls

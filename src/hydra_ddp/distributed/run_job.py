@@ -17,11 +17,12 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import interrupt
@@ -33,9 +34,9 @@ from hydra_ddp.distributed.env import env_from_environ, share_cpus_in_submitit_t
 from hydra_ddp.distributed.launcher_env import export_submitit_env, launcher_rank, under_launcher
 from hydra_ddp.distributed.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code
-from hydra_ddp.logger_config import sink_class
 from hydra_ddp.loop.job_types import build_components
 from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.protocols import Sink, missing_members
 from hydra_ddp.rundir import claim, sweeps
 from hydra_ddp.tracking import RunInfo, redact
 
@@ -126,7 +127,42 @@ def to_typed(dict_cfg: DictConfig) -> TrainConfig:
                     f"({schema.__name__}; see src/hydra_ddp/config.py): check the "
                     f"spelling, its keys are {', '.join(sorted(known))}"
                 )
-    return OmegaConf.to_object(dict_cfg)  # type: ignore[return-value]
+    cfg: TrainConfig = OmegaConf.to_object(dict_cfg)  # type: ignore[assignment]
+    # Here, not in LoggerConfig's own checks: the schema (config.py) then needs neither the
+    # contracts (protocols.py) nor the sink's module.
+    if cfg.logger.sink is not None:
+        sink_class(cfg.logger.sink)
+    return cfg
+
+
+def sink_class(sink: Any) -> type:
+    """The class `logger.sink` names, checked against `hydra_ddp.protocols.Sink`: a bad
+    `_target_` fails in one line when the config is typed, before any worker starts."""
+    if not isinstance(sink, Mapping) or not isinstance(sink.get("_target_"), str):
+        raise UserError(
+            f"logger.sink={sink!r} is not a sink: give null (logger=none) or a mapping with "
+            "_target_ (a class meeting hydra_ddp.protocols.Sink), as conf/logger/*.yaml do"
+        )
+    target = sink["_target_"]
+    try:
+        cls = get_object(target)
+    except Exception as e:
+        # Hydra's message puts the cause (the ImportError) on its later lines.
+        cause = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise UserError(
+            f"logger.sink._target_={target!r} cannot be imported ({cause}): pick a logger of "
+            "conf/logger/*.yaml (logger=wandb, tensorboard, none) or give the dotted path of "
+            "a sink class of yours"
+        ) from None
+    missing = missing_members(cls, Sink)
+    if not isinstance(cls, type) or missing:
+        lacks = f"lacks {', '.join(missing)}" if isinstance(cls, type) else "is no class"
+        raise UserError(
+            f"logger.sink._target_={target!r} {lacks}: a sink is a class with log(record, "
+            "step), summary(values), add_config(values) and close(failed, preempted) "
+            "(hydra_ddp.protocols.Sink; subclass hydra_ddp.tracking.Sink for the defaults)"
+        )
+    return cls
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> None:
