@@ -9,7 +9,9 @@ user types. Variants alternate, so a change in the machine's load hits both.
 
 Each variant runs in a scratch dir under /tmp with W&B off and OMP_NUM_THREADS=1; the Ray
 variant starts and stops its own Ray inside the timed command (its start-up is part of what a
-user waits for). Besides the wall time it reports each job's start-up: from when its process
+user waits for). Each run waits first for the CPUs to be quiet (below 20 % over a second, at
+most 60 s): a Ray that the run before is still shutting down would otherwise slow the next.
+Besides the wall time it reports each job's start-up: from when its process
 started (Ray: the task's fork or Popen; basic: the job's start in the sweep's process) to the
 end of its first step (`trainer.log_interval=1`, the same for every variant). Results go in
 docs/benchmarks.md with the exact command and the machine's load.
@@ -28,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
+
+import psutil
 
 
 def sweep_command(
@@ -78,6 +82,16 @@ def startups(sweep_dir: Path) -> list[float]:
     return out
 
 
+def wait_quiet(busy_percent: float = 20.0, limit_s: float = 60.0) -> float:
+    """Wait until the CPUs' use over one second is below `busy_percent` (or `limit_s` passed);
+    returns the last reading."""
+    deadline = time.monotonic() + limit_s
+    while (used := psutil.cpu_percent(interval=1.0)) > busy_percent:
+        if time.monotonic() > deadline:
+            break
+    return used
+
+
 def run_once(launcher: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench_sweep_{launcher}_") as tmp:
         cmd = sweep_command(launcher, args.jobs, args.steps, args.nproc, args.address)
@@ -85,6 +99,7 @@ def run_once(launcher: str, args: argparse.Namespace) -> dict:
         if launcher == "ray-joined":
             env["RAY_AUTH_MODE"] = "disabled"
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun and the basic sweep's ranks get
+        cpu = wait_quiet()
         load = os.getloadavg()[0]
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
@@ -100,6 +115,7 @@ def run_once(launcher: str, args: argparse.Namespace) -> dict:
             "wall_s": wall,
             "ok": ok,
             "load_before": load,
+            "cpu_percent_before": cpu,
             "startup_s": statistics.median(ups),
             "startups_s": ups,
         }
@@ -135,7 +151,8 @@ def _repeats(args: argparse.Namespace, variants: list[str]) -> None:
             print(
                 f"repeat {repeat}: {launcher:8s} {result['wall_s']:7.1f} s, "
                 f"{result['ok']}/{args.jobs} ok, job start-up {result['startup_s']:.2f} s "
-                f"(median), load {result['load_before']:.1f} before"
+                f"(median), load {result['load_before']:.1f}, "
+                f"CPUs {result['cpu_percent_before']:.0f} % before"
             )
     by = {k: [r for r in runs if r["launcher"] == k] for k in variants}
     for name in variants[1:]:
