@@ -146,17 +146,25 @@ def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, wh
     assert took < 60, took  # the model's 120 s build was cut short
 
 
-@pytest.mark.slow  # a real torchrun job
+@pytest.mark.slow  # real torchrun jobs, two of them
 @pytest.mark.timeout(600)
-def test_ctrl_c_while_torchrun_workers_build_the_model_is_one_line(tmp_path: Path) -> None:
-    """The workers say it once (rank 0); torchrun's agent still prints its own SignalException
-    traceback and exits 1 (torch's; see docs/when_things_go_wrong.md)."""
+@pytest.mark.parametrize("when", ["importing", "building the model"])
+def test_ctrl_c_while_torchrun_workers_start_is_one_line(tmp_path: Path, when: str) -> None:
+    """The workers say it once (rank 0), whether they still import the job's modules (after
+    Hydra composed the config: train.py imports them where the job runs) or build the model;
+    torchrun's agent still prints its own SignalException traceback and exits 1 (torch's; see
+    docs/when_things_go_wrong.md)."""
     job = tmp_path / "job"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "hydra_ddp.train", *SLOW_START, f"hydra.run.dir={job}"]  # fmt: skip
     proc, out = start_logged(cmd, tmp_path)
     _wait(proc, out, lambda: (job / ".hydra" / "config.yaml").is_file(), "composed its config")
-    time.sleep(2)  # in the model's constructor (it sleeps 120 s)
+    building = [tmp_path / f"building_rank{rank}" for rank in (0, 1)]
+    if when == "importing":
+        assert not any(p.exists() for p in building), "the ranks imported too fast to test this"
+    else:
+        _wait(proc, out, lambda: all(p.exists() for p in building), "started building")
+        time.sleep(1)  # in the model's constructor (it sleeps 120 s)
     rc, text, took = _ctrl_c(proc, out)
     assert rc == 1, text[-3000:]  # torchrun's
     ours = text.split("Traceback (most recent call last):")

@@ -120,4 +120,34 @@ def held_for_workers() -> Iterator[None]:
         done.set()
 
 
+# While a job's modules import: the SIGINT handler it replaced, and whether one came.
+_held: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def held_while_importing() -> Iterator[None]:
+    """A Ctrl-C while a job's modules import (seconds) is noted, not raised inside an import,
+    and raised by `let_through` where the job's start turns it into its one line
+    (distributed/run_job.py). A handler, not a signal mask: a thread that torch started
+    already (a rank's TCPStore) would take a blocked SIGINT for the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _held["previous"] = signal.signal(signal.SIGINT, lambda *_: _held.update(caught=True))
+    try:
+        yield
+    finally:
+        let_through()
+
+
+def let_through() -> None:
+    """Put back the SIGINT handler `held_while_importing` replaced, and raise the Ctrl-C it
+    noted meanwhile, if any, here."""
+    if "previous" not in _held:
+        return
+    signal.signal(signal.SIGINT, _held.pop("previous"))  # type: ignore[arg-type]
+    if _held.pop("caught", False):
+        raise KeyboardInterrupt
+
+
 quiet_while_starting()

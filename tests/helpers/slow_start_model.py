@@ -26,5 +26,7 @@ class SlowStartMLP(MLP):
         start_s: float = 30.0,
     ):
         if "LOCAL_RANK" in os.environ:
+            # A mark in the working dir: this rank is past its imports, building the model.
+            open(f"building_rank{os.environ['LOCAL_RANK']}", "w").close()
             time.sleep(start_s)
         super().__init__(in_features, out_features, hidden, depth, dropout)

@@ -88,10 +88,11 @@ def hydra_entry(dict_cfg: DictConfig, job: Job) -> float:
     job): `run_job.run_job`; returns the objective for Hydra sweepers."""
     # Imported here, where a job runs: a sweep's launching process (Ray, submitit) only
     # composes and hands out jobs, so it never imports torch (2-4 s; longer from a cluster's
-    # shared file system).
-    from hydra_ddp.distributed.run_job import run_job
+    # shared file system). A Ctrl-C meanwhile waits until run_job can say its one line.
+    with interrupt.held_while_importing():
+        from hydra_ddp.distributed.run_job import run_job
 
-    return run_job(dict_cfg, job)
+        return run_job(dict_cfg, job)
 
 
 def config_dir() -> str:

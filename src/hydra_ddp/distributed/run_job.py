@@ -54,6 +54,7 @@ def run_job(dict_cfg: DictConfig, job: Job) -> float:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        interrupt.let_through()  # a Ctrl-C held while this module imported (entry.hydra_entry)
         run = run_info(dict_cfg)
         cfg = to_typed(dict_cfg)
         if multirun and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -91,8 +92,8 @@ def run_job(dict_cfg: DictConfig, job: Job) -> float:
         if multirun and (_under_submitit() or RAY_JOB_ENV in os.environ):
             raise
         interrupt.ignore_more()
-        line = launch.stopped_line("stopped on SIGINT", output_dir)
-        (log.warning if launcher_rank() == 0 else log.info)("%s", line)
+        if launcher_rank() == 0:  # said once: before start_rank, other ranks' consoles speak
+            log.warning("%s", launch.stopped_line("stopped on SIGINT", output_dir))
         sys.exit(interrupt.EXIT_CODE)
     except Exception as e:
         e = config_error(e) or e
