@@ -165,7 +165,7 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
             faulthandler.disable()
         # Without a group (one rank, no launcher) there is nothing to free before it, and a
         # full collection walks every object torch made (0.3 s, each job of a sweep).
-        if dist.is_available() and dist.is_initialized():
+        if env.distributed:
             gc.collect()
             destroy_process_group()
 

@@ -58,9 +58,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     # Resolved here once: `${now:}` must name the same dir in every job's process.
     sweep_dir = str(config.hydra.sweep.dir)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
-    if launcher.session is None:
-        prepare(launcher)
-    session = launcher.session
+    session = launcher.session  # started at the launcher's setup (`prepare`)
     session.stop_file = os.path.join(sweep_dir, ".stop_requested")
     Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
     log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), session.where, sweep_dir)

@@ -19,7 +19,7 @@ class RayLauncher(Launcher):
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
         self.task_function: Optional[TaskFunction] = None
-        self.session: Any = None  # _sweep.Session: Ray, started at the first launch
+        self.session: Any = None  # _sweep.Session: Ray, started at setup (_sweep.prepare)
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
