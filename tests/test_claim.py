@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hydra_ddp.rundir import claim
@@ -72,8 +73,22 @@ def test_dead_holders_and_earlier_attempts_are_taken_over(tmp_path: Path, monkey
     with pytest.raises(SystemExit):
         claim.claim(tmp_path / "d")
 
+    # A killed job's process that its parent has not reaped yet (a zombie: an orphan waits for
+    # PID 1, which reaps late or, in a container with no init, never) is gone too: another
+    # job's rank 1 waits for its own rank 0 instead of refusing, and rank 0 takes over.
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    _write(tmp_path / "e", pid=zombie.pid, job="SLURM_JOB_ID=9")
+    claim.wait_for_own_job(tmp_path / "e", timeout_s=0.5)  # no SystemExit
+    claim.claim(tmp_path / "e")
+    assert json.loads((tmp_path / "e" / claim.NAME).read_text())["pid"] == os.getpid()
+    zombie.wait()
+
     claim.release_all()
-    assert not any((tmp_path / d / claim.NAME).exists() for d in "abc")
+    assert not any((tmp_path / d / claim.NAME).exists() for d in "abce")
     assert (tmp_path / "d" / claim.NAME).exists()  # not ours: left alone
 
 

@@ -389,8 +389,8 @@ def test_sigterm_in_a_slow_step_checkpoints_that_step(tmp_path: Path, launcher: 
     """Previously: the ranks agreed to stop through an all-reduce read one step later, so with
     20 s steps the stop came ~2 steps after SIGTERM, past the 30 s torchrun's agent waits: the
     workers were killed with no checkpoint, and self-launch still advised resuming from one.
-    Here steps take 3 s (a forward that sleeps); SIGTERM right after a step must end with a
-    checkpoint of the next one within one step plus the save (not two steps), exit 143 from every
+    Here steps take 3 s (a forward that sleeps); SIGTERM a third into a step must end with a
+    checkpoint of that step within one step plus the save (not two steps), exit 143 from every
     worker."""
     from conftest import REPO
 
@@ -406,6 +406,10 @@ def test_sigterm_in_a_slow_step_checkpoints_that_step(tmp_path: Path, launcher: 
             start_new_session=True,
         )  # fmt: skip
     job = _wait_for(_logged(tmp_path, 1), proc, 240, "step 1 logged")[0]
+    # A third into the next step: right at a step's end the signal may still reach a rank
+    # before that boundary's stop check (a checkpoint of the step just done, which is fine), so
+    # which step was "in progress" is only clear mid-step.
+    time.sleep(SLOW_STEP_S / 3)
     lines = (job / "stats" / "rank0.jsonl").read_text().splitlines()
     in_progress = max(json.loads(ln)["step"] for ln in lines if ln.endswith("}")) + 1
     sent = time.time()

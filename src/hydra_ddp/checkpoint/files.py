@@ -18,6 +18,7 @@ import torch
 from hydra_ddp.checkpoint import dcp_files
 from hydra_ddp.disk import check_regular, remove_quietly, why_write_failed, write_failed
 from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
+from hydra_ddp.rundir.claim import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -106,18 +107,8 @@ def _remove_stale_tmp(folder: Path) -> None:
     Only global rank 0 ever writes here, so a live pid other than ours is not expected."""
     for p in folder.iterdir():
         m = _TMP.match(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             p.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _complete(folder: Path) -> list[tuple[int, Path]]:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from hydra_ddp.errors import UserError, check_regular
 
 NAME = ".claim"
@@ -60,16 +62,26 @@ def _alive(holder: dict[str, Any], path: Path) -> bool:
         return False  # an earlier attempt of this very job (restart, requeue)
     if holder.get("host") == socket.gethostname():
         try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, KeyError, ValueError, TypeError):
-            return True
-        return True
+            return pid_alive(int(holder["pid"]))
+        except (KeyError, ValueError, TypeError):
+            return True  # a claim we cannot read a pid from: not ours to take
     try:  # another host: alive while its heartbeat is
         return time.time() - path.stat().st_mtime < STALE_S
     except OSError:
         return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` (on this host) still runs. A zombie does not: it has exited and
+    closed its files, and waits only for its parent to reap it. The workers of a SIGKILLed
+    launcher are reparented to PID 1, which may reap late (this VM's init: up to 2 s) or never
+    (a container with no init), and a re-run in that window must still resume."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # another user's live process
 
 
 def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
