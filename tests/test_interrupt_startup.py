@@ -148,19 +148,22 @@ def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, wh
 
 @pytest.mark.slow  # real torchrun jobs, two of them
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("when", ["importing", "building the model"])
+@pytest.mark.parametrize("when", ["writing the run dir", "importing", "building the model"])
 def test_ctrl_c_while_torchrun_workers_start_is_one_line(tmp_path: Path, when: str) -> None:
-    """The workers say it once (rank 0), whether they still import the job's modules (after
-    Hydra composed the config: train.py imports them where the job runs) or build the model;
-    torchrun's agent still prints its own SignalException traceback and exits 1 (torch's; see
-    docs/when_things_go_wrong.md)."""
+    """The workers say it once (rank 0), whether Hydra still sets up the run dir (its log, then
+    .hydra/), they import the job's modules (train.py imports them where the job runs) or
+    build the model; torchrun's agent still prints its own SignalException traceback and exits
+    1 (torch's; see docs/when_things_go_wrong.md)."""
     job = tmp_path / "job"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "hydra_ddp.train", *SLOW_START, f"hydra.run.dir={job}"]  # fmt: skip
     proc, out = start_logged(cmd, tmp_path)
-    _wait(proc, out, lambda: (job / ".hydra" / "config.yaml").is_file(), "composed its config")
+    if when == "writing the run dir":  # Hydra opens rank 0's log before it writes .hydra/
+        _wait(proc, out, lambda: (job / "train_rank0.log").is_file(), "opened its log")
+    else:
+        _wait(proc, out, lambda: (job / ".hydra" / "config.yaml").is_file(), "composed it")
     building = [tmp_path / f"building_rank{rank}" for rank in (0, 1)]
-    if when == "importing":
+    if when != "building the model":
         assert not any(p.exists() for p in building), "the ranks imported too fast to test this"
     else:
         _wait(proc, out, lambda: all(p.exists() for p in building), "started building")

@@ -124,16 +124,21 @@ def held_for_workers() -> Iterator[None]:
 _held: dict[str, object] = {}
 
 
-@contextlib.contextmanager
-def held_while_importing() -> Iterator[None]:
-    """A Ctrl-C while a job's modules import (seconds) is noted, not raised inside an import,
-    and raised by `let_through` where the job's start turns it into its one line
+def hold() -> None:
+    """From now until `let_through`: a Ctrl-C is noted, not raised where it lands (inside an
+    import, or Hydra writing the run dir's .hydra/), so the job's start can say its one line
     (distributed/run_job.py). A handler, not a signal mask: a thread that torch started
-    already (a rank's TCPStore) would take a blocked SIGINT for the process."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    already (a rank's TCPStore) would take a blocked SIGINT for the process. Idempotent."""
+    if "previous" in _held or threading.current_thread() is not threading.main_thread():
         return
     _held["previous"] = signal.signal(signal.SIGINT, lambda *_: _held.update(caught=True))
+
+
+@contextlib.contextmanager
+def held_while_importing() -> Iterator[None]:
+    """`hold` while a job's modules import (seconds); a Ctrl-C noted meanwhile is raised at
+    the block's end if `let_through` has not raised it already."""
+    hold()
     try:
         yield
     finally:

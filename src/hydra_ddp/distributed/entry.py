@@ -43,6 +43,11 @@ def main(job: Job, config_path: str | None = None, config_name: str = "train") -
     """Run `job` as `python -m hydra_ddp.train [overrides]` does, composing `config_name` from
     `config_path` (None: the engine's conf/, `config_dir()`; an absolute path, `pkg://...`, or a
     path from the working dir); exits with the job's status (0, 1, 2 for bad input, 130...)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun worker runs one job (run_job refuses a sweep there), so a Ctrl-C while
+        # Hydra composes and writes the run dir can wait a second for the job's start to say
+        # the full line (resume advice included) once, from rank 0.
+        interrupt.hold()
     find_own_plugins()
     conf = config_dir() if config_path is None else config_path
     if "://" not in conf:
@@ -59,8 +64,8 @@ def main(job: Job, config_path: str | None = None, config_name: str = "train") -
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
-        # Outside hydra_entry: while Hydra composes the config, or a sweep's launching process
-        # (its jobs are stopped by their own launcher).
+        # Outside hydra_entry: while Hydra composes the config (not a torchrun worker's: held),
+        # or a sweep's launching process (its jobs are stopped by their own launcher).
         interrupt.ignore_more()
         if launcher_rank() == 0:
             sys.stderr.write("stopped on SIGINT\n")
