@@ -146,7 +146,7 @@ def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, wh
     assert took < 60, took  # the model's 120 s build was cut short
 
 
-@pytest.mark.slow  # real torchrun jobs, two of them
+@pytest.mark.slow  # real torchrun jobs, three of them
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("when", ["writing the run dir", "importing", "building the model"])
 def test_ctrl_c_while_torchrun_workers_start_is_one_line(tmp_path: Path, when: str) -> None:

@@ -120,7 +120,8 @@ def held_for_workers() -> Iterator[None]:
         done.set()
 
 
-# While a job's modules import: the SIGINT handler it replaced, and whether one came.
+# While a Ctrl-C is held (`hold` until `let_through`): the SIGINT handler it replaced, and
+# whether one came.
 _held: dict[str, object] = {}
 
 
