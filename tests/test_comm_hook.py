@@ -90,8 +90,9 @@ def test_a_comm_hook_target_without_a_hook_is_refused_in_one_line() -> None:
 
 
 def test_a_bad_comm_hook_of_the_users_fails_once_in_the_launching_process() -> None:
-    """run_job.preflight builds the hook before any worker starts: one line, not one per rank."""
-    from hydra_ddp.distributed.run_job import preflight
+    """launch/runner.py's preflight builds the hook before any worker starts: one line, not
+    one per rank."""
+    from hydra_ddp.launch.runner import preflight
 
     cfg = typed("ddp.comm_hook={_target_:collections.Counter}")
     with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built"):

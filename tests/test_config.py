@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from hydra_ddp import config as C
 from hydra_ddp.components import build
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.job_types import build_components
+from hydra_ddp.rank_job import build_components
 from hydra_ddp.rundir.paths import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -102,7 +102,7 @@ def test_every_component_builds_and_runs_a_step(overrides: list[str]) -> None:
     parts = build_components(cfg, source, torch.device("cpu"), total_steps=10)
     x, y = source.load("train", [(0, 4)])[torch.arange(4).numpy()]
     out = parts.model(x)
-    loss, _ = parts.objective(out, (x, y), parts.model)
+    loss, _ = parts.loss(out, (x, y), parts.model)
     loss.backward()
     for optimizer in parts.optimizers.optimizers.values():
         optimizer.step()
@@ -344,7 +344,7 @@ def test_component_errors_name_the_key(overrides: list[str], expect: list[str]) 
 )
 def test_plus_key_under_a_typed_group_is_refused(override: str) -> None:
     """`+key=value` adds a key even to a typed group, where it used to be silently ignored."""
-    from hydra_ddp.distributed.run_job import to_typed
+    from hydra_ddp.launch.runner import to_typed
 
     key = override[1:].split("=")[0]
     with pytest.raises(UserError, match=rf"^{key} is not a key of {key.split('.')[0]} "):

@@ -28,8 +28,9 @@ from helpers.inproc import train_here, train_ranks
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
-from hydra_ddp.distributed.entry import _check_run_dir
-from hydra_ddp.errors import LOST_CONTACT, UserError, worker_failed
+from hydra_ddp.distributed.failures import LOST_CONTACT, worker_failed
+from hydra_ddp.errors import UserError
+from hydra_ddp.launch.command import _check_run_dir
 from hydra_ddp.rundir import sweeps
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))

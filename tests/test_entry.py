@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, ok, run
 
-from hydra_ddp.distributed.entry import config_dir
+from hydra_ddp.launch.command import config_dir
 from hydra_ddp.train import main
 
 PROJECT = """\
@@ -70,13 +70,13 @@ def test_main_composes_from_a_project_config_dir_and_trains(tmp_path: Path) -> N
 DRIVER_IMPORTS = """\
 import importlib, sys
 import hydra_ddp.train
-from hydra_ddp.distributed.entry import find_own_plugins
+from hydra_ddp.launch.command import find_own_plugins
 find_own_plugins()
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 found = [c.__name__ for kind in (Launcher, Sweeper) for c in Plugins.instance().discover(kind)]
-for name in ("hydra_ddp.rundir.sweeps", "hydra_ddp.tracking.redact",
+for name in ("hydra_ddp.rundir.sweeps", "hydra_ddp.redact",
              "hydra_plugins.hydra_ddp_ray_launcher._sweep",
              "hydra_plugins.hydra_ddp_optuna_pruned._study"):
     importlib.import_module(name)

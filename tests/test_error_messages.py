@@ -1,10 +1,11 @@
-"""The library messages errors.py recognises, each produced here by the real library call.
+"""The library messages distributed/failures.py recognises, each produced here by the real
+library call.
 
-errors.py turns torch's exceptions into one `error:` line by matching words of their messages.
+failures.py turns torch's exceptions into one `error:` line by matching words of their messages.
 A torch upgrade that rewords one would silently bring back the traceback; here each message is
 raised for real (a real gloo group in forked processes, a real DDP reducer, a real DataLoader
-worker killed), then read by errors.py's own predicates, so the rewording fails CI instead.
-The last test holds errors.py to it: a string it matches that no test here produces fails.
+worker killed), then read by its own predicates, so the rewording fails CI instead.
+The last test holds failures.py to it: a string it matches that no test here produces fails.
 NCCL's strings can only be produced with two GPUs: that test skips elsewhere.
 """
 
@@ -21,9 +22,9 @@ import torch
 import torch.distributed as dist
 from helpers import ranks
 
-from hydra_ddp import errors
+from hydra_ddp.distributed import failures as errors
 
-# Every string errors.py matches, and which test below produces it.
+# Every string failures.py matches, and which test below produces it.
 PRODUCED_BY = {
     "Connection closed by peer": "test_a_dead_peer",
     "Timed out waiting": "test_a_stalled_peer",
@@ -177,6 +178,6 @@ def test_nccl_messages(tmp_path):
 def test_every_matched_string_is_produced_here():
     matched = set(errors._LOST_PEER) | set(errors._TIMED_OUT)
     assert matched == set(PRODUCED_BY), (
-        "errors.py matches a string no test produces (or a test lists one it no longer "
+        "failures.py matches a string no test produces (or a test lists one it no longer "
         f"matches): {sorted(matched ^ set(PRODUCED_BY))}"
     )

@@ -667,7 +667,7 @@ def _said(errors: Path, rank: int, text: str, at_ns: int) -> None:
 def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path) -> None:
     """Previously: the lowest rank that wrote errors/rank<r>.txt was named, so rank 0's "lost
     contact" (a consequence) hid rank 1's cause. The ranks' files as `translated` writes them."""
-    from hydra_ddp.errors import worker_failed
+    from hydra_ddp.distributed.failures import worker_failed
 
     errors = tmp_path / "errors"
     errors.mkdir()
@@ -688,8 +688,8 @@ def test_the_launcher_blames_the_rank_whose_own_error_came_first(tmp_path: Path)
     assert line.startswith("worker rank 1 failed: killed by SIGABRT"), line
 
     # A rank that stopped on a signal records nothing: a stop is not a failure to blame.
+    from hydra_ddp.distributed.failures import write_rank_error
     from hydra_ddp.distributed.preemption import Preempted
-    from hydra_ddp.errors import write_rank_error
 
     write_rank_error(Preempted(signal.SIGTERM, "stopped on SIGTERM"), 3, errors)
     assert not (errors / "rank3.txt").exists()

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
 from hydra_ddp.data import SyntheticArrays
-from hydra_ddp.errors import UserError, worker_failed
+from hydra_ddp.distributed.failures import worker_failed
+from hydra_ddp.errors import UserError
 from hydra_ddp.eval import main as evaluate_main
 from hydra_ddp.export.writer import main as export_main
 from hydra_ddp.rundir import claim, paths

@@ -68,7 +68,7 @@ def report(pipe):  # before the worker imports anything of ours, as its start-up
     pipe.send(sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))))
 
 if __name__ == "__main__":
-    from hydra_ddp import interrupt
+    from hydra_ddp.launch import interrupt
 
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()  # not a Queue: its lock would start the tracker before the block

@@ -668,7 +668,8 @@ def test_each_rank_logs_to_its_own_file(clean_env, tmp_path, env: dict, name: st
 
 def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
     from hydra_ddp.config import Device, DistConfig
-    from hydra_ddp.distributed import env_from_environ, export_submitit_env, under_launcher
+    from hydra_ddp.distributed import env_from_environ
+    from hydra_ddp.launcher_env import export_submitit_env, under_launcher
 
     os.environ.update(
         SUBMITIT_EXECUTOR="local",

@@ -15,15 +15,15 @@ import pytest
 import torch
 from conftest import FAST, user_env
 
+from hydra_ddp.batches import BatchLoss
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.objective import Objective
 from hydra_ddp.losses import CrossEntropy
 
 
 def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch) -> None:
     """Previously: `"hydra.run.dir='out/a b'"` made `'out/a b'` (quotes and all) in the working
     directory before Hydra, which reads the value without its quotes, ran in `out/a b`."""
-    from hydra_ddp.distributed.entry import _check_run_dir
+    from hydra_ddp.launch.command import _check_run_dir
 
     monkeypatch.chdir(tmp_path)
     _check_run_dir(["hydra.run.dir='out/a b'", "trainer.max_steps=1"])
@@ -33,7 +33,7 @@ def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch
 
 def test_a_forward_returning_a_tuple_says_what_the_loss_expects() -> None:
     """Previously: the loss's own TypeError/AttributeError deep in torch, as a traceback."""
-    objective = Objective(CrossEntropy(0.0))
+    objective = BatchLoss(CrossEntropy(0.0))
     batch = (torch.zeros(4, 5), torch.zeros(4, dtype=torch.long))
     with pytest.raises(UserError) as e:
         objective((torch.zeros(4, 3), torch.zeros(4)), batch)

@@ -22,12 +22,12 @@ from helpers.inproc import compose, isolated, train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
+from hydra_ddp.batches import forward
 from hydra_ddp.components import build
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.eval import job_config, main, parse
 from hydra_ddp.loop.evaluation import evaluate_run
-from hydra_ddp.loop.objective import forward
 from hydra_ddp.tracking import RunInfo
 
 MLP_JOBS = {

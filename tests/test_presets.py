@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from hydra_ddp import config as C
-from hydra_ddp.distributed.entry import config_dir
+from hydra_ddp.launch.command import config_dir
 from hydra_ddp.rundir.paths import register_resolvers
 
 CONF = REPO / "conf"

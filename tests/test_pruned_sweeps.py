@@ -23,7 +23,7 @@ import pytest
 from conftest import FAST, job_dirs, summary, user_env
 from omegaconf import OmegaConf
 
-from hydra_ddp.distributed.entry import find_own_plugins
+from hydra_ddp.launch.command import find_own_plugins
 from hydra_ddp.loop import pruning
 from hydra_ddp.rundir import sweeps
 

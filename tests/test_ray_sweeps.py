@@ -50,7 +50,7 @@ PAIRED = [*FAST, "trainer.max_steps=800", "trainer.log_interval=100"]
 def _compose(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from hydra_ddp.distributed.entry import find_own_plugins
+    from hydra_ddp.launch.command import find_own_plugins
 
     find_own_plugins()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

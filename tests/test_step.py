@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hydra_ddp.loop.objective import Objective
+from hydra_ddp.batches import BatchLoss
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.models import MLP
 from hydra_ddp.optim import param_groups, warmup_constant, warmup_cosine
@@ -24,7 +24,7 @@ def loop_step(model, micro_batches, loss_fn, optimizer, scaler, max_norm: float)
     """One step as loop.fit runs it: the step over the micro-batches, then `tools.update()`.
     Returns the mean loss and the gradient norm before clipping."""
     tools = StepTools(scaler, FP32, max_norm, skip_non_finite=True, raw_model=model)
-    losses = default_step(tools, model, micro_batches, Objective(loss_fn), {"default": optimizer})
+    losses = default_step(tools, model, micro_batches, BatchLoss(loss_fn), {"default": optimizer})
     return losses["loss"], tools.update()
 
 

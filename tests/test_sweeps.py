@@ -21,8 +21,8 @@ from conftest import FAST, REPO, TESTS, job_dirs, ok, python_train, summary, use
 from helpers import wandb_records
 from omegaconf import OmegaConf
 
+from hydra_ddp import redact
 from hydra_ddp.rundir import paths, sweeps
-from hydra_ddp.tracking import redact
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]

@@ -152,7 +152,7 @@ def test_export_is_its_parameters_loads_strictly_in_a_fresh_process_and_generate
     first, text = done.stdout.removesuffix("\n").split("\n", 1)
     fresh = json.loads(first)
     assert fresh["before"] == ["hydra_ddp", "hydra_ddp.errors", "hydra_ddp.export",
-                               "hydra_ddp.export.folder"]  # fmt: skip
+                               "hydra_ddp.export_format"]  # fmt: skip
     # What load imported: the model's own module (and the helper its argument checks use).
     new = set(fresh["after"]) - set(fresh["before"])
     assert new == {"hydra_ddp.models", "hydra_ddp.components"}, new

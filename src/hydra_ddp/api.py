@@ -53,9 +53,9 @@ from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, InMemoryArrays, Rows, TokenWindows, TorchDatasets
 from hydra_ddp.distributed import DistEnv, all_gather_with_grad, gather_for_metrics
-from hydra_ddp.distributed.entry import config_dir
-from hydra_ddp.distributed.run_job import to_typed
 from hydra_ddp.errors import UserError
+from hydra_ddp.launch.command import config_dir
+from hydra_ddp.launch.runner import to_typed
 from hydra_ddp.losses import CrossEntropy, ModelOutput
 from hydra_ddp.metrics import Accuracy, Metric
 from hydra_ddp.step import StepTools, default_step

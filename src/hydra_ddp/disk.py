@@ -5,6 +5,9 @@
   there blocks whoever opens it until a writer comes, with no timeout (the job hangs, and its
   claim's heartbeat keeps the dir locked); a socket or a device is no checkpoint either. Each
   is refused in one line naming the file and what to do.
+* `check_archive`: a checkpoint file that is no torch.save archive, in one line.
+* `write_advice`, `file_too_large`: what to do about a write that failed (a full disk, a
+  read-only dir, the file-size limit).
 * `os_cause`: the OSError behind a library's write error. torch.save reports a full disk as
   "unexpected pos 263744 vs 263664" (the OSError is its context); DCP collects every rank's
   failure into a CheckpointException. The user needs "No space left on device".
@@ -18,17 +21,91 @@ import shutil
 from pathlib import Path
 from typing import IO, Any
 
-from hydra_ddp.errors import UserError, check_regular, write_advice
+from hydra_ddp.errors import UserError
 
-__all__ = [
-    "check_regular",
-    "open_regular",
-    "os_cause",
-    "read_regular",
-    "remove_quietly",
-    "why_write_failed",
-    "write_failed",
-]
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_advice(code: int | None) -> str:
+    """What to do about a failed write into the run dir, by its errno: a read-only or foreign
+    dir wants no free space."""
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            "it is read-only or not yours: make it writable, or resume in another dir "
+            "(hydra.run.dir=...)"
+        )
+    return "free space or quota there, or resume in another dir (hydra.run.dir=...)"
+
+
+def check_regular(path: Path, what: str, fix: str) -> None:
+    """Refuse `path` in one line unless it is a regular file (or missing: the caller says
+    that). A FIFO blocks whoever opens it until a writer comes, with no timeout; a socket or a
+    device is no data set or checkpoint either."""
+    import stat
+
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = (
+        "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a directory" if stat.S_ISDIR(mode)
+        else "not a regular file"
+    )  # fmt: skip
+    raise UserError(f"{what} {path} is {kind}, not a regular file: {fix}")
+
+
+def check_archive(path: Path, key: str) -> None:
+    """Refuse, in one line naming `key` (trainer.resume, trainer.init_from), a checkpoint file
+    that is no regular file or no zip archive: torch.save writes zip archives (since torch
+    1.6), and for anything else (a text file, random bytes) the unpickler's own message is a
+    riddle, e.g. "(101)"."""
+    import zipfile
+
+    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
+    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
+        otherwise = {"trainer.resume": f"{key}=never", "ckpt": "ckpt=last or ckpt=best"}.get(
+            key, f"no {key}"
+        )
+        raise UserError(
+            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
+            f"another format, or a write cut short?): point {key} at another file from "
+            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or a run dir, or {otherwise}"
+        )
+
+
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), None if unlimited."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def over_size_limit(e: BaseException, path: Path) -> bool:
+    """True when a failed write of `path` hit the file-size limit: EFBIG, or (torch.save
+    reports any failed write as a RuntimeError without its errno) a file that reached it."""
+    if isinstance(e, OSError):
+        return e.errno == errno.EFBIG
+    limit = file_size_limit()
+    try:
+        return limit is not None and path.stat().st_size >= limit - 4096
+    except OSError:
+        return False
+
+
+def file_too_large(path: object) -> str:
+    limit = file_size_limit()
+    cap = f"at most {limit} bytes per file" if limit is not None else "a size limit"
+    return (
+        f"could not write {path}: file too large (this job may write {cap}: `ulimit -f`, "
+        "or the file system's own limit): raise the limit (`ulimit -f unlimited` before "
+        "starting, or ask the cluster's admins), or write smaller files"
+    )
 
 
 def open_regular(path: Path, mode: str = "r", *, what: str, fix: str, **kwargs: Any) -> IO[Any]:

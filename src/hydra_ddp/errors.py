@@ -1,23 +1,15 @@
-"""Errors a user can act on: the one exception type for bad input, and the one place where
-other exceptions (a dead peer, a timed-out collective, a full disk, DDP's paragraphs) become a
-single `error:` line.
+"""Errors a user can act on: `UserError`, the one exception type for bad input, and how a
+failed job ends (`exit_code`: one `error:` line and status 2 for a UserError, the traceback and
+status 1 for anything else).
 
-A rank's training (train.py) and its evaluation of a saved checkpoint (loop/evaluation.py) run
-under `translated`, which raises what `one_line` can say in one line, so a message is written
-once and reads the same whichever path raised it. The entries (distributed/run_job.py, with
-`config_error` for the config; eval.py) and the launcher (launch.py) end a failed job through
-`exit_code`; the launcher names a failed worker with `worker_failed`.
+What else becomes one line lives where it happens: a failed collective, a dead peer or data
+loader (distributed/failures.py), a file that is no regular file or a write that failed
+(disk.py), a bad component argument (components.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
-import traceback
-from pathlib import Path
-from typing import Iterator
 
 
 class Stopped(Exception):
@@ -34,33 +26,6 @@ def check_setting(ok: bool, key: str, allowed: str, value: object) -> None:
     `ok`, a UserError naming the key, its value and what it must be."""
     if not ok:
         raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
-
-
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-# The words of the two messages below that say a rank failed *because of* another one: the
-# launcher blames such a rank only when no rank said anything better (`worker_failed`).
-LOST_CONTACT = "lost contact with another rank"
-WAITED = "for another rank in a collective"
-
-# What a collective raises when another rank died mid-job: gloo's closed socket, and NCCL's
-# watchdog and communicator errors (the remote process exited or the network failed).
-# tests/test_error_messages.py produces each of these and of _TIMED_OUT's with the real call.
-_LOST_PEER = (
-    "Connection closed by peer",
-    "NCCL communicator was aborted",
-    "remote process exited or there was a network error",
-    "ncclRemoteError",
-)
-# gloo's read and write errors quote the OS (`Read error <peer>: <strerror>`): matched by the
-# OS's own text for these errnos, never a copy of it.
-_LOST_PEER_ERRNOS = (errno.ECONNRESET, errno.EPIPE)
-# What a collective raises when a peer is alive but stopped answering for dist.timeout_s:
-# gloo's wait, and NCCL's watchdog.
-_TIMED_OUT = (
-    "Timed out waiting",
-    "Application timeout caused pair closure",
-    "Watchdog caught collective operation timeout",
-)
 
 
 def shorten(text: str, limit: int = 60, quote: bool = False) -> str:
@@ -83,33 +48,6 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def lost_peer(e: BaseException) -> bool:
-    """True for the error a collective raises when another rank died mid-job."""
-    if not isinstance(e, RuntimeError):
-        return False
-    text = str(e)
-    return any(s in text for s in _LOST_PEER) or any(
-        os.strerror(n) in text for n in _LOST_PEER_ERRNOS
-    )
-
-
-def timed_out(e: BaseException) -> bool:
-    """True for the error a collective raises when a peer stopped answering (alive but
-    stalled: SIGSTOP, a hung filesystem, a much slower rank) for longer than the timeout."""
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in _TIMED_OUT)
-
-
-def _loader_died(e: BaseException) -> bool:
-    """True for what a rank raises when one of its DataLoader worker processes was killed:
-    torch's own RuntimeError, or a broken connection while it fetched from that worker."""
-    if isinstance(e, RuntimeError) and "DataLoader worker" in str(e):
-        return True
-    if not isinstance(e, (ConnectionError, EOFError)):
-        return False
-    data_dir = f"torch{os.sep}utils{os.sep}data{os.sep}"
-    return any(data_dir in frame.filename for frame in traceback.extract_tb(e.__traceback__))
-
-
 def config_error(e: BaseException) -> UserError | None:
     """One line for a config value that OmegaConf cannot resolve: usually `${...}` typed on the
     command line (a shell variable, a template string), which OmegaConf reads as an
@@ -126,150 +64,6 @@ def config_error(e: BaseException) -> UserError | None:
     )
 
 
-def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) -> UserError | None:
-    """The one-line UserError for an exception raised while a rank trains, or None when it has
-    no better message than its own traceback."""
-    if isinstance(e, UserError):
-        return e
-    if isinstance(e, RuntimeError) and "Expected to have finished reduction" in str(e):
-        # DDP's own message for this case is a paragraph about reductions and buckets.
-        return UserError(
-            "some model parameters got no gradient in a step and DDP was not told "
-            "to expect that: use ddp=unused_params (sets "
-            "ddp.find_unused_parameters=true), or make every parameter take part "
-            "in the loss"
-        )
-    if lost_peer(e):
-        # Every survivor of a dead rank gets the same collective traceback, which says nothing
-        # about the cause.
-        return UserError(
-            f"rank {rank} {LOST_CONTACT} ({first_line(e)}): that rank most "
-            "likely died, see its log for why; with torchrun --max-restarts=K (or "
-            "dist.max_restarts=K) the group restarts and resumes from the newest checkpoint"
-        )
-    if _loader_died(e):
-        return UserError(
-            f"a DataLoader worker of rank {rank} died ({first_line(e)}): most often the "
-            "out-of-memory killer (see `dmesg`); lower trainer.num_workers or what each worker "
-            "holds, or trainer.num_workers=0 to load in the rank itself"
-        )
-    if isinstance(e, OSError) and e.errno == errno.EFBIG:
-        return UserError(file_too_large(e.filename or f"a file in {output_dir}"))
-    if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
-        return UserError(
-            f"could not write {os.fsdecode(e.filename) if e.filename else output_dir} "
-            f"({e.strerror}): {write_advice(e.errno)}; the checkpoints already written are "
-            "intact"
-        )
-    if timed_out(e):
-        return UserError(
-            f"rank {rank} waited dist.timeout_s={timeout_s:g}s {WAITED} "
-            f"({first_line(e)}): a rank stopped answering (stopped, hung on I/O, or "
-            "far slower than the others), see the other ranks' logs; raise dist.timeout_s if "
-            "one rank legitimately works that long alone"
-        )
-    return None
-
-
-def write_advice(code: int | None) -> str:
-    """What to do about a failed write into the run dir, by its errno: a read-only or foreign
-    dir wants no free space."""
-    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return (
-            "it is read-only or not yours: make it writable, or resume in another dir "
-            "(hydra.run.dir=...)"
-        )
-    return "free space or quota there, or resume in another dir (hydra.run.dir=...)"
-
-
-def check_regular(path: Path, what: str, fix: str) -> None:
-    """Refuse `path` in one line unless it is a regular file (or missing: the caller says
-    that). A FIFO blocks whoever opens it until a writer comes, with no timeout; a socket or a
-    device is no data set or checkpoint either."""
-    import stat
-
-    try:
-        mode = Path(path).stat().st_mode
-    except OSError:
-        return
-    if stat.S_ISREG(mode):
-        return
-    kind = (
-        "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-        else "a socket" if stat.S_ISSOCK(mode)
-        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "a directory" if stat.S_ISDIR(mode)
-        else "not a regular file"
-    )  # fmt: skip
-    raise UserError(f"{what} {path} is {kind}, not a regular file: {fix}")
-
-
-def check_archive(path: Path, key: str) -> None:
-    """Refuse, in one line naming `key` (trainer.resume, trainer.init_from), a checkpoint file
-    that is no regular file or no zip archive: torch.save writes zip archives (since torch
-    1.6), and for anything else (a text file, random bytes) the unpickler's own message is a
-    riddle, e.g. "(101)"."""
-    import zipfile
-
-    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
-    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
-        otherwise = {"trainer.resume": f"{key}=never", "ckpt": "ckpt=last or ckpt=best"}.get(
-            key, f"no {key}"
-        )
-        raise UserError(
-            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
-            f"another format, or a write cut short?): point {key} at another file from "
-            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or a run dir, or {otherwise}"
-        )
-
-
-def file_size_limit() -> int | None:
-    """This process's file-size limit in bytes (`ulimit -f`, RLIMIT_FSIZE), None if unlimited."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
-def over_size_limit(e: BaseException, path: Path) -> bool:
-    """True when a failed write of `path` hit the file-size limit: EFBIG, or (torch.save
-    reports any failed write as a RuntimeError without its errno) a file that reached it."""
-    if isinstance(e, OSError):
-        return e.errno == errno.EFBIG
-    limit = file_size_limit()
-    try:
-        return limit is not None and path.stat().st_size >= limit - 4096
-    except OSError:
-        return False
-
-
-def file_too_large(path: object) -> str:
-    limit = file_size_limit()
-    cap = f"at most {limit} bytes per file" if limit is not None else "a size limit"
-    return (
-        f"could not write {path}: file too large (this job may write {cap}: `ulimit -f`, "
-        "or the file system's own limit): raise the limit (`ulimit -f unlimited` before "
-        "starting, or ask the cluster's admins), or write smaller files"
-    )
-
-
-@contextlib.contextmanager
-def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
-    """Re-raise what `one_line` can say in one line as that UserError (the original chained
-    as its cause, so the rank's log file keeps the traceback). Under self-launch the error is
-    also written for the launcher (`write_rank_error`) here, before the process group is torn
-    down: the peers' "lost contact" comes after it, and the launcher may kill this rank soon
-    after."""
-    try:
-        yield
-    except Exception as e:
-        better = one_line(e, rank, timeout_s, output_dir)
-        write_rank_error(better or e, rank, Path(output_dir) / "errors")
-        if better is None or better is e:
-            raise
-        raise better from e
-
-
 def no_such_key(key: str) -> UserError:
     """A command-line `key=value` whose key the config does not have (a user variable)."""
     return UserError(
@@ -278,76 +72,6 @@ def no_such_key(key: str) -> UserError:
         f"vars.{key}=... (read as ${{vars.{key}}} in the config, cfg.vars in code); to add it "
         f"where it is, +{key}=..."
     )
-
-
-def unused_parameters(names: list[str]) -> UserError:
-    """DDP's "Expected to have finished reduction" paragraph, with the parameters named."""
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    return UserError(
-        f"some model parameters got no gradient in a step ({shown}) and DDP was not told to "
-        "expect that: use ddp=unused_params (sets ddp.find_unused_parameters=true), freeze "
-        "them (requires_grad=False), or make every parameter take part in the loss"
-    )
-
-
-def evaluation_one_line(
-    e: BaseException, rank: int, timeout_s: float, output_dir: Path, doing: str
-) -> UserError:
-    """`one_line` for an exception raised while a rank evaluates or predicts (`doing`, e.g.
-    "predicting split test"): a lost peer suggests no restart (restarts resume training), and
-    any other error still names the rank and its cause, so the rank that failed says why."""
-    if lost_peer(e):
-        return UserError(
-            f"rank {rank} lost contact with another rank while {doing} ({first_line(e)}): that "
-            f"rank most likely failed, see its log in {output_dir} (eval_rank<r>.log) for why"
-        )
-    better = one_line(e, rank, timeout_s, output_dir)
-    if better is not None:
-        return better
-    return UserError(
-        f"rank {rank} failed while {doing}: {type(e).__name__}: {first_line(e)} (its "
-        "traceback is in this rank's log)"
-    )
-
-
-@contextlib.contextmanager
-def translated_evaluation(
-    rank: int, timeout_s: float, output_dir: Path, doing: list[str]
-) -> Iterator[None]:
-    """`translated` for evaluation and prediction: every exception becomes one line naming the
-    rank and what it was doing (`doing[0]`, updated by the caller as it moves on); the
-    traceback of one that is no UserError goes to the rank's log first. Recorded for the
-    launcher like `translated`'s, so its last line names the rank that failed first."""
-    try:
-        yield
-    except Exception as e:
-        if isinstance(e, UserError):
-            write_rank_error(
-                e, rank, Path(output_dir) / "errors"
-            )  # for the launcher, as `translated`
-            raise
-        if not lost_peer(e):
-            logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
-                                             exc_info=e)  # fmt: skip
-        better = evaluation_one_line(e, rank, timeout_s, output_dir, doing[0])
-        write_rank_error(better, rank, Path(output_dir) / "errors")
-        raise better from e
-
-
-def write_rank_error(e: BaseException, rank: int, errors_dir: Path) -> None:
-    """Write why this rank failed to `errors_dir/rank<r>.txt` (one line; the file's mtime is
-    when), for `worker_failed`. Only where the launcher made that dir (self-launch), and only
-    the rank's first error: what follows it (a failed teardown) is not the cause."""
-    path = errors_dir / f"rank{rank}.txt"
-    if isinstance(e, Stopped) or not errors_dir.is_dir() or path.exists():
-        return
-    why = str(e) if isinstance(e, UserError) else f"unexpected error: {type(e).__name__}: "
-    if not isinstance(e, UserError):
-        why += first_line(e)
-    try:
-        path.write_text(why.replace("\n", " ") + "\n")
-    except OSError:  # a full disk: the rank's log has the error; the launcher names the exit
-        path.unlink(missing_ok=True)  # code (an empty file would read as an empty cause)
 
 
 def exit_code(e: Exception, log: logging.Logger) -> int:
@@ -361,47 +85,6 @@ def exit_code(e: Exception, log: logging.Logger) -> int:
     return 1
 
 
-def worker_failed(
-    exit_codes: dict[int, int], said_dir: Path, output_dir: Path, log_stem: str = "train"
-) -> UserError:
-    """The launcher's one line for a failed worker group (`exit_codes`: failed rank -> exit
-    code; the agent may list only the rank that exited first, or one it terminated itself).
-
-    It names the rank whose own error came first (`said_dir/rank<r>.txt`, by mtime), not one
-    that only lost contact with it or timed out waiting for it: a rank that failed on its own
-    comes first, then one that died without a word (a C++ abort, the OOM killer) when the others
-    only lost contact with it, then the first rank that timed out or lost contact."""
-    said: dict[int, tuple[int, str]] = {}
-    for p in said_dir.glob("rank*.txt"):
-        rank_text = p.stem[len("rank") :]
-        try:
-            # Not a FIFO (it would block the launcher), nor empty (no cause in it).
-            if rank_text.isdigit() and p.is_file() and (text := p.read_text().strip()):
-                said[int(rank_text)] = (p.stat().st_mtime_ns, text)
-        except OSError:
-            continue
-    own = {r: v for r, v in said.items() if LOST_CONTACT not in v[1] and WAITED not in v[1]}
-    silent = sorted(r for r in exit_codes if r not in said)
-    lost = any(LOST_CONTACT in v[1] for v in said.values())
-    if own:
-        rank = min(own, key=lambda r: (own[r][0], r))
-    elif silent and (lost or not said):
-        rank = silent[0]
-    elif said:
-        rank = min(said, key=lambda r: (said[r][0], r))
-    else:
-        rank = min(exit_codes)
-    if rank in said:
-        why = said[rank][1]
-    elif rank in exit_codes:
-        why = _exit_reason(exit_codes[rank])
-    else:
-        why = "it stopped"
-    return UserError(
-        f"worker rank {rank} failed: {why} (log: {output_dir / f'{log_stem}_rank{rank}.log'})"
-    )
-
-
 def too_big_for_cluster(
     kind: str, need: float, most: float, job_num: int, nproc: int, where: str
 ) -> UserError:
@@ -413,19 +96,3 @@ def too_big_for_cluster(
         f"hydra.launcher.{key}) but no node of {where} has more than {most:g}: lower "
         f"dist.nproc_per_node or hydra.launcher.{key}, or add a node with {need:g} {kind}(s)"
     )
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        import signal
-
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return (
-            f"killed by {name} without an error of its own (exit code {code}): see the end of "
-            "its log (SIGKILL: often the out-of-memory killer; SIGABRT: a crash in C++, e.g. "
-            "ranks calling different collectives)"
-        )
-    return f"exit code {code}"

@@ -2,7 +2,7 @@
 
 Any callable is a loss here: `loss(output, target)` (e.g. `_target_: torch.nn.MSELoss`,
 conf/loss/mse.yaml, or a plain function), or with parameters named `batch` and `model` to get
-the whole batch and the module (see objective.py). It returns a scalar tensor, or a dict with
+the whole batch and the module (see batches.py). It returns a scalar tensor, or a dict with
 `loss` and extra terms logged next to it.
 """
 

@@ -41,13 +41,13 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp import FSDPModule
 
+from hydra_ddp.batches import to_device
 from hydra_ddp.components import build
 from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
-from hydra_ddp.loop.job_types import build_components
-from hydra_ddp.loop.objective import to_device
+from hydra_ddp.rank_job import build_components
 from hydra_ddp.step import StepTools
 from hydra_ddp.tracking.peak import PeakMeter
 
@@ -231,7 +231,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
                 return t
 
             with saved_tensors_hooks(pack, lambda t: t):
-                components.step_fn(tools, model, [batch], components.objective, optimizers)
+                components.step_fn(tools, model, [batch], components.loss, optimizers)
             acts[rows] = sum(saved.values())
     tensors = [*model.parameters(), *model.buffers()]
     units = find_units(model, cfg.ddp)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hydra_ddp.loop.objective import IGNORE_INDEX
+from hydra_ddp.batches import IGNORE_INDEX
 
 
 class Metric:

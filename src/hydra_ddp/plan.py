@@ -26,9 +26,9 @@ from hydra.errors import HydraException
 from hydra_ddp import memory
 from hydra_ddp.components import build
 from hydra_ddp.config import Precision, TrainConfig, Wrapper, register_configs
-from hydra_ddp.distributed.entry import config_dir
-from hydra_ddp.distributed.run_job import to_typed
 from hydra_ddp.errors import UserError, config_error
+from hydra_ddp.launch.command import config_dir
+from hydra_ddp.launch.runner import to_typed
 from hydra_ddp.rundir.paths import register_resolvers
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -8,7 +8,9 @@ into the loop without editing it, what the loop promises in return, and on which
     Sink           where stats go                logger.sink._target_      conf/logger/
     Metric         an evaluation number          metrics.<name>._target_   conf/metrics/
     Callback       per-step/epoch/eval work      callbacks.<name>._target_
+    HookContext    what a callback's hook gets   (the loop's callbacks.Context)
     Step           the optimizer step            step._target_
+    StepHelpers    what a step gets as `tools`   (the loop's step.StepTools)
     Stateful       what a checkpoint can hold    state_dict / load_state_dict
     Member         one entry of a checkpoint     checkpoint/state.py
 
@@ -22,26 +24,89 @@ docs/extending.md. A call marked *collective* must be reached by every rank at t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    Mapping,
+    Protocol,
+    runtime_checkable,
+)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the libraries' types only: every contract is defined in this module
     import numpy as np
     import torch
     from torch.utils.data import Dataset
 
-    from hydra_ddp.callbacks import Context
-    from hydra_ddp.data.datasets import Ranges
-    from hydra_ddp.step import StepTools
-    from hydra_ddp.tracking.sink import Record
+# Rows of a split as half-open [start, stop) ranges, in order: what a rank loads.
+Ranges = list[tuple[int, int]]
+
+
+class Kind(Enum):
+    """What a `Record` carries."""
+
+    stats = "stats"  # this rank's training stats of one log interval, as soon as logged
+    interval = "interval"  # the same interval once every rank's stats are gathered
+    values = "values"  # a callback's ctx.log values (of `rank`, which may be another rank)
+    eval = "eval"  # evaluation metrics keyed like val/acc (rank 0 only)
+
+
+@dataclass
+class Record:
+    """One thing a `Sink` is given to record at one step."""
+
+    kind: Kind
+    rank: int  # whose values these are
+    values: Dict[str, Any]  # stats, ctx.log values or metrics (tracking/values.py: their types)
+    time: float  # time.time() when it was logged
+    # Kind.interval: every rank's stats by rank (float) and, on rank 0, the aggregates.
+    table: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    aggregates: Dict[str, float] = field(default_factory=dict)
+
+
+class HookContext(Protocol):
+    """What a `Callback`'s hook is given (hydra_ddp.callbacks.Context is the loop's): where the
+    loop is, the unwrapped model, and `log` to add values to this rank's stats."""
+
+    rank: int
+    world_size: int
+    model: torch.nn.Module
+    output_dir: Path
+    step: int  # optimizer steps taken
+    epoch: int  # the epoch being trained (on_epoch_end: the one that just ended)
+    loss: float | torch.Tensor  # the last step's mean loss (a device tensor)
+    metrics: dict[str, float]  # the last evaluation's
+    optimizer: str | None  # on_before_optimizer_step: the optimizer about to step
+    # on_step_end only: the step's micro-batches, the model's outputs and the step's losses.
+    batch: list[Any] | None
+    outputs: list[Any] | None
+    losses: dict[str, torch.Tensor] | None
+
+    def log(self, values: Mapping[str, Any]) -> None: ...
+
+
+class StepHelpers(Protocol):
+    """What a `Step` is given as `tools` (hydra_ddp.step.StepTools is the loop's)."""
+
+    def backward(
+        self, model: torch.nn.Module, micro_batches: list[Any], objective: Callable[..., Any]
+    ) -> dict[str, torch.Tensor]: ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor: ...
 
 
 @runtime_checkable
 class DataSource(Protocol):
     """One data set with "train", "val" and "test" splits, chosen by `data._target_`.
 
-    The constructor runs in the launching process (run_job.preflight) and again on every rank
-    before the process group starts: check shapes and dtypes there (a UserError naming the
-    `data.*` key), not in `load`. No method may call a collective.
+    The constructor runs in the launching process (launch/runner.py's preflight) and again on
+    every rank before the process group starts: check shapes and dtypes there (a UserError
+    naming the `data.*` key), not in `load`. No method may call a collective.
 
     - `spec`: what a model's (or a callback's) constructor receives by name, e.g.
       `{"in_features": 64, "out_features": 10}` or `{"vocab_size": ..., "block_size": ...}`.
@@ -229,7 +294,7 @@ class Callback(Protocol):
     """Work of yours at points of the loop, chosen by `callbacks.<name>._target_` (a dict of
     components, empty by default); its constructor may ask for `data` (the source) by name.
     Define *any subset* of the hooks (at least one): the loop calls only those a callback
-    has, in config order, on *every* rank, each with the `Context` (step, epoch, rank,
+    has, in config order, on *every* rank, each with a `HookContext` (step, epoch, rank,
     world_size, the unwrapped model, output_dir, last loss and metrics). A collective inside
     one must run on every rank; check `ctx.rank` for rank-0-only work. `ctx.log({...})` puts
     values into this rank's stats and sinks at the current step. A hook that raises stops the
@@ -241,26 +306,26 @@ class Callback(Protocol):
     with only that method is valid. There is no base class: `hydra_ddp.callbacks` lists the
     hooks in `HOOKS`."""
 
-    def on_train_start(self, ctx: Context) -> None:
+    def on_train_start(self, ctx: HookContext) -> None:
         """After the resume, before the first step."""
 
-    def on_before_optimizer_step(self, ctx: Context) -> None:
+    def on_before_optimizer_step(self, ctx: HookContext) -> None:
         """The step's gradients in the parameters' `.grad` (averaged over the ranks, unscaled
         under fp16), before clipping, the optimizer step and zero_grad; once per optimizer a
         step calls `tools.step` with (named in `ctx.optimizer`); `ctx.step` is the step being
         taken."""
 
-    def on_step_end(self, ctx: Context) -> None:
+    def on_step_end(self, ctx: HookContext) -> None:
         """After each step; `ctx.batch`, `ctx.outputs` and `ctx.losses` for this call only."""
 
-    def on_eval_end(self, ctx: Context) -> None:
+    def on_eval_end(self, ctx: HookContext) -> None:
         """After each validation, its metrics in `ctx.metrics`."""
 
-    def on_epoch_end(self, ctx: Context) -> None:
+    def on_epoch_end(self, ctx: HookContext) -> None:
         """Once per epoch that ends (also with grad_accum > 1, limit_train_batches, and
         across a resume in the middle of one)."""
 
-    def on_train_end(self, ctx: Context) -> None:
+    def on_train_end(self, ctx: HookContext) -> None:
         """After the final validation and test, their metrics in `ctx.metrics`."""
 
 
@@ -281,7 +346,7 @@ class Step(Protocol):
 
     def __call__(
         self,
-        tools: StepTools,
+        tools: StepHelpers,
         model: torch.nn.Module,
         micro_batches: list[Any],
         objective: Callable[..., Any],
@@ -331,8 +396,8 @@ class Member(Protocol):
 
 
 PROTOCOLS = (
-    DataSource, SamplerPolicy, EpochSampler, CommHook, Sink, Metric, Callback, Step,
-    Stateful, Member,
+    DataSource, SamplerPolicy, EpochSampler, CommHook, Sink, Metric, Callback, HookContext, Step,
+    StepHelpers, Stateful, Member,
 )  # fmt: skip
 
 

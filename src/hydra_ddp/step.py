@@ -21,10 +21,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from hydra_ddp.batches import BatchLoss, forward
 from hydra_ddp.config import NanPolicy, Precision
 from hydra_ddp.distributed import DistEnv, all_gather_floats
-from hydra_ddp.errors import UserError, unused_parameters
-from hydra_ddp.loop.objective import Objective, forward
+from hydra_ddp.distributed.failures import unused_parameters
+from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +104,10 @@ class StepTools:
     ) -> dict[str, torch.Tensor]:
         """Forward and backward over `micro_batches`, gradients accumulated (all-reduced by DDP
         on the last one only). `objective(output, batch, model) -> (loss, extras)` (an
-        objective.Objective, or a plain `loss(output, target)`). Returns the mean `loss` and
+        batches.BatchLoss, or a plain `loss(output, target)`). Returns the mean `loss` and
         extras over the micro-batches, detached, on the device."""
-        if not isinstance(objective, Objective):
-            objective = Objective(objective)
+        if not isinstance(objective, BatchLoss):
+            objective = BatchLoss(objective)
         model.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         n = len(micro_batches)

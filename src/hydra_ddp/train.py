@@ -6,8 +6,7 @@
 
 `main` composes the config (Hydra: conf/ and the command line) and runs `train` on each rank,
 here or in workers it starts; the checks before launch, the launchers and the exit codes are
-distributed/entry.py's and run_job.py's. `train` is the design, each step a call into the
-module that owns it.
+hydra_ddp/launch/'s. `train` is the design, each step a call into the module that owns it.
 A call marked `# collective` must be reached by every rank at the same step (it talks to the
 other ranks); putting one under `if env.is_main:` hangs the job.
 """
@@ -18,13 +17,13 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 # First, before torch: a Ctrl-C while a launched worker imports exits quietly (interrupt.py).
-import hydra_ddp.interrupt  # noqa: F401
-from hydra_ddp.distributed.entry import main as run_main
+import hydra_ddp.launch.interrupt  # noqa: F401
+from hydra_ddp.launch.command import run_command
 
 if TYPE_CHECKING:
     from hydra_ddp.config import TrainConfig
     from hydra_ddp.distributed import DistEnv
-    from hydra_ddp.loop.job_types import Job
+    from hydra_ddp.rank_job import RankJob
     from hydra_ddp.tracking import RunInfo
 
 
@@ -32,7 +31,7 @@ def main(config_path: str | None = None, config_name: str = "train") -> None:
     """`python -m hydra_ddp.train`, the `hydra-ddp-train` command, and a thin project's entry:
     compose `config_name` from `config_path` (None: the engine's conf/) and the command line,
     run `train` on every rank, and exit with the job's status."""
-    run_main(train, config_path, config_name)
+    run_command(train, config_path, config_name)
 
 
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
@@ -41,9 +40,9 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     # a sweep's launching process (`-m` on Ray or SLURM) imports it to name the job, and its
     # start, without torch, is shorter by 2-4 s (more from a cluster's shared file system).
     from hydra_ddp.distributed import process_group
+    from hydra_ddp.distributed.failures import translated
     from hydra_ddp.distributed.preemption import exit_with_parent
-    from hydra_ddp.errors import translated
-    from hydra_ddp.loop.job import build_data, prepare, start_rank
+    from hydra_ddp.loop.prepare import build_data, prepare, start_rank
 
     # Before any process group, so bad input fails once per rank, before any rank waits.
     console = start_rank(cfg, env)  # device, seed, determinism; other ranks quiet
@@ -60,7 +59,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
         return _train_in_group(jobs.pop())
 
 
-def _train_in_group(job: Job) -> dict[str, Any]:
+def _train_in_group(job: RankJob) -> dict[str, Any]:
     """Everything after the process group is up. Its frame holds the wrapped model, which so
     dies when it returns, before the process group."""
     from hydra_ddp.loop.checkpointing import (
@@ -70,7 +69,7 @@ def _train_in_group(job: Job) -> dict[str, Any]:
         resume,
     )
     from hydra_ddp.loop.fit import build_loop, finish_run, fit
-    from hydra_ddp.loop.job import begin, start_tracker
+    from hydra_ddp.loop.prepare import begin, start_tracker
     from hydra_ddp.loop.wrapping import wrap_job
 
     wrapped = wrap_job(job)  # collective: DDP or FSDP2 (ddp.wrapper), the EMA, torch.compile

@@ -30,11 +30,12 @@ from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp.config import TrainConfig, register_configs
-from hydra_ddp.distributed import DistEnv, env_from_environ, under_launcher
-from hydra_ddp.distributed.entry import config_dir
-from hydra_ddp.distributed.run_job import preflight, to_typed
-from hydra_ddp.loop import job as rank_job
-from hydra_ddp.loop.job_types import Job
+from hydra_ddp.distributed import DistEnv, env_from_environ
+from hydra_ddp.launch.command import config_dir
+from hydra_ddp.launch.runner import preflight, to_typed
+from hydra_ddp.launcher_env import under_launcher
+from hydra_ddp.loop import prepare as rank_job
+from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir.paths import register_resolvers
 from hydra_ddp.tracking import RunInfo
 from hydra_ddp.train import train
@@ -120,7 +121,7 @@ def entry_on_a_rank(env: DistEnv, output_dir: Path, overrides: list[str]) -> Non
     entry(output_dir, *overrides)
 
 
-def prepare_job(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> Job:
+def prepare_job(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> RankJob:
     """What `train` builds on a rank before its process group (hydra_ddp.train)."""
     console = rank_job.start_rank(cfg, env)
     return rank_job.prepare(cfg, env, run, console, rank_job.build_data(cfg, env))

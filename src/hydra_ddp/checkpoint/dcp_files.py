@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hydra_ddp.errors import UserError, check_regular, first_line
+from hydra_ddp.disk import check_regular
+from hydra_ddp.errors import UserError, first_line
 
 SUFFIX = ".dcp"
 NAME = re.compile(r"^step_(\d{8})\.dcp$")

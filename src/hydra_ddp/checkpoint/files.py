@@ -16,8 +16,15 @@ from typing import Any
 import torch
 
 from hydra_ddp.checkpoint import dcp_files
-from hydra_ddp.disk import check_regular, remove_quietly, why_write_failed, write_failed
-from hydra_ddp.errors import UserError, file_too_large, first_line, over_size_limit
+from hydra_ddp.disk import (
+    check_regular,
+    file_too_large,
+    over_size_limit,
+    remove_quietly,
+    why_write_failed,
+    write_failed,
+)
+from hydra_ddp.errors import UserError, first_line
 from hydra_ddp.rundir.claim import pid_alive
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,9 @@ import torch
 
 from hydra_ddp.checkpoint import dcp_files
 from hydra_ddp.checkpoint.files import checkpoint_damage, latest
-from hydra_ddp.errors import UserError, check_archive, first_line
-from hydra_ddp.export.folder import CONFIG, read_state
+from hydra_ddp.disk import check_archive
+from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.export_format import CONFIG, read_state
 
 log = logging.getLogger(__name__)
 

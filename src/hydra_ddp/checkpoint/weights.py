@@ -35,7 +35,8 @@ from safetensors import SafetensorError, safe_open
 
 from hydra_ddp.checkpoint import dcp_files
 from hydra_ddp.checkpoint.reading import file_or_newest, read_archive
-from hydra_ddp.errors import UserError, check_regular, first_line
+from hydra_ddp.disk import check_regular
+from hydra_ddp.errors import UserError, first_line
 
 KEY = "trainer.init_from"
 INDEX = "model.safetensors.index.json"

@@ -40,7 +40,7 @@ Where things are (what you edit is marked *):
 """
 
 from hydra_ddp.data.checks import check_loaded
-from hydra_ddp.data.datasets import SPLITS, Origin, Ranges, Rows, TokenWindows
+from hydra_ddp.data.datasets import SPLITS, Origin, Rows, TokenWindows
 from hydra_ddp.data.files import SyntheticArrays
 from hydra_ddp.data.policies import SamplerPolicy, Sharded, Strided
 from hydra_ddp.data.sources import (
@@ -55,6 +55,7 @@ from hydra_ddp.data.sources import (
     split_digits,
 )
 from hydra_ddp.data.view import EvalData, TrainData, check_sampling, loader
+from hydra_ddp.protocols import Ranges
 
 __all__ = [
     "SPLITS", "CharText", "DataSource", "Diabetes", "Digits", "EvalData", "InMemoryArrays",

@@ -17,7 +17,6 @@ from torch.utils.data import Dataset
 from hydra_ddp.errors import UserError
 
 # Half-open row ranges of a split, in order: what a rank loads.
-Ranges = list[tuple[int, int]]
 SPLITS = ("train", "val", "test")
 
 

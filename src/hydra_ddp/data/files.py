@@ -8,9 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from hydra_ddp.data.datasets import SPLITS, Origin, Ranges, Rows, _describe
+from hydra_ddp.data.datasets import SPLITS, Origin, Rows, _describe
 from hydra_ddp.data.sources import DataSource
-from hydra_ddp.errors import UserError, check_regular
+from hydra_ddp.disk import check_regular
+from hydra_ddp.errors import UserError
+from hydra_ddp.protocols import Ranges
 
 _RECREATE = "recreate the data set with scripts/make_synthetic.py"
 

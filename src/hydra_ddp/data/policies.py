@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from hydra_ddp.components import build, check
-from hydra_ddp.data.datasets import Ranges
 from hydra_ddp.data.sampling import (
     EpochSampler,
     ShardedSampler,
@@ -23,6 +22,7 @@ from hydra_ddp.data.sampling import (
     samples_per_epoch,
 )
 from hydra_ddp.errors import UserError
+from hydra_ddp.protocols import Ranges
 
 
 class SamplerPolicy:

@@ -9,9 +9,10 @@ import numpy as np
 from torch.utils.data import Dataset, Subset
 
 from hydra_ddp.components import check
-from hydra_ddp.data.datasets import Origin, Ranges, Rows, TokenWindows
+from hydra_ddp.data.datasets import Origin, Rows, TokenWindows
 from hydra_ddp.data.split_record import ranges_of
 from hydra_ddp.errors import UserError
+from hydra_ddp.protocols import Ranges
 
 
 class DataSource:

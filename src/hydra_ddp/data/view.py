@@ -1,9 +1,9 @@
 """A rank's view of the data: the policy decides the rows (policies.py), the view loads them,
 checks them and makes the loader.
 
-Following `trainer.batch_size` from the config to the loader: loop/job.py (build_data) hands it to
-`TrainData`, which asks the policy (`sampler(...)`) for this rank's batches of that size and
-wraps them in a `DataLoader` (`loader`); nothing else touches it.
+Following `trainer.batch_size` from the config to the loader: loop/prepare.py (build_data)
+hands it to `TrainData`, which asks the policy (`sampler(...)`) for this rank's batches of
+that size and wraps them in a `DataLoader` (`loader`); nothing else touches it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from hydra_ddp.data.checks import check_loaded
-from hydra_ddp.data.datasets import Ranges
 from hydra_ddp.data.eval_batches import EvenBatches
 from hydra_ddp.data.policies import build_policy
 from hydra_ddp.data.sources import DataSource
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.distributed.preemption import data_worker_init
 from hydra_ddp.errors import UserError
+from hydra_ddp.protocols import Ranges
 
 
 class TrainData:

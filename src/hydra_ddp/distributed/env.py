@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from hydra_ddp.config import Backend, Device, DistConfig
-from hydra_ddp.distributed.launcher_env import LAUNCHER_VARS, submitit_tasks
 from hydra_ddp.errors import UserError
+from hydra_ddp.launcher_env import LAUNCHER_VARS, submitit_tasks
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,6 @@ else of the template). docs/weights.md has both, and a script that generates tex
     model, vocab = load("outputs/<run>/export/step_00000600"), vocabulary(...)
 """
 
-from hydra_ddp.export.folder import Vocabulary, load, read_config, vocabulary
+from hydra_ddp.export_format import Vocabulary, load, read_config, vocabulary
 
 __all__ = ["Vocabulary", "load", "read_config", "vocabulary"]

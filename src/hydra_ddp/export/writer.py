@@ -33,7 +33,7 @@ from hydra_ddp.checkpoint.reading import load_model_state
 from hydra_ddp.components import build
 from hydra_ddp.errors import UserError, exit_code
 from hydra_ddp.eval import job_config
-from hydra_ddp.export.folder import CONFIG, MARK, VOCAB, WEIGHTS
+from hydra_ddp.export_format import CONFIG, MARK, VOCAB, WEIGHTS
 from hydra_ddp.loop.evaluation import Request, checkpoint_file
 
 log = logging.getLogger("hydra_ddp.export")

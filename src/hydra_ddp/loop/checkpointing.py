@@ -18,10 +18,10 @@ from hydra_ddp.checkpoint.files import check_folder
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
 from hydra_ddp.distributed import DistEnv, all_gather_objects
-from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.monitor import Monitor, monitor_key
 from hydra_ddp.loop.position import Counting, Position, PositionState
 from hydra_ddp.loop.wrapping import Wrapped
+from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import scaler_for
 from hydra_ddp.tracking import RunInfo
@@ -42,7 +42,7 @@ def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console)
     return found
 
 
-def checkpointed(job: Job, wrapped: Wrapped) -> state.CheckpointedObjects:
+def checkpointed(job: RankJob, wrapped: Wrapped) -> state.CheckpointedObjects:
     """This job's checkpointed objects, around the wrapped model: the position starts at 0."""
     cfg, env = job.cfg, job.env
     return state.CheckpointedObjects(
@@ -59,7 +59,7 @@ def checkpointed(job: Job, wrapped: Wrapped) -> state.CheckpointedObjects:
     )
 
 
-def checkpointer_for(job: Job, objects: state.CheckpointedObjects) -> Checkpointer:
+def checkpointer_for(job: RankJob, objects: state.CheckpointedObjects) -> Checkpointer:
     """The job's checkpointer, holding the members declared here: the template's
     (state.DEFAULT_MEMBERS) and every callback's `checkpoint_members()`. ddp=fsdp2: sharded
     folders, every rank writing its own shards (dcp.py); else single files."""
@@ -75,7 +75,7 @@ def checkpointer_for(job: Job, objects: state.CheckpointedObjects) -> Checkpoint
     return Checkpointer(job.run.output_dir, job.env, objects, members, **common)
 
 
-def resume(job: Job, checkpointer: Checkpointer) -> bool:
+def resume(job: RankJob, checkpointer: Checkpointer) -> bool:
     """Collective: restore the checkpoint rank 0 picked (a lagging or node-local file system
     could show each rank another newest one) into every checkpoint member, the position with
     it; False when there is none to resume."""
@@ -90,7 +90,7 @@ def resume(job: Job, checkpointer: Checkpointer) -> bool:
     return True
 
 
-def finished_summary(job: Job, step: int) -> dict[str, Any] | None:
+def finished_summary(job: RankJob, step: int) -> dict[str, Any] | None:
     """Collective: the earlier summary when the checkpoint resumed from (at `step`) already
     ends the run, else None. Rank 0 reads it and every rank returns the same, so no rank
     trains alone on an output dir that another node cannot see."""
@@ -111,7 +111,7 @@ def finished_summary(job: Job, step: int) -> dict[str, Any] | None:
     return found
 
 
-def _counting(job: Job) -> Counting:
+def _counting(job: RankJob) -> Counting:
     cfg, env = job.cfg, job.env
     return Counting(
         world_size=env.world_size,

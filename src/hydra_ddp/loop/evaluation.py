@@ -24,7 +24,8 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv, process_group, use_device
 from hydra_ddp.distributed.ddp import sync_buffers
-from hydra_ddp.errors import UserError, translated_evaluation
+from hydra_ddp.distributed.failures import translated_evaluation
+from hydra_ddp.errors import UserError
 from hydra_ddp.loop.monitor import Monitor
 from hydra_ddp.loop.predict import predict
 from hydra_ddp.loop.pruning import Pruning

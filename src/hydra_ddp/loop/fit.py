@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hydra_ddp import memory
+from hydra_ddp.batches import rows, to_device
 from hydra_ddp.callbacks import Context
 from hydra_ddp.checkpoint import Checkpointer, state
 from hydra_ddp.config import NanPolicy, TrainerConfig
@@ -38,13 +39,12 @@ from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
-from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.monitor import monitor_key
-from hydra_ddp.loop.objective import rows, to_device
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.wrapping import Wrapped
+from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for
 from hydra_ddp.tracking import Tracker
@@ -60,7 +60,7 @@ class Loop:
 
     env: DistEnv
     tcfg: TrainerConfig
-    job: Job
+    job: RankJob
     pos: Position
     raw_model: torch.nn.Module
     step_model: torch.nn.Module  # the DDP wrapper (compiled with trainer.compile)
@@ -78,7 +78,7 @@ class Loop:
 
 
 def build_loop(
-    job: Job,
+    job: RankJob,
     wrapped: Wrapped,
     objects: state.CheckpointedObjects,
     checkpointer: Checkpointer,
@@ -92,7 +92,7 @@ def build_loop(
     autocast = autocast_for(tcfg.precision, env.device)
     evaluator = Evaluator(
         env=env, splits=job.evals, model=model if ema is None else ema.module,
-        loss_fn=job.components.objective, metrics=job.components.metrics, autocast=autocast,
+        loss_fn=job.components.loss, metrics=job.components.metrics, autocast=autocast,
         limit=tcfg.limit_eval_batches, interval=tcfg.eval_interval,
         total_steps=job.total_steps, monitor=objects.monitor, checkpointer=checkpointer,
         tracker=tracker, console=job.console,
@@ -151,7 +151,7 @@ def fit(loop: Loop) -> float:
         micro_rows = [rows(b) for b in micro_batches]
         with loop.meter.saving(loop.raw_model, micro_rows[0], len(micro_batches)):
             losses = components.step_fn(
-                loop.tools, loop.step_model, micro_batches, components.objective,
+                loop.tools, loop.step_model, micro_batches, components.loss,
                 components.optimizers.optimizers,
             )  # fmt: skip
         grad_norm = loop.tools.update()
@@ -257,7 +257,7 @@ def _stop(loop: Loop, signum: int) -> None:
     raise stopped
 
 
-def _micro_batches(job: Job, pos: Position) -> int:
+def _micro_batches(job: RankJob, pos: Position) -> int:
     """Micro-batches of the next step: trainer.grad_accum, or what is left of the epochs."""
     accum = job.cfg.trainer.grad_accum
     if job.total_micro is None:
@@ -274,7 +274,7 @@ def _context_at(ctx: Context, pos: Position, **fields_: Any) -> Context:
     return ctx
 
 
-def _data_stats(job: Job, pos: Position) -> dict[str, int]:
+def _data_stats(job: RankJob, pos: Position) -> dict[str, int]:
     return {
         "samples_seen": pos.samples_seen,
         "data_rows": job.train_data.rows_held,
@@ -284,7 +284,7 @@ def _data_stats(job: Job, pos: Position) -> dict[str, int]:
 
 
 def _summary(
-    job: Job,
+    job: RankJob,
     pos: Position,
     start_step: int,
     wall: float,

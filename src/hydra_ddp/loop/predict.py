@@ -23,9 +23,9 @@ from typing import Any, Mapping
 
 import torch
 
+from hydra_ddp.batches import forward, to_device
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.objective import forward, to_device
 from hydra_ddp.rundir import jsonfile
 
 log = logging.getLogger(__name__)

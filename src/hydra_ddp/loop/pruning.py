@@ -17,18 +17,15 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-# The module, not its names: the sweeper reads the constants below in a sweep's launching
-# process, which runs no job and so never imports torch (hydra_ddp/lazy_names.py).
-from hydra_ddp import distributed
+from hydra_ddp.launcher_env import OPTUNA_STORAGE_ENV as STORAGE_ENV
+from hydra_ddp.launcher_env import OPTUNA_STUDY_ENV as STUDY_ENV
+from hydra_ddp.launcher_env import OPTUNA_TRIAL_ENV as TRIAL_ENV
 
 if TYPE_CHECKING:
     from hydra_ddp.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
-STORAGE_ENV = "HYDRA_DDP_OPTUNA_STORAGE"
-STUDY_ENV = "HYDRA_DDP_OPTUNA_STUDY"
-TRIAL_ENV = "HYDRA_DDP_OPTUNA_TRIAL"
 # Study attribute: the pruner's config (`_target_` and arguments), set by the sweeper, so each
 # job builds the same pruner (Optuna keeps the pruner out of the database).
 PRUNER_ATTR = "pruner"
@@ -81,6 +78,10 @@ class Pruning:
         if not self.active:
             return False
         pruned = self.trial.should_prune(step, value) if self.trial is not None else False
+        # Here, not at the top: the sweeper reads this module's names in a sweep's launching
+        # process, which runs no job and so never imports torch.
+        from hydra_ddp.distributed import all_gather_objects
+
         # One rank alone stopping would leave the others waiting in a collective: rank 0's
         # decision is everyone's (the same path as the monitor's).
-        return bool(distributed.all_gather_objects(pruned, self.env)[0])
+        return bool(all_gather_objects(pruned, self.env)[0])

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
+from hydra_ddp.batches import BatchLoss, Caller, forward, to_device, weight
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv, evaluation_batch, sum_by_name
 from hydra_ddp.errors import UserError, first_line
-from hydra_ddp.loop.objective import Caller, Objective, forward, to_device, weight
 
 if TYPE_CHECKING:
     from hydra_ddp.metrics import Metric
@@ -80,7 +80,7 @@ def score(
     """This rank's sums over its batches of a split (`loss`: [loss x weight, weight], the weight
     being the batch's targets or rows, then each metric's `sums`), left on `device`: nothing is
     read back to the host here."""
-    objective = loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
+    objective = loss_fn if isinstance(loss_fn, BatchLoss) else BatchLoss(loss_fn)
     callers = {name: Caller(m.sums) for name, m in metrics.items()}
     # A metric that gathers has the global batch's sums on every rank: rank 0's count.
     once = {name for name, m in metrics.items() if getattr(m, "gathers", False)}
@@ -104,7 +104,7 @@ def score(
     return totals
 
 
-def _loss_sums(objective: Objective, output: Any, batch: Any, model: Any) -> torch.Tensor:
+def _loss_sums(objective: BatchLoss, output: Any, batch: Any, model: Any) -> torch.Tensor:
     # Weighted by targets per batch, so the mean is over positions (tokens) for text.
     loss, _ = objective(output, batch, model)
     w = weight(batch)

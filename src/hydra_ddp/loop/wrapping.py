@@ -14,9 +14,9 @@ from hydra_ddp.checkpoint.init_from import apply
 from hydra_ddp.config import Wrapper
 from hydra_ddp.distributed.ddp import wrap_model
 from hydra_ddp.loop.ema import EMA
-from hydra_ddp.loop.job_types import Job
 from hydra_ddp.loop.position import total_epochs
 from hydra_ddp.optim import Optimizers
+from hydra_ddp.rank_job import RankJob
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Wrapped:
     sharded: bool  # ddp=fsdp2: model, optimizer and EMA are DTensor shards
 
 
-def wrap_job(job: Job) -> Wrapped:
+def wrap_job(job: RankJob) -> Wrapped:
     """Collective: wrap `job.components.model` for the job's ddp.wrapper (every rank at once)."""
     cfg, env, components = job.cfg, job.env, job.components
     tcfg = cfg.trainer

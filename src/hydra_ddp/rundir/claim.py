@@ -29,7 +29,8 @@ from typing import Any
 
 import psutil
 
-from hydra_ddp.errors import UserError, check_regular
+from hydra_ddp.disk import check_regular
+from hydra_ddp.errors import UserError
 
 NAME = ".claim"
 HEARTBEAT_S = 30.0

@@ -18,11 +18,11 @@ from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
-from hydra_ddp.disk import open_regular
-from hydra_ddp.distributed import launcher_rank, under_launcher
-from hydra_ddp.errors import UserError, write_advice
+from hydra_ddp import redact
+from hydra_ddp.disk import open_regular, write_advice
+from hydra_ddp.errors import UserError
+from hydra_ddp.launcher_env import launcher_rank, under_launcher
 from hydra_ddp.rundir import claim, jsonfile
-from hydra_ddp.tracking import redact
 
 # At most this many characters in a job dir's name; longer ones end in a hash of the full name.
 SUBDIR_MAX_CHARS = 80

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from hydra_ddp import redact
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.rundir import jsonfile
-from hydra_ddp.tracking import redact
 
 log = logging.getLogger(__name__)
 

@@ -25,18 +25,16 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp.distributed import launcher_rank
+from hydra_ddp import redact
+from hydra_ddp.launcher_env import JOB_STARTED_ENV, launcher_rank
 from hydra_ddp.rundir import claim, jsonfile
 from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE, split_override, swept_keys
-from hydra_ddp.tracking import redact
 
 log = logging.getLogger(__name__)
 
 _sweep_failed = False
 
 _JOURNAL = "sweep_jobs.jsonl"
-# Set by a launcher that starts a process per job: when it started this job's (time.time()).
-STARTED_ENV = "HYDRA_DDP_JOB_STARTED"
 # A job a pruning sweep stopped early on purpose: reported, not failed.
 PRUNED = "PRUNED"
 _FINE = ("ok", PRUNED)
@@ -103,7 +101,7 @@ class SweepReport(Callback):
             (output_dir / name).unlink(missing_ok=True)
         # A launcher that starts a process per job (hydra/launcher=ray) says when it did:
         # the job's start-up is then from there, not from here.
-        started = os.environ.get(STARTED_ENV)
+        started = os.environ.get(JOB_STARTED_ENV)
         _journal(
             config,
             event="start",
@@ -119,7 +117,7 @@ class SweepReport(Callback):
             return  # under submitit every task of a job gets here: rank 0 speaks for the job
         output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
-            # A job that raised past distributed/entry.py's own handling (a bug) still gets marked.
+            # A job that raised past launch/command.py's own handling (a bug) still gets marked.
             record_failure(output_dir, repr(job_return._return_value))
         if _is_multirun(job_return.hydra_cfg):
             value = job_return._return_value if job_return.status == JobStatus.COMPLETED else None

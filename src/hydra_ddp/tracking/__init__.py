@@ -12,37 +12,17 @@ fanned out to sinks.
                          wandb_login.py, wandb_ids.py and wandb_errors.py do the rest
     stats.py             what the loop records between log points (per-rank stats, memory)
     console.py           what a person sees: rank 0's config tree, progress bar and summary
-    redact.py            what counts as a secret, blanked wherever a config leaves the job
 
 A user adds a sink as one module with a class meeting `hydra_ddp.protocols.Sink` and one YAML in
 conf/logger/ naming it in `logger.sink._target_`; nothing here is meant to be edited.
 """
 
-from typing import TYPE_CHECKING
-
-from hydra_ddp.lazy_names import lazy_names
-
-# Each name loads its module on first use: a sweep's launching process uses only `redact` here
-# but runs no job, so it never imports torch (see lazy_names.py).
-__getattr__ = lazy_names(
-    __name__,
-    {
-        "files": ["set_aside_stats"],
-        "names": ["STEP_METRIC"],
-        "sink": ["Record", "RunInfo", "Sink"],
-        "tracker": ["Tracker", "make_tracker"],
-        "wandb_mode": ["resolve_mode"],
-        "wandb_sink": ["physical_gpu"],
-    },
-)
-
-if TYPE_CHECKING:  # the same names, for type checkers and an editor's "go to definition"
-    from hydra_ddp.tracking.files import set_aside_stats
-    from hydra_ddp.tracking.names import STEP_METRIC
-    from hydra_ddp.tracking.sink import Record, RunInfo, Sink
-    from hydra_ddp.tracking.tracker import Tracker, make_tracker
-    from hydra_ddp.tracking.wandb_mode import resolve_mode
-    from hydra_ddp.tracking.wandb_sink import physical_gpu
+from hydra_ddp.tracking.files import set_aside_stats
+from hydra_ddp.tracking.names import STEP_METRIC
+from hydra_ddp.tracking.sink import Record, RunInfo, Sink
+from hydra_ddp.tracking.tracker import Tracker, make_tracker
+from hydra_ddp.tracking.wandb_mode import resolve_mode
+from hydra_ddp.tracking.wandb_sink import physical_gpu
 
 __all__ = [
     "STEP_METRIC",

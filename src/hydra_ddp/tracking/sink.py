@@ -7,9 +7,12 @@ The contract a sink meets (what each method gets, when, on which ranks) is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List
+
+from hydra_ddp.protocols import Kind, Record
+
+__all__ = ["Kind", "Record", "RunInfo", "Sink"]
 
 
 @dataclass
@@ -21,26 +24,6 @@ class RunInfo:
     group: str  # one per sweep (or per job when not sweeping)
     config: dict  # the resolved config as plain containers (the run's W&B config)
     overrides: List[str] = field(default_factory=list)  # the job's command-line overrides
-
-
-class Kind(Enum):
-    stats = "stats"  # this rank's training stats of one log interval, as soon as logged
-    interval = "interval"  # the same interval once every rank's stats are gathered
-    values = "values"  # a callback's ctx.log values (of `rank`, which may be another rank)
-    eval = "eval"  # evaluation metrics keyed like val/acc (rank 0 only)
-
-
-@dataclass
-class Record:
-    """One thing to record at one step."""
-
-    kind: Kind
-    rank: int  # whose values these are
-    values: Dict[str, Any]  # stats, ctx.log values or metrics (see values.py for their types)
-    time: float  # time.time() when it was logged
-    # Kind.interval: every rank's stats by rank (float) and, on rank 0, the aggregates.
-    table: Dict[int, Dict[str, float]] = field(default_factory=dict)
-    aggregates: Dict[str, float] = field(default_factory=dict)
 
 
 class Sink:

@@ -17,8 +17,9 @@ from typing import Optional
 
 from torch.utils.tensorboard import SummaryWriter
 
+from hydra_ddp.disk import write_advice
 from hydra_ddp.distributed import DistEnv
-from hydra_ddp.errors import UserError, write_advice
+from hydra_ddp.errors import UserError
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
 from hydra_ddp.tracking.values import is_media
 

@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from hydra_ddp import redact
 from hydra_ddp.config import Layout, LoggerConfig
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking import names, redact, wandb_ids
+from hydra_ddp.tracking import names, wandb_ids
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
 from hydra_ddp.tracking.wandb_errors import clip, init_error, shared_needs_online
 from hydra_ddp.tracking.wandb_mode import init_timeout_s, resolve_mode

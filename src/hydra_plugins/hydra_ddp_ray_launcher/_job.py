@@ -22,7 +22,7 @@ def main(spec_path: str, result_path: str) -> int:
 
     # The template's resolvers (job dir names, log files) and config schema, registered at its
     # import: the job's config names them.
-    import hydra_ddp.distributed.entry  # noqa: F401
+    import hydra_ddp.launch.command  # noqa: F401
     from hydra_ddp.rundir import claim
 
     # Ray starts its workers with SIGINT blocked, and a blocked mask is inherited: a job's

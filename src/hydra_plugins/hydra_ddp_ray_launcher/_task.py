@@ -25,7 +25,7 @@ from hydra_plugins.hydra_ddp_ray_launcher import _job
 
 # Set in a job's process: the number of the job in its Ray sweep (train.py records a stop as
 # a preemption, so the report lists it).
-JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.distributed.run_job.RAY_JOB_ENV
+JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.launch.runner.RAY_JOB_ENV
 # Set in a job's process: when its task started that process (time.time()).
 STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.rundir.sweeps.STARTED_ENV
 # How often a task looks at its job and at the sweep's stop request.

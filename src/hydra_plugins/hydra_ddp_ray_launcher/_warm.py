@@ -427,10 +427,10 @@ def _serve(path: str, idle_s: float) -> int:
     import torch  # noqa: F401
 
     # The cost saved: Hydra, the template, and the job's modules train.py imports in `train`.
-    import hydra_ddp.distributed.run_job  # noqa: F401
+    import hydra_ddp.launch.runner  # noqa: F401
     import hydra_ddp.loop.checkpointing  # noqa: F401
     import hydra_ddp.loop.fit  # noqa: F401
-    import hydra_ddp.loop.job  # noqa: F401
+    import hydra_ddp.loop.prepare  # noqa: F401
     import hydra_ddp.loop.wrapping  # noqa: F401
     import hydra_ddp.train  # noqa: F401
     from hydra_plugins.hydra_ddp_ray_launcher import _job  # noqa: F401

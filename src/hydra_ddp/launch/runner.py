@@ -1,8 +1,9 @@
-"""One composed job, in the process that runs it: what `entry.hydra_entry` hands over to.
+"""One composed job, in the process that runs it: what `command.hydra_entry` hands over to.
 
-`run_job(dict_cfg, job)` types and checks the config, then runs `job(cfg, env, run)` (train.py's
-`train`) here (one rank of torchrun, of a Ray or submitit job, or a single process) or starts
-its own worker group with torch's elastic agent (launch.py) after the checks that need no
+`run_composed(dict_cfg, train_fn)` types and checks the config, then runs
+`train_fn(cfg, env, run)` (train.py's `train`) here (one rank of torchrun, of a Ray or
+submitit job, or a single process) or starts its own worker group with torch's elastic agent
+(workers.py) after the checks that need no
 process group (`preflight`). Every way a job ends becomes an exit status here: a one-line
 error, a stop on a signal, a sweep that goes on past a failed job (its report lists it; a NaN
 objective for Optuna).
@@ -25,55 +26,61 @@ from hydra.types import RunMode
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_ddp import interrupt
+from hydra_ddp import redact
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig, Wrapper
 from hydra_ddp.data import check_sampling, check_source
-from hydra_ddp.distributed import comm_hooks, launch
+from hydra_ddp.distributed import comm_hooks
 from hydra_ddp.distributed.env import env_from_environ, share_cpus_in_submitit_task
-from hydra_ddp.distributed.launcher_env import export_submitit_env, launcher_rank, under_launcher
 from hydra_ddp.distributed.preemption import Preempted
 from hydra_ddp.errors import UserError, config_error, exit_code
-from hydra_ddp.loop.job_types import build_components
+from hydra_ddp.launch import interrupt, workers
+from hydra_ddp.launcher_env import (
+    RAY_JOB_ENV,
+    export_submitit_env,
+    launcher_rank,
+    torchrun_worker,
+    under_launcher,
+    under_submitit,
+)
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.protocols import Sink, missing_members
+from hydra_ddp.rank_job import build_components
 from hydra_ddp.rundir import claim, sweeps
-from hydra_ddp.tracking import RunInfo, redact
+from hydra_ddp.tracking import RunInfo
 
 log = logging.getLogger(__name__)
 
-# Set by hydra/launcher=ray in each job's process (hydra_plugins.hydra_ddp_ray_launcher._task).
-RAY_JOB_ENV = "HYDRA_DDP_RAY_JOB"
-
-Job = Callable[[TrainConfig, Any, RunInfo], dict[str, Any]]
+# One rank's training: train.py's `train`, or eval.py's evaluation.
+TrainFn = Callable[[TrainConfig, Any, RunInfo], dict[str, Any]]
 
 
-def run_job(dict_cfg: DictConfig, job: Job) -> float:
+def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
     """One composed job: validate, then `job` here or on a worker group it starts; returns the
     objective (validation loss) for Hydra sweepers, NaN for a failed job of a sweep."""
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        interrupt.let_through()  # a Ctrl-C held while this module imported (entry.hydra_entry)
+        interrupt.let_through()  # a Ctrl-C held while this module imported (command.hydra_entry)
         run = run_info(dict_cfg)
         cfg = to_typed(dict_cfg)
-        if multirun and "TORCHELASTIC_RUN_ID" in os.environ:
+        if multirun and torchrun_worker():
             raise UserError(
                 "a sweep (-m) under torchrun would run the whole sweep on every rank: "
                 "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead"
             )
         if cfg.dist.nproc_per_node > 1 and not under_launcher():
             preflight(cfg, cfg.dist.nproc_per_node)
-            summary = launch.spawn(cfg, run, job)
+            summary = workers.spawn(cfg, run, train_fn)
         else:
             export_submitit_env()
             share_cpus_in_submitit_task(HydraConfig.get().launcher.get("cpus_per_task"))
-            summary = job(cfg, env_from_environ(cfg.dist), run)
+            summary = train_fn(cfg, env_from_environ(cfg.dist), run)
         return float(summary["objective"])
     except Preempted as e:
         if not e.logged:
             (log.warning if launcher_rank() == 0 else log.info)("%s", e)
-        if multirun and _under_submitit():
+        if multirun and under_submitit():
             # A submitit job that was not requeued (submitit's handler ran already): a result
             # for the sweep, so the others are still collected and reported.
             sweeps.record_failure(output_dir, str(e))
@@ -89,11 +96,11 @@ def run_job(dict_cfg: DictConfig, job: Job) -> float:
         # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
         # once: one line, not a traceback. Under the self-launch this is the launching process
         # before its workers start.
-        if multirun and (_under_submitit() or RAY_JOB_ENV in os.environ):
+        if multirun and (under_submitit() or RAY_JOB_ENV in os.environ):
             raise
         interrupt.ignore_more()
         if launcher_rank() == 0:  # said once: before start_rank, other ranks' consoles speak
-            log.warning("%s", launch.stopped_line("stopped on SIGINT", output_dir))
+            log.warning("%s", workers.stopped_line("stopped on SIGINT", output_dir))
         sys.exit(interrupt.EXIT_CODE)
     except Exception as e:
         e = config_error(e) or e
@@ -203,13 +210,9 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
     return RunInfo(output_dir, job_name=name, group=group, config=config, overrides=overrides)
 
 
-def _under_submitit() -> bool:
-    return "SUBMITIT_EXECUTOR" in os.environ
-
-
 def _fail_task_at_exit(code: int) -> None:
     """Under submitit: the job's result (NaN, so the sweep goes on and reports it) is saved when
     this returns, and the task's exit status is then `code`, so SLURM's accounting (sacct) shows
     the failed job as FAILED rather than COMPLETED."""
-    if _under_submitit():
+    if under_submitit():
         atexit.register(os._exit, code)

@@ -141,7 +141,7 @@ def _signature(fn: Callable) -> inspect.Signature | None:
         return None
 
 
-class Objective:
+class BatchLoss:
     """The loss of one batch: `(output, batch, model) -> (loss, extras)`, extras being the other
     scalars of a dict-returning loss (detached)."""
 

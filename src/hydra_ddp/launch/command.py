@@ -1,10 +1,11 @@
 """Launching a training job from the command line: what `hydra_ddp.train.main` hands over to.
 
-`main(job, config_path, config_name)` checks the command line, composes the config with Hydra
-(a sweep with `-m`: Basic, Ray, submitit, Optuna) and hands each job to `hydra_entry`, which
-runs it where Hydra's launcher puts it (run_job.py: the checks, the job here or on a worker
-group it starts, every way a job ends as an exit status). Nothing here imports torch: a sweep's
-launching process only composes and hands out jobs, and its start is every sweep's wait.
+`run_command(train_fn, config_path, config_name)` checks the command line, composes the
+config with Hydra (a sweep with `-m`: Basic, Ray, submitit, Optuna) and hands each job to
+`hydra_entry`, which runs it where Hydra's launcher puts it (runner.py: the checks, the job
+here or on a worker group it starts, every way a job ends as an exit status). Nothing here
+imports torch: a sweep's launching process only composes and hands out jobs, and its start is
+every sweep's wait.
 """
 
 from __future__ import annotations
@@ -22,29 +23,31 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig
 
-from hydra_ddp import interrupt
 from hydra_ddp.config import TrainConfig, register_configs
-from hydra_ddp.distributed.launcher_env import launcher_rank, under_launcher
 from hydra_ddp.errors import no_such_key
+from hydra_ddp.launch import interrupt
+from hydra_ddp.launcher_env import launcher_rank, torchrun_worker, under_launcher
 from hydra_ddp.rundir import claim, sweeps
 from hydra_ddp.rundir.paths import override_value, register_resolvers
 
 if TYPE_CHECKING:
-    from hydra_ddp.distributed.run_job import Job
+    from hydra_ddp.launch.runner import TrainFn
 
-# At import, not in `main`: a sweep job of submitit or Ray runs in a process of its own that
+# At import, not in `run_command`: a sweep job of submitit or Ray runs in a process of its own that
 # unpickles `hydra_entry` (importing this module) and resolves the config's `${ddp_...}` names
 # and schema before `main` could run there.
 register_configs()
 register_resolvers()
 
 
-def main(job: Job, config_path: str | None = None, config_name: str = "train") -> None:
-    """Run `job` as `python -m hydra_ddp.train [overrides]` does, composing `config_name` from
+def run_command(
+    train_fn: TrainFn, config_path: str | None = None, config_name: str = "train"
+) -> None:
+    """Run `train_fn` as `python -m hydra_ddp.train [overrides]` does, composing `config_name` from
     `config_path` (None: the engine's conf/, `config_dir()`; an absolute path, `pkg://...`, or a
     path from the working dir); exits with the job's status (0, 1, 2 for bad input, 130...)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A torchrun worker runs one job (run_job refuses a sweep there), so a Ctrl-C while
+    if torchrun_worker():
+        # A torchrun worker runs one job (runner.py refuses a sweep there), so a Ctrl-C while
         # Hydra composes and writes the run dir can wait a second for the job's start to say
         # the full line (resume advice included) once, from rank 0.
         interrupt.hold()
@@ -54,10 +57,10 @@ def main(job: Job, config_path: str | None = None, config_name: str = "train") -
         conf = os.path.abspath(conf)
     _check_run_dir(sys.argv[1:])
     _check_keys(sys.argv[1:], conf)
-    job = _importable(job)
-    task = functools.partial(hydra_entry, job=job)
+    train_fn = _importable(train_fn)
+    task = functools.partial(hydra_entry, train_fn=train_fn)
     # Hydra names the job (hydra.job.name: train.log) after the task function's module.
-    task.__module__ = job.__module__
+    task.__module__ = train_fn.__module__
     try:
         hydra.main(version_base="1.3", config_path=conf, config_name=config_name)(task)()
         code = 1 if sweeps.sweep_failed() else 0
@@ -88,16 +91,16 @@ def main(job: Job, config_path: str | None = None, config_name: str = "train") -
     sys.exit(code)
 
 
-def hydra_entry(dict_cfg: DictConfig, job: Job) -> float:
+def hydra_entry(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
     """One composed job, where Hydra's launcher runs it (this process, a Ray task, a SLURM
-    job): `run_job.run_job`; returns the objective for Hydra sweepers."""
+    job): `runner.run_composed`; returns the objective for Hydra sweepers."""
     # Imported here, where a job runs: a sweep's launching process (Ray, submitit) only
     # composes and hands out jobs, so it never imports torch (2-4 s; longer from a cluster's
-    # shared file system). A Ctrl-C meanwhile waits until run_job can say its one line.
+    # shared file system). A Ctrl-C meanwhile waits until the runner can say its one line.
     with interrupt.held_while_importing():
-        from hydra_ddp.distributed.run_job import run_job
+        from hydra_ddp.launch.runner import run_composed
 
-        return run_job(dict_cfg, job)
+        return run_composed(dict_cfg, train_fn)
 
 
 def config_dir() -> str:
@@ -121,13 +124,13 @@ def find_own_plugins() -> None:
         sys.path.append(str(src))
 
 
-def _importable(job: Job) -> Job:
-    """`job` by its module's name: under `python -m hydra_ddp.train` it is `__main__.train`,
+def _importable(train_fn: TrainFn) -> TrainFn:
+    """`train_fn` by its module's name: under `python -m hydra_ddp.train` it is `__main__.train`,
     which neither Hydra can name the job after nor a worker or sweep job import by name."""
-    spec = getattr(sys.modules.get(job.__module__), "__spec__", None)
-    if job.__module__ != "__main__" or spec is None:
-        return job
-    return getattr(importlib.import_module(spec.name), job.__qualname__)
+    spec = getattr(sys.modules.get(train_fn.__module__), "__spec__", None)
+    if train_fn.__module__ != "__main__" or spec is None:
+        return train_fn
+    return getattr(importlib.import_module(spec.name), train_fn.__qualname__)
 
 
 def _check_run_dir(argv: list[str]) -> None:

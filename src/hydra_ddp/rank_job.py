@@ -1,6 +1,9 @@
-"""What one rank's job is made of: the user's components (`build_components`) and everything
-else the rank builds before its process group starts (`Job`). Apart from job.py, which builds
-them, so that fit.py, which runs them, reads their types without importing job.py back."""
+"""What one rank's job is made of: the user's components (`Components`, `build_components`)
+and everything else the rank builds before its process group starts (`RankJob`).
+
+loop/prepare.py builds a `RankJob` in the order train.py calls it and loop/fit.py runs it; the
+memory plan (memory.py) and the checks before launch (launch/runner.py) build the components
+alone. Kept below the loop so that all of them import it downwards."""
 
 from __future__ import annotations
 
@@ -10,13 +13,13 @@ from typing import Any, Callable
 
 import torch
 
+from hydra_ddp.batches import BatchLoss
 from hydra_ddp.callbacks import Callbacks
 from hydra_ddp.checkpoint.init_from import Plan
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, EvalData, TrainData
 from hydra_ddp.distributed import DistEnv
-from hydra_ddp.loop.objective import Objective
 from hydra_ddp.optim import Optimizers
 from hydra_ddp.step import default_step
 from hydra_ddp.tracking import RunInfo
@@ -29,7 +32,7 @@ class Components:
 
     source: DataSource
     model: torch.nn.Module
-    objective: Objective  # the loss, called as its parameters ask (see objective.py)
+    loss: BatchLoss  # the loss, called as its parameters ask (hydra_ddp/batches.py)
     metrics: dict[str, Any]
     optimizers: Optimizers  # one (`default`) or several named, with their schedules
     # The function that runs one optimizer step: step.default_step, or the user's
@@ -53,7 +56,7 @@ def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
     return Components(
         source=source,
         model=model,
-        objective=Objective(build(cfg.loss, "loss", _as_function=True)),
+        loss=BatchLoss(build(cfg.loss, "loss", _as_function=True)),
         metrics={name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()},
         optimizers=Optimizers.build(
             cfg.optim, cfg.scheduler, model, total_steps, total_epochs, ["loss", *cfg.metrics]
@@ -63,7 +66,7 @@ def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
 
 
 @dataclass(kw_only=True)
-class Job:
+class RankJob:
     """Everything one rank needs, built before the process group starts: bad input fails
     here, once per rank, before any rank waits for another."""
 

@@ -1,12 +1,12 @@
 """Ctrl-C while a launched worker starts: a clean exit 130, not a traceback from every worker.
 
-A worker that torchrun or the self-launch (distributed/launch.py) starts spends seconds importing
+A worker that torchrun or the self-launch (launch/workers.py) starts spends seconds importing
 torch and building its job before the loop's signal handlers (distributed/preemption.py) take over.
 The terminal sends Ctrl-C to every process of the job, so each worker used to die in that time
 with a KeyboardInterrupt traceback (often inside `import torch`), and the launcher's own line
 was lost among them. Importing this module (train.py does it first, before torch) makes a
 KeyboardInterrupt that ends a launched process exit 130 silently: the launcher says the one
-line (launch.py for a self-launched job, distributed/run_job.py's rank 0 under torchrun).
+line (launch.py for a self-launched job, launch/runner.py's rank 0 under torchrun).
 
 The self-launch closes the remaining gap, the interpreter's own start-up before this import:
 its agent starts the workers with SIGINT blocked (`held_for_workers`), and a worker unblocks it
@@ -25,8 +25,8 @@ import threading
 from types import TracebackType
 from typing import Iterator
 
-# Set by `held_for_workers` in the agent's environment: its workers start with SIGINT blocked.
-HELD_ENV = "HYDRA_DDP_SIGINT_HELD"
+from hydra_ddp.launcher_env import SIGINT_HELD_ENV, torchrun_worker
+
 EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
@@ -37,7 +37,7 @@ _TRACKER_SPARED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 def launched() -> bool:
     """This process is a worker of torchrun or of the self-launch (or a child of one)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or HELD_ENV in os.environ:
+    if torchrun_worker() or SIGINT_HELD_ENV in os.environ:
         return True
     import multiprocessing
 
@@ -57,7 +57,7 @@ def _quiet_exit(kind: type[BaseException], value: BaseException, tb: TracebackTy
     ignore_more()
     # Under torchrun nobody else says it (its agent prints only its own traceback); under the
     # self-launch the launching process does.
-    if os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+    if os.environ.get("RANK") == "0" and torchrun_worker():
         sys.stderr.write("stopped on SIGINT while starting, before any step was trained\n")
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -71,7 +71,11 @@ def quiet_while_starting() -> None:
     if not launched():
         return
     sys.excepthook = _quiet_exit
-    if HELD_ENV in os.environ and _MASKS and threading.current_thread() is threading.main_thread():
+    if (
+        SIGINT_HELD_ENV in os.environ
+        and _MASKS
+        and threading.current_thread() is threading.main_thread()
+    ):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
@@ -111,11 +115,11 @@ def held_for_workers() -> Iterator[None]:
     catcher = threading.Thread(target=done.wait, name="sigint-catcher", daemon=True)
     catcher.start()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    os.environ[HELD_ENV] = "1"
+    os.environ[SIGINT_HELD_ENV] = "1"
     try:
         yield
     finally:
-        os.environ.pop(HELD_ENV, None)
+        os.environ.pop(SIGINT_HELD_ENV, None)
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
         done.set()
 
@@ -128,7 +132,7 @@ _held: dict[str, object] = {}
 def hold() -> None:
     """From now until `let_through`: a Ctrl-C is noted, not raised where it lands (inside an
     import, or Hydra writing the run dir's .hydra/), so the job's start can say its one line
-    (distributed/run_job.py). A handler, not a signal mask: a thread that torch started
+    (launch/runner.py). A handler, not a signal mask: a thread that torch started
     already (a rank's TCPStore) would take a blocked SIGINT for the process. Idempotent."""
     if "previous" in _held or threading.current_thread() is not threading.main_thread():
         return

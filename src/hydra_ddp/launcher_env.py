@@ -1,12 +1,35 @@
-"""What a launcher (torchrun, torch's elastic agent, SLURM through submitit) put in the
-environment, read without torch: a sweep's launching process asks it too (which rank logs, is
-this a launched worker) and runs no job. `env.py` builds a rank's `DistEnv` from the same
-variables.
+"""What a launcher (torchrun, torch's elastic agent, SLURM through submitit, the template's own
+sweep plugins) put in the environment, read without torch: a sweep's launching process asks it
+too (which rank logs, is this a launched worker) and runs no job. distributed/env.py builds a
+rank's `DistEnv` from the same variables.
+
+The variables the engine and its Hydra plugins hand each other are named here, once.
 """
 
 import os
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+# Set by hydra/launcher=ray in each job's process: the job's number in the sweep.
+RAY_JOB_ENV = "HYDRA_DDP_RAY_JOB"
+# Set in a sweep job's process once it started: the sweep report tells a job that never ran.
+JOB_STARTED_ENV = "HYDRA_DDP_JOB_STARTED"
+# Set by hydra/sweeper=optuna_pruned for each trial: where it reports its evaluations.
+OPTUNA_STORAGE_ENV = "HYDRA_DDP_OPTUNA_STORAGE"
+OPTUNA_STUDY_ENV = "HYDRA_DDP_OPTUNA_STUDY"
+OPTUNA_TRIAL_ENV = "HYDRA_DDP_OPTUNA_TRIAL"
+# Set by the self-launch's agent: its workers start with SIGINT blocked (launch/interrupt.py).
+SIGINT_HELD_ENV = "HYDRA_DDP_SIGINT_HELD"
+
+
+def torchrun_worker() -> bool:
+    """True in a worker that torchrun (or the self-launch's elastic agent) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def under_submitit() -> bool:
+    """True in a job that submitit started (SLURM, or its local executor)."""
+    return "SUBMITIT_EXECUTOR" in os.environ
 
 
 def under_launcher() -> bool:
@@ -32,7 +55,7 @@ def export_submitit_env() -> None:
 
 def submitit_tasks() -> int:
     """The tasks of this submitit job (SLURM's or the local executor's); 0 outside one."""
-    if "SUBMITIT_EXECUTOR" not in os.environ:
+    if not under_submitit():
         return 0
     try:
         from submitit import JobEnvironment

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from hydra_ddp import redact
 from hydra_ddp.callbacks import Callbacks
 from hydra_ddp.checkpoint.init_from import for_fresh_run
 from hydra_ddp.components import build
@@ -22,11 +23,11 @@ from hydra_ddp.config import TrainConfig, Wrapper
 from hydra_ddp.data import EvalData, TrainData, check_source
 from hydra_ddp.distributed import DistEnv, use_device
 from hydra_ddp.loop.checkpointing import resume_point
-from hydra_ddp.loop.job_types import Job, build_components
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.position import epoch_length, total_epochs
+from hydra_ddp.rank_job import RankJob, build_components
 from hydra_ddp.rundir import provenance
-from hydra_ddp.tracking import RunInfo, Tracker, make_tracker, redact
+from hydra_ddp.tracking import RunInfo, Tracker, make_tracker
 from hydra_ddp.tracking.console import Console
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def prepare(
     run: RunInfo,
     console: Console,
     data: tuple[TrainData, dict[str, EvalData]],
-) -> Job:
+) -> RankJob:
     """Everything else the rank builds before its process group: the user's components (the
     model on its device), the step counts, the callbacks, the resume point, trainer.init_from."""
     tcfg, (train_data, evals) = cfg.trainer, data
@@ -85,7 +86,7 @@ def prepare(
         components.model, tcfg.init_from, resume_from, init_map=tcfg.init_map,
         strict=tcfg.init_strict, sharded=cfg.ddp.wrapper == Wrapper.fsdp2,
     )  # fmt: skip
-    return Job(
+    return RankJob(
         cfg=cfg,
         env=env,
         run=run,
@@ -102,7 +103,7 @@ def prepare(
     )
 
 
-def start_tracker(job: Job, resumed_step: int | None) -> Tracker:
+def start_tracker(job: RankJob, resumed_step: int | None) -> Tracker:
     """Collective: the run's provenance (run.json), then the tracker's sinks (stats files,
     W&B, TensorBoard), continuing the resumed run's at `resumed_step` (None: a fresh run)."""
     cfg, env, run = job.cfg, job.env, job.run
@@ -114,7 +115,7 @@ def start_tracker(job: Job, resumed_step: int | None) -> Tracker:
     return tracker
 
 
-def begin(job: Job, scope: contextlib.ExitStack) -> None:
+def begin(job: RankJob, scope: contextlib.ExitStack) -> None:
     """Before the first step: the config and the plan said, and autograd's anomaly detection
     switched on for the job (on `scope`) under trainer.detect_anomaly."""
     job.console.show_config(redact.config(job.run.config))
@@ -124,7 +125,7 @@ def begin(job: Job, scope: contextlib.ExitStack) -> None:
         scope.enter_context(torch.autograd.detect_anomaly())
 
 
-def _log_plan(job: Job) -> None:
+def _log_plan(job: RankJob) -> None:
     data, env, tcfg = job.train_data, job.env, job.cfg.trainer
     log.info(
         "%d rank(s) | %d train rows held by rank %d (%.1f MiB) | %g steps/epoch | %d steps",
