@@ -1,17 +1,18 @@
-"""Make the template yours in one command: rename the package, the distribution and the configs.
+"""Make the template yours in one command: a thin project on this engine, or a full fork.
 
-    python scripts/new_project.py myproj                    # src/hydra_ddp -> src/myproj, ...
-    python scripts/new_project.py my_proj --strip model/gpt --strip data/text --dry-run
-    python scripts/new_project.py myproj --thin --dir ..       # ../myproj/ on this engine
+    python scripts/new_project.py myproj --dir ..              # ../myproj/ on this engine
+    python scripts/new_project.py myproj --fork                # src/hydra_ddp -> src/myproj, ...
+    python scripts/new_project.py my_proj --fork --strip model/gpt --strip data/text --dry-run
 
-Two ways to make it yours. A full clone (the default) owns all the machinery and takes no fix
-from upstream. A thin project (--thin) is a project of its own in ./NAME/ (or --dir PATH/NAME/),
-written from scripts/thin_template/ with `myproj` replaced by NAME: its model, data, loss,
-callbacks, configs layered over the engine's, tests and CI, depending on hydra-ddp at this
-version and importing only `hydra_ddp.api`; upgrading the engine is `pip install -U`. It never
-writes into the engine's checkout.
+Two ways to make it yours. A thin project (the default) is a project of its own in ./NAME/ (or
+--dir PATH/NAME/), written from scripts/thin_template/ with `myproj` replaced by NAME: its
+model, data, loss, callbacks, configs layered over the engine's, tests and CI, depending on
+hydra-ddp at this version and importing only `hydra_ddp.api`; upgrading the engine is `pip
+install -U`. It never writes into the engine's checkout. It is what a team should own: the
+machinery stays a dependency. A full fork (--fork) owns all the machinery and takes no fix
+from upstream.
 
-In place, in the repository root (or --root), it
+With --fork, in place, in the repository root (or --root), it
 
   * renames the package directory src/hydra_ddp -> src/NAME, and the Hydra plugins
     src/hydra_plugins/hydra_ddp_* (the Ray launcher, the pruning sweeper) -> NAME_* (`git mv`
@@ -175,8 +176,9 @@ def make_thin(name: str, parent: Path, root: Path, dry_run: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Rename the template's package, distribution, console script and W&B "
-        "project to NAME, in place; optionally drop example configs.",
+        description="Write a thin project NAME/ on this engine, or (--fork) rename the "
+        "template's package, distribution, console script and W&B project to NAME, in place; "
+        "optionally drop example configs.",
         epilog="--strip only deletes the YAML file: the Python classes it pointed at stay in "
         "src/NAME and stay importable; removing them is your call.",
     )
@@ -198,15 +200,20 @@ def main() -> None:
         help="repository root (default: the one holding this script)",
     )
     parser.add_argument(
+        "--fork",
+        action="store_true",
+        help="rename this checkout in place (a full fork), instead of writing a thin project",
+    )
+    parser.add_argument(
         "--thin",
         action="store_true",
-        help="write a thin project NAME/ that depends on this engine, instead of renaming it",
+        help="write a thin project NAME/ that depends on this engine (the default)",
     )
     parser.add_argument(
         "--dir",
         type=Path,
         default=Path.cwd(),
-        help="with --thin: the folder to make NAME/ in (default: the current one)",
+        help="the folder to make the thin project NAME/ in (default: the current one)",
     )
     args = parser.parse_args()
     root, name = args.root.resolve(), args.name
@@ -217,9 +224,11 @@ def main() -> None:
         fail(f"NAME {name!r} is the template's own name, a Python keyword or a standard module")
     if importlib.util.find_spec(name) is not None:
         fail(f"NAME {name!r} would shadow the installed module {name!r}; pick another")
-    if args.thin:
+    if args.fork and args.thin:
+        fail("--fork and --thin: pick one (a thin project is the default)")
+    if not args.fork:
         if args.strip:
-            fail("--strip is for the full clone: a thin project has only its own configs")
+            fail("--strip is for a full fork (add --fork): a thin project has only its own configs")
         make_thin(name, args.dir, root, args.dry_run)
         return
     if not (root / "src" / OLD).is_dir():

@@ -1,4 +1,5 @@
-"""scripts/new_project.py on a copy of this checkout: rename, strip, then test and train the copy.
+"""scripts/new_project.py --fork on a copy of this checkout: rename, strip, then test and train
+the copy (the thin project, the default, is tests/test_thin_project.py's).
 
 The copy holds the working tree's current files (git's tracked and untracked-but-not-ignored
 ones), so the test checks the tree as it is, not the last commit. The script runs in process: the
@@ -58,14 +59,14 @@ def copy_checkout(dst: Path, *, commit: bool) -> Path:
 
 
 def new_project(root: Path, *args: str, script: Path | None = None) -> SimpleNamespace:
-    """`python <root>/scripts/new_project.py ARGS` (or `script`), in process: its exit status,
-    stdout and stderr."""
+    """`python <root>/scripts/new_project.py --fork ARGS` (or `script`), in process: its exit
+    status, stdout and stderr."""
     script = script or root / "scripts" / "new_project.py"
     spec = importlib.util.spec_from_file_location("new_project_under_test", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out, err, argv = io.StringIO(), io.StringIO(), sys.argv
-    sys.argv = [str(script), *args]
+    sys.argv = [str(script), "--fork", *args]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             module.main()

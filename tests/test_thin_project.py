@@ -1,6 +1,7 @@
-"""`scripts/new_project.py NAME --thin`: a project of its own on the engine, importing only
-hydra_ddp.api. In process: what it writes, its size, its imports, its refusals, that the engine's
-checkout is left alone, and that its configs compose over the engine's. Slow: a fresh
+"""`scripts/new_project.py NAME` (a thin project, the default): a project of its own on the
+engine, importing only hydra_ddp.api. In process: what it writes, its size, its imports, its
+refusals, that the engine's checkout is left alone, and that its configs compose over the
+engine's. Slow: a fresh
 virtualenv with the engine installed from this checkout, then the project's README commands
 (train on 2 ranks with torchrun, then its tests)."""
 
@@ -76,7 +77,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """One thin project `my_proj`, made in a fresh folder, with the checkout's status around it."""
     parent = tmp_path_factory.mktemp("thin")
     before = git_status()
-    proc = new_project("my_proj", "--thin", "--dir", str(parent))
+    proc = new_project("my_proj", "--dir", str(parent))
     return SimpleNamespace(proc=proc, root=parent / "my_proj", before=before, after=git_status())
 
 
@@ -169,19 +170,25 @@ def test_the_api_is_one_documented_module_that_has_what_the_template_uses() -> N
     assert not undocumented, undocumented
 
 
-@pytest.mark.parametrize("how", ["exists", "inside", "strip"])
+@pytest.mark.parametrize("how", ["exists", "inside", "strip", "both"])
 def test_refusals_write_nothing(tmp_path: Path, how: str) -> None:
     args = {
-        "exists": ["taken", "--thin", "--dir", str(tmp_path)],
+        "exists": ["taken", "--dir", str(tmp_path)],
         "inside": ["mine", "--thin", "--dir", str(REPO / "tests")],
-        "strip": ["mine", "--thin", "--dir", str(tmp_path), "--strip", "model/gpt"],
+        "strip": ["mine", "--dir", str(tmp_path), "--strip", "model/gpt"],
+        "both": ["mine", "--thin", "--fork", "--dir", str(tmp_path)],
     }[how]
     (tmp_path / "taken").mkdir()
     before, listed = git_status(), files_of(tmp_path)
     proc = new_project(*args)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc
-    says = {"exists": "already exists", "inside": "inside the engine", "strip": "--strip"}
+    says = {
+        "exists": "already exists",
+        "inside": "inside the engine",
+        "strip": "--strip",
+        "both": "pick one",
+    }
     assert says[how] in lines[0]
     assert git_status() == before and files_of(tmp_path) == listed
     assert not (REPO / "tests" / "mine").exists()

@@ -1,6 +1,6 @@
 """The engine's public API: the whole surface a thin project may import, and nothing else.
 
-A thin project (`python scripts/new_project.py myproj --thin`) keeps its model, data, loss and
+A thin project (`python scripts/new_project.py myproj`) keeps its model, data, loss and
 callbacks in a package of its own and imports from the engine only `hydra_ddp.api`. The names
 below are kept, with their meaning, across releases of hydra-ddp; every other module of the
 package may change between versions, so a project that reaches past this module can break on
