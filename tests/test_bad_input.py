@@ -152,17 +152,20 @@ class Case:
     overrides: list[str]
     expect: list[str]  # substrings of the error, all required
     env: dict[str, Optional[str]] = field(default_factory=dict)
-    exit_code: Optional[int] = None  # the CLI's: 1 for Hydra's composition errors, else 2
+    # 1: an error of Hydra's composition, checked here through Hydra's compose API (the CLI
+    # says it in one line before Hydra runs: tests/test_vars_and_override_grammar.py); else 2.
+    exit_code: Optional[int] = None
     skip_if_cuda: bool = False
     slow: bool = False  # a real launch or a timeout to wait out: in the slow set
 
 
 # {name} in an override or env value is replaced by world[name] (a path) or the busy port.
 CASES = [
-    # Composition (Hydra's own one-paragraph errors, exit 1).
+    # Composition (Hydra's own errors).
     Case(
         "unknown_group_choice", ["model=nope"], ["Could not find 'model/nope'", "mlp"], exit_code=1
     ),
+    Case("unknown_sampler", ["sampler=nope"], ["Could not find 'sampler/nope'"], exit_code=1),
     Case("unknown_key", ["trainer.batchsize=8"], ["trainer.batchsize"], exit_code=1),
     Case(
         "wrong_type_int",
@@ -178,6 +181,7 @@ CASES = [
         ["trainer.batch_size=0 is not allowed", "> 0"],
         exit_code=2,
     ),
+    Case("negative_batch_size", ["trainer.batch_size=-8"], ["trainer.batch_size=-8"], exit_code=2),
     Case("negative_max_steps", ["trainer.max_steps=-5"], ["trainer.max_steps=-5"], exit_code=2),
     Case("zero_epochs", ["trainer.epochs=0"], ["trainer.epochs=0"], exit_code=2),
     Case("zero_hidden", ["model.hidden=0"], ["model.hidden=0"], exit_code=2),
@@ -191,6 +195,7 @@ CASES = [
     Case(
         "negative_lr", ["optim.lr=-1"], ["optim (torch.optim.AdamW)", "learning rate"], exit_code=2
     ),
+    Case("lr_not_a_number", ["optim.lr=abc"], ["optim.lr='abc' is not a number"], exit_code=2),
     Case("bucket_cap_zero", ["ddp.bucket_cap_mb=0"], ["ddp.bucket_cap_mb=0", "> 0"], exit_code=2),
     Case("bucket_cap_negative", ["ddp.bucket_cap_mb=-1"], ["ddp.bucket_cap_mb=-1.0"], exit_code=2),
     Case("timeout_zero", ["dist.timeout_s=0"], ["dist.timeout_s=0"], exit_code=2),

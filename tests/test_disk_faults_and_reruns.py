@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from hydra_ddp import checkpoint
 from hydra_ddp.distributed.failures import LOST_CONTACT, worker_failed
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch.command import _check_run_dir
+from hydra_ddp.launch import overrides
 from hydra_ddp.rundir import sweeps
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
@@ -302,7 +302,7 @@ def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, caps
     assert f"cannot write to the output dir {disk / 'run'}" in line and "Read-only" in line
     assert "make it writable" in line and "free space" not in line, line  # it is not full
     with pytest.raises(SystemExit) as info:
-        _check_run_dir([*SHORT, f"hydra.run.dir={disk / 'new'}"])
+        overrides.check([*SHORT, f"hydra.run.dir={disk / 'new'}"], [])
     assert info.value.code == 2
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and f"hydra.run.dir={disk / 'new'} cannot be created" in line, line

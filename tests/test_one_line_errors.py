@@ -23,10 +23,10 @@ from hydra_ddp.losses import CrossEntropy
 def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch) -> None:
     """Previously: `"hydra.run.dir='out/a b'"` made `'out/a b'` (quotes and all) in the working
     directory before Hydra, which reads the value without its quotes, ran in `out/a b`."""
-    from hydra_ddp.launch.command import _check_run_dir
+    from hydra_ddp.launch import overrides
 
     monkeypatch.chdir(tmp_path)
-    _check_run_dir(["hydra.run.dir='out/a b'", "trainer.max_steps=1"])
+    overrides.check(["hydra.run.dir='out/a b'", "trainer.max_steps=1"], [])
     assert (tmp_path / "out" / "a b").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -1,7 +1,8 @@
-"""The smaller doors of issue 25: user variables under `vars` (added with or without `+`, and
-the error for an unknown top-level key says so), `hydra_ddp.eval` takes the training command
-line's override grammar, the "not an argument" error says how to start clean when a replaced
-model's arguments were merged in, and the unused-parameter error names the parameters."""
+"""The command line's smaller doors: user variables under `vars` (added with or without `+`,
+and the error for an unknown top-level key says so), what the command refuses in one line
+before Hydra composes (launch/overrides.py), `hydra_ddp.eval` takes the training command line's
+override grammar, the "not an argument" error says how to start clean when a replaced model's
+arguments were merged in, and the unused-parameter error names the parameters."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from omegaconf import OmegaConf
 from hydra_ddp.components import build
 from hydra_ddp.errors import UserError
 from hydra_ddp.eval import job_config
+from hydra_ddp.launch import overrides
+from hydra_ddp.launch.command import config_dir
 
 
 def test_user_variables_go_under_vars() -> None:
@@ -38,6 +41,45 @@ def test_an_unknown_top_level_key_says_where_variables_go(tmp_path: Path) -> Non
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: reads_dir is not a key"), lines
     assert "vars.reads_dir=..." in lines[0] and "+reads_dir=..." in lines[0]
+    assert not list(tmp_path.iterdir()), "nothing written"
+
+
+# What the command line asks for, refused in one line before Hydra composes it (a choice no
+# YAML file provides, a key a typed group lacks, a value its type refuses, in a sweep too),
+# and what it must let through to Hydra (open mappings, additions, plugin groups, variables).
+REFUSED = {
+    "sampler=nope": "sampler=nope: conf/sampler/ has no nope.yaml; the choices are sharded",
+    "model=mlp,nope": "model=nope: conf/model/ has no nope.yaml",
+    "trainer.max_steps=abc": "trainer.max_steps='abc' is not allowed: Value 'abc' of type 'str'",
+    "trainer.batch_size=8,abc": "trainer.batch_size='abc' is not allowed",
+    "ddp.param_dtype=bf17": "ddp.param_dtype='bf17' is not allowed",
+    "trainer.batchsize=3": "trainer.batchsize is not a key of trainer",
+    "trainer.password=S3CRET": "trainer.password is not a key of trainer",
+}
+ACCEPTED = [
+    "model=cnn", "trainer.max_steps=3", "ddp=fsdp2", "ddp.param_dtype=bf16", "hydra/launcher=ray",
+    "+trainer.extra=1", "vars.reads_dir=/data", "experiment=text_gpt", "logger.sink.project=p",
+    "trainer.grad_clip.generator=1", "optim.lr=tag(log,interval(1e-4,1e-2))", "~callbacks",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override", sorted(REFUSED))
+def test_the_command_line_is_checked_before_hydra(override: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        overrides.check(["-m", override], [Path(config_dir())])
+    assert info.value.code == 2
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and line.startswith(f"error: {REFUSED[override]}"), line
+    assert "S3CRET" not in line  # a mistyped key's value may be a secret: never echoed
+    overrides.check(ACCEPTED, [Path(config_dir())])
+
+
+def test_a_mistyped_secret_key_is_one_line_without_its_value(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hydra_ddp.train", "trainer.password=S3CRET"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "S3CRET" not in proc.stdout + proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trainer.password is not a key of trainer" in lines[0], lines
     assert not list(tmp_path.iterdir()), "nothing written"
 
 

@@ -63,6 +63,7 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
                 + _merged_hint(key, unknown, names)
             )
         passed = {k: v for k, v in runtime.items() if k in names and k not in given}
+        _check_numbers(key, target, cfg, params)
         missing = [
             p.name
             for p in params
@@ -122,6 +123,21 @@ def _merged_hint(key: str, unknown: list[str], names: list[str]) -> str:
         f"defaults, or a conf/{key}/<name>.yaml of its own chosen with {key}=<name>, or drop "
         f"each on the command line: ~{key}.{unknown[0]}"
     )
+
+
+def _check_numbers(
+    key: str, target: str, cfg: Mapping[str, Any], params: list[inspect.Parameter]
+) -> None:
+    """A text given for an argument whose default is a number (`optim.lr=abc`, a typo in a
+    sweep): the library's own error would name neither the key nor the value."""
+    for p in params:
+        value = cfg.get(p.name)
+        number = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+        if number and isinstance(value, str) and "${" not in value:
+            raise UserError(
+                f"{key}.{p.name}={value!r} is not a number: give a number ({target}'s "
+                f"default is {p.default!r})"
+            )
 
 
 def _parameters(obj: Any) -> list[inspect.Parameter] | None:

@@ -16,19 +16,17 @@ import importlib
 import logging
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
-from hydra_ddp.config import TrainConfig, register_configs
-from hydra_ddp.errors import no_such_key
-from hydra_ddp.launch import interrupt
+from hydra_ddp.config import register_configs
+from hydra_ddp.launch import interrupt, overrides
 from hydra_ddp.launcher_env import launcher_rank, torchrun_worker, under_launcher
 from hydra_ddp.rundir import claim, sweeps
-from hydra_ddp.rundir.paths import override_value, register_resolvers
+from hydra_ddp.rundir.paths import register_resolvers
 
 if TYPE_CHECKING:
     from hydra_ddp.launch.runner import TrainFn
@@ -55,8 +53,10 @@ def run_command(
     conf = config_dir() if config_path is None else config_path
     if "://" not in conf:
         conf = os.path.abspath(conf)
-    _check_run_dir(sys.argv[1:])
-    _check_keys(sys.argv[1:], conf)
+    # The project's config dir and the engine's (a thin project's config extends it); a
+    # `pkg://` one cannot be listed, so its groups' choices are left to Hydra.
+    dirs = [Path(d) for d in dict.fromkeys([conf, config_dir()])]
+    overrides.check(sys.argv[1:], [d for d in dirs if d.is_dir()], all(d.is_dir() for d in dirs))
     train_fn = _importable(train_fn)
     task = functools.partial(hydra_entry, train_fn=train_fn)
     # Hydra names the job (hydra.job.name: train.log) after the task function's module.
@@ -131,47 +131,3 @@ def _importable(train_fn: TrainFn) -> TrainFn:
     if train_fn.__module__ != "__main__" or spec is None:
         return train_fn
     return getattr(importlib.import_module(spec.name), train_fn.__qualname__)
-
-
-def _check_run_dir(argv: list[str]) -> None:
-    """`hydra.run.dir=<path>` on the command line that cannot be created (read-only disk, no
-    permission): one line here, instead of the traceback of Hydra's mkdir."""
-    given = [a for a in argv if a.startswith("hydra.run.dir=")]
-    if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
-        return
-    path = override_value(given[-1])
-    if path is None:
-        return  # Hydra reports what it cannot parse
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        sys.stderr.write(
-            f"error: hydra.run.dir={path} cannot be created ({e.strerror}): choose a "
-            "writable place\n"
-        )
-        sys.exit(2)
-
-
-def _unknown_top_level_key(override: str, groups: set[str]) -> str | None:
-    """The key of a command-line `key=value` whose first part is no key of the config nor a
-    config group (`groups`), else None: Hydra's own error would not say where such a variable
-    can go."""
-    if override.startswith(("-", "+", "~")) or "=" not in override:
-        return None
-    key = override.split("=", 1)[0]
-    root = key.split("/")[0].split(".")[0].split("@")[0]
-    known = {f.name for f in fields(TrainConfig)} | groups | {"hydra"}
-    return key if root and root not in known else None
-
-
-def _check_keys(argv: list[str], conf: str) -> None:
-    """`reads_dir=...` (no such key): one line saying where user variables go, before Hydra's
-    "Could not override" paragraph. `conf`: the config dir; its groups and the engine's are
-    keys too (a thin project's config extends the engine's)."""
-    dirs = [Path(d) for d in {conf, config_dir()} if Path(d).is_dir()]
-    groups = {p.name for d in dirs for p in d.iterdir() if p.is_dir()}
-    for arg in argv:
-        key = _unknown_top_level_key(arg, groups)
-        if key is not None:
-            sys.stderr.write(f"error: {no_such_key(key)}\n")
-            sys.exit(2)

@@ -1,0 +1,170 @@
+"""The command line, checked before Hydra composes it: one `error:` line and exit 2 for what
+Hydra would answer with a paragraph, a traceback or (for a mistyped key) a line that repeats
+the value, which may be a secret.
+
+- a key that is no key of the config nor a config group (`reads_dir=...`): where user
+  variables go (`vars.`);
+- a key of a typed group (trainer, dist, ddp, logger) that the group does not have, or a value
+  its type refuses (`trainer.max_steps=abc`), named without the value;
+- a config group's choice that no YAML file provides (`sampler=nope`), with the choices there
+  are;
+- `hydra.run.dir` that cannot be created.
+
+Each check reads Hydra's own override grammar and passes over what it cannot judge (sweep
+functions, interpolations, plugin groups under `hydra/`): Hydra still reports those.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hydra_ddp import redact
+from hydra_ddp.config import TrainConfig
+from hydra_ddp.errors import UserError, first_line, no_such_key
+from hydra_ddp.rundir.paths import override_value
+
+# The groups whose keys are typed (config.py, logger_config.py); the rest are components.
+_TYPED = ("trainer", "dist", "ddp", "logger")
+
+
+def check(argv: list[str], conf_dirs: list[Path], choices: bool = True) -> None:
+    """Every check below, on the command line's overrides; exits 2 with one line at the first
+    refusal. `conf_dirs`: the config dirs the job composes from (the project's and the
+    engine's); `choices`: they are all there is (no `pkg://` one), so a group's choices can be
+    checked."""
+    try:
+        _check_run_dir(argv)
+        parsed = _parse([a for a in argv if not a.startswith("-") and ("=" in a or a[:1] == "~")])
+        groups = _groups(conf_dirs)
+        for override in parsed:
+            _check_key(override, groups)
+            if choices:
+                _check_choice(override, groups)
+        _check_typed_values(parsed)
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+
+
+def _parse(items: list[str]) -> list[Any]:
+    """Hydra's parse of each override; one it cannot parse is left out (Hydra says why)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, parsed = OverridesParser.create(), []
+    for item in items:
+        try:
+            parsed += parser.parse_overrides([item])
+        except Exception:
+            continue
+    return parsed
+
+
+def _groups(conf_dirs: list[Path]) -> dict[str, set[str]]:
+    """Config group -> its choices, from the YAML files of `conf_dirs` (nested groups too, as
+    `hydra/launcher`)."""
+    found: dict[str, set[str]] = {}
+    for conf in conf_dirs:
+        for path in conf.rglob("*.yaml"):
+            group = path.parent.relative_to(conf).as_posix()
+            if group != ".":
+                found.setdefault(group, set()).add(path.stem)
+    return found
+
+
+def _check_key(override: Any, groups: dict[str, set[str]]) -> None:
+    """A key that is no key of the config nor a config group; a key that a typed group lacks."""
+    if override.is_add() or override.is_delete() or override.is_force_add():
+        return
+    key = override.key_or_group
+    root = key.split("/")[0].split(".")[0]
+    known = {f.name for f in fields(TrainConfig)} | {g.split("/")[0] for g in groups} | {"hydra"}
+    if root not in known:
+        raise no_such_key(key)
+    parts = key.split(".")
+    if root in _TYPED and len(parts) > 1 and key not in groups:
+        node: Any = OmegaConf.structured(TrainConfig)
+        for i, part in enumerate(parts):
+            # Only a dataclass's keys are known: a mapping typed Any (a sink's arguments, a
+            # comm hook's) takes any key.
+            if not OmegaConf.is_config(node) or not is_dataclass(OmegaConf.get_type(node)):
+                return
+            if part not in node:
+                keys = sorted(str(k) for k in node.keys())
+                close = difflib.get_close_matches(part, keys, n=1)
+                hint = f"did you mean {close[0]}?" if close else f"its keys are {', '.join(keys)}"
+                raise UserError(
+                    f"{key} is not a key of {'.'.join(parts[:i])} (src/hydra_ddp/config.py): "
+                    f"check the spelling, {hint}"
+                )
+            if OmegaConf.is_missing(node, part):
+                return
+            node = node[part]
+
+
+def _check_choice(override: Any, groups: dict[str, set[str]]) -> None:
+    """`group=choice` where no YAML file of the group is that choice."""
+    group = override.get_key_element().split("@")[0]
+    if group not in groups or group.startswith("hydra/") or override.is_delete():
+        return
+    for choice in _values(override):
+        if isinstance(choice, str) and "${" not in choice and choice not in groups[group]:
+            raise UserError(
+                f"{group}={choice}: conf/{group}/ has no {choice}.yaml; the choices are "
+                f"{', '.join(sorted(groups[group]))} (or add conf/{group}/{choice}.yaml)"
+            )
+
+
+def _check_typed_values(parsed: list[Any]) -> None:
+    """A value that the typed key's type refuses (`trainer.max_steps=abc`), each value of a
+    sweep too."""
+    schema = OmegaConf.structured(TrainConfig)
+    for override in parsed:
+        key = override.key_or_group
+        if key.split(".")[0] not in _TYPED or "." not in key or override.is_delete():
+            continue
+        for value in _values(override):
+            if isinstance(value, str) and "${" in value:
+                continue
+            try:
+                OmegaConf.update(schema, key, value, merge=True, force_add=override.is_add())
+            except OmegaConfBaseException as e:
+                shown = redact.REDACTED if redact.is_secret(key) else repr(value)
+                raise UserError(
+                    f"{key}={shown} is not allowed: {first_line(e).split('    ')[0]}"
+                ) from None
+
+
+def _values(override: Any) -> list[Any]:
+    """The values an override sets: one, or each of a comma sweep, range() or choice(); none
+    for what only a sweeper can expand (interval(), tag(...))."""
+    try:
+        return list(override.sweep_iterator()) if override.is_sweep_override() else [
+            override.value()
+        ]  # fmt: skip
+    except Exception:
+        return []
+
+
+def _check_run_dir(argv: list[str]) -> None:
+    """`hydra.run.dir=<path>` on the command line that cannot be created (read-only disk, no
+    permission): one line here, instead of the traceback of Hydra's mkdir."""
+    given = [a for a in argv if a.startswith("hydra.run.dir=")]
+    if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
+        return
+    path = override_value(given[-1])
+    if path is None:
+        return  # Hydra reports what it cannot parse
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"hydra.run.dir={path} cannot be created ({e.strerror}): choose a writable place"
+        ) from None
