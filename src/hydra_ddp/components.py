@@ -50,36 +50,8 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
     if _as_function and (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
         return functools.partial(obj, **{k: cfg[k] for k in given}) if given else obj
     params = _parameters(obj)
-    if params is None:  # no inspectable signature (some builtins): let the call decide
-        passed = {}
-    else:
-        names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
-        accepted = ", ".join(names) or "no arguments"
-        unknown = sorted(given - set(names)) if not takes_any else []
-        if unknown:
-            raise UserError(
-                f"{key}.{unknown[0]} is not an argument of {target}: it accepts {accepted}"
-                + _merged_hint(key, unknown, names)
-            )
-        passed = {k: v for k, v in runtime.items() if k in names and k not in given}
-        _check_numbers(key, target, cfg, params)
-        missing = [
-            p.name
-            for p in params
-            if p.default is p.empty
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.name not in given
-            and p.name not in passed
-        ]
-        if missing:
-            offered = ", ".join(sorted(runtime)) or "nothing"
-            raise UserError(
-                f"{key} ({target}) needs {', '.join(missing)}, which neither the "
-                f"config nor the template provides here (it provides {offered}): "
-                f"set {key}.{missing[0]}=..., or pick a {key.split('.')[0]} that "
-                "fits this data"
-            )
+    # No inspectable signature (some builtins): let the call decide.
+    passed = {} if params is None else _arguments(key, target, cfg, params, given, runtime)
     try:
         # Runtime objects (parameters, an optimizer) go to the call itself, not through
         # OmegaConf; the config's own values arrive as plain dicts and lists.
@@ -109,6 +81,46 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
             if len(quoted) == 1:
                 message = f"{key}.{quoted[0]}={cfg[quoted[0]]!r}: {message}"
         raise UserError(f"{key} ({target}): {message}") from cause
+
+
+def _arguments(
+    key: str,
+    target: str,
+    cfg: Mapping[str, Any],
+    params: list[inspect.Parameter],
+    given: set[str],
+    runtime: dict[str, Any],
+) -> dict[str, Any]:
+    """The `runtime` keywords `target`'s signature asks for, after checking the config's
+    arguments against it: an unknown one, a missing one, a text for a number, in one line."""
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    accepted = ", ".join(names) or "no arguments"
+    unknown = sorted(given - set(names)) if not takes_any else []
+    if unknown:
+        raise UserError(
+            f"{key}.{unknown[0]} is not an argument of {target}: it accepts {accepted}"
+            + _merged_hint(key, unknown, names)
+        )
+    passed = {k: v for k, v in runtime.items() if k in names and k not in given}
+    _check_numbers(key, target, cfg, params)
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in given
+        and p.name not in passed
+    ]
+    if missing:
+        offered = ", ".join(sorted(runtime)) or "nothing"
+        raise UserError(
+            f"{key} ({target}) needs {', '.join(missing)}, which neither the "
+            f"config nor the template provides here (it provides {offered}): "
+            f"set {key}.{missing[0]}=..., or pick a {key.split('.')[0]} that "
+            "fits this data"
+        )
+    return passed
 
 
 def _merged_hint(key: str, unknown: list[str], names: list[str]) -> str:
