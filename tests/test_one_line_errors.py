@@ -16,7 +16,7 @@ import torch
 from conftest import FAST, user_env
 
 from hydra_ddp.batches import BatchLoss
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, needs_package
 from hydra_ddp.losses import CrossEntropy
 
 
@@ -62,3 +62,21 @@ def test_ctrl_c_while_workers_start_says_there_is_nothing_to_resume(tmp_path: Pa
     text = out.read_text()
     assert "before any checkpoint was written: nothing to resume" in text, text[-3000:]
     assert "to resume from its newest checkpoint" not in text
+
+
+def test_a_component_whose_library_is_missing_says_what_to_install() -> None:
+    """Previously: a ModuleNotFoundError traceback from inside the component's constructor."""
+    from hydra_ddp.components import build
+
+    with pytest.raises(UserError) as e:
+        build({"_target_": "helpers.needs_missing.model"}, "model", in_features=4, out_features=2)
+    assert str(e.value) == (
+        "model (helpers.needs_missing.model) needs transformers_not_installed_anywhere, which is "
+        "not installed here: pip install transformers_not_installed_anywhere"
+    )
+    for module, extra in [
+        ("optuna.samplers", "sweep"),
+        ("ray", "ray"),
+        ("transformers", "transformers"),
+    ]:
+        assert f'pip install -e ".[{extra}]"' in str(needs_package("x", module))

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, needs_package
 
 
 def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtime: Any) -> Any:
@@ -58,10 +58,12 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
         return instantiate(cfg, _partial_=True, _convert_="all")(**passed)
     except UserError:
         raise
-    except (InstantiationException, ValueError, TypeError, AssertionError) as e:
+    except (InstantiationException, ValueError, TypeError, AssertionError, ImportError) as e:
         cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
         if isinstance(cause, UserError):
             raise cause from None
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            raise needs_package(f"{key} ({target})", cause.name) from None
         if not isinstance(cause, (ValueError, TypeError, AssertionError)):
             raise
         message = _name_keys(

@@ -21,6 +21,17 @@ class UserError(Exception):
     as one line and exits with status 2, instead of a traceback from every rank."""
 
 
+# The libraries an optional extra of pyproject.toml brings: a feature that needs one names it.
+EXTRAS = {"optuna": "sweep", "ray": "ray", "transformers": "transformers"}
+
+
+def needs_package(what: str, module: str) -> UserError:
+    """`what` (a key, a preset) needs `module`, which is not installed: what to pip install."""
+    top = module.split(".")[0]
+    fix = f'pip install -e ".[{EXTRAS[top]}]"' if top in EXTRAS else f"pip install {top}"
+    return UserError(f"{what} needs {top}, which is not installed here: {fix}")
+
+
 def check_setting(ok: bool, key: str, allowed: str, value: object) -> None:
     """The typed config's check of one key (config.py and logger_config.py use it): unless
     `ok`, a UserError naming the key, its value and what it must be."""
