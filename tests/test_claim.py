@@ -409,3 +409,41 @@ def test_two_identical_commands_on_one_run_dir_at_once(tmp_path: Path) -> None:
     for ckpt in sorted((run_dir / "checkpoints").glob("step_*.pt")):
         assert torch.load(ckpt, weights_only=False)["step"] == int(ckpt.stem[5:]), ckpt
     assert not (run_dir / claim.NAME).exists()
+
+
+@pytest.mark.slow  # two real sweeps at once
+def test_two_sweeps_into_one_sweep_dir_at_once(tmp_path: Path) -> None:
+    """Two identical 2-job sweeps (`optim.lr=0.001,0.003`, W&B offline) into one sweep dir,
+    started together: one refused in one line (exit 2) before it writes or starts anything,
+    the other runs both jobs into one sweep report; every job's W&B run is in the sweep's group
+    with the swept key as its config, so W&B groups the runs per configuration."""
+    from conftest import FAST, user_env
+    from helpers import wandb_records
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", *FAST, "logger=wandb",
+           "trainer.max_steps=4", "trainer.log_interval=2", "optim.lr=0.001,0.003",
+           f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    done = _at_once([cmd, cmd], tmp_path, user_env(tmp_path, WANDB_MODE="offline"))
+    assert sorted(d.returncode for d in done) == [0, 2], [d.stderr[-3000:] for d in done]
+    winner, loser = sorted(done, key=lambda d: d.returncode)
+    said = [ln for ln in (loser.stdout + loser.stderr).splitlines() if ln.strip()]
+    assert len(said) == 1 and said[0].startswith(f"error: {sweep} is in use by another job"), said
+    assert "choose another hydra.sweep.dir" in said[0]
+    jobs = json.loads((sweep / "sweep_report.json").read_text())
+    assert [(j["job"], j["status"]) for j in jobs] == [
+        ("0_optim.lr=0.001", "ok"),
+        ("1_optim.lr=0.003", "ok"),
+    ]  # fmt: skip
+    lines = (sweep / "sweep_jobs.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["event"] for ln in lines] == ["start", "end", "start", "end"]
+    assert not any(p.name == claim.NAME for p in sweep.rglob("*"))
+    infos = []
+    for job, lr in (("0_optim.lr=0.001", 1e-3), ("1_optim.lr=0.003", 3e-3)):
+        (record,) = (sweep / job).glob("wandb/offline-run-*/run-*.wandb")
+        info = wandb_records.run_info(record)
+        assert info["config"]["swept"] == {"optim.lr": lr}, info["config"].get("swept")
+        assert job.split("_", 1)[1] in info["name"] and wandb_records.exit_code(record) == 0
+        infos.append(info)
+    assert infos[0]["group"] == infos[1]["group"] == f"sweep-{tmp_path.name}-sweep"
+    assert infos[0]["id"] != infos[1]["id"]

@@ -38,6 +38,7 @@ from hydra_ddp.loop.job_types import build_components
 from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.protocols import Sink, missing_members
 from hydra_ddp.rundir import claim, sweeps
+from hydra_ddp.rundir.paths import swept_overrides
 from hydra_ddp.tracking import RunInfo, redact
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,15 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
     blanked = ",".join(redact.overrides(name.split(",")))
     name = f"{hc.job.num}_{blanked}" if multirun and blanked != name else blanked
     overrides = list(hc.overrides.task)
-    return RunInfo(output_dir, job_name=name, group=group, config=config, overrides=overrides)
+    swept: dict[str, Any] = {}
+    params = OmegaConf.select(hc, "sweeper.params", default=None)
+    for key, value in swept_overrides(overrides, hc.sweep.dir, params) if multirun else []:
+        # The value the job ran with, typed (0.001 for `1e-3`); a config group's choice
+        # (`model=cnn`) and a secret's blank as the override says.
+        found = OmegaConf.select(dict_cfg, key, default=None) if "@" not in key else None
+        plain = isinstance(found, (bool, int, float, str)) and value != redact.REDACTED
+        swept[key] = found if plain else value
+    return RunInfo(output_dir, name, group, config, overrides=overrides, swept=swept)
 
 
 def _under_submitit() -> bool:

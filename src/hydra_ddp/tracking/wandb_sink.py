@@ -179,6 +179,8 @@ class WandbSink(Sink):
         if self.layout == Layout.group:
             name = f"{name}-rank{env.rank}"
         config = redact.config(info.config)
+        if info.swept:  # a sweep's job: W&B groups the sweep's runs by these keys
+            config["swept"] = info.swept
         out = Path(info.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         # W&B records sys.argv as the run's command: the same, with secrets blanked.
