@@ -3,7 +3,7 @@
 * `open_regular` / `check_regular`: every file the template opens in a run dir (checkpoints,
   stats, summary.json, wandb_ids.json, the claim, the logs) must be a regular file. A FIFO
   there blocks whoever opens it until a writer comes, with no timeout (the job hangs, and its
-  claim's heartbeat keeps the dir locked); a socket or a device is no checkpoint either. Each
+  claim keeps the dir locked); a socket or a device is no checkpoint either. Each
   is refused in one line naming the file and what to do.
 * `os_cause`: the OSError behind a library's write error. torch.save reports a full disk as
   "unexpected pos 263744 vs 263664" (the OSError is its context); DCP collects every rank's

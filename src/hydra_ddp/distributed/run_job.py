@@ -196,8 +196,8 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
         name = hc.job.override_dirname or hc.job.name
         group = "-".join(output_dir.parts[-2:])
     config = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
-    # The name and group reach W&B and wandb_ids.json: no secret value in them. Jobs of a
-    # sweep that differ only in a secret are then told apart by their number, as their dirs.
+    # The name and group reach W&B: no secret value in them. Jobs of a sweep that differ only
+    # in a secret are then told apart by their number, as their dirs.
     blanked = ",".join(redact.overrides(name.split(",")))
     name = f"{hc.job.num}_{blanked}" if multirun and blanked != name else blanked
     overrides = list(hc.overrides.task)

@@ -3,8 +3,8 @@
   ``gather``  rank 0 owns the only run and logs ``rank{r}/<stat>`` for every rank plus
               ``agg/<stat>``; other ranks' ``ctx.log`` values reach it at the next log
               interval (tracker.Tracker forwards them) as ``rank{r}/<key>``;
-  ``group``   one run per rank (``job_type=rank{r}``), grouped per job; each run logs its own
-              stats as ``train/<stat>`` (so the UI can average a key across the group) and
+  ``group``   one run per rank (``job_type=rank{r}``) in the job's group; each run logs its
+              own stats as ``train/<stat>`` (so the UI can average a key across the ranks) and
               rank 0's run also logs ``agg/<stat>``;
   ``shared``  every rank writes into one run (W&B's experimental shared mode, online only):
               ``rank{r}/<stat>`` from each rank, ``agg/<stat>`` from rank 0.
@@ -13,7 +13,8 @@ Training rows go to W&B at most once per ``logger.min_interval_s`` (the newest r
 one is sent at close); the stats files keep every interval. All keys are plotted against
 ``trainer/step`` (set with ``define_metric``), never against W&B's internal ``_step``, so eval
 rows and train rows share one x axis. Runs live under ``<output_dir>/wandb``, so an offline run
-can be uploaded later with ``wandb sync <output_dir>/wandb/offline-run-*``.
+can be uploaded later with ``wandb sync <output_dir>/wandb/offline-run-*``. The jobs of a sweep
+share the sweep's group, each with the keys the sweep varies as its config ``swept``.
 
 A job's runs are the ones its stats files were sent to: every row there names its W&B run, so a
 restart, a resume or a re-run in the same dir (torchrun's restarts, SLURM's requeue,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RUN_FIELD = re.compile(r'"run": "([^"]+)"')
-# Where versions before the run ids were read from the stats recorded them.
+# Where earlier versions recorded a job's run ids (read for a dir whose stats rows name none).
 LEGACY_IDS_FILE = "wandb_ids.json"
 _FIX = "remove it, or move it away (the job keeps a regular file there)"
 
@@ -174,7 +175,7 @@ class WandbSink(Sink):
         import wandb
 
         cfg, env, clip = self.cfg, self.env, wandb_mode.clip
-        settings, kwargs = _settings(cfg, env, self.mode)
+        settings = _settings(cfg, env, self.mode)
         name, group = cfg.name or info.job_name, cfg.group or info.group
         if self.layout == Layout.group:
             name = f"{name}-rank{env.rank}"
@@ -190,7 +191,7 @@ class WandbSink(Sink):
                 project=cfg.project, entity=cfg.entity, name=clip(name), group=clip(group),
                 tags=[clip(t, 64) for t in dict.fromkeys(cfg.tags)], config=config,
                 dir=str(out), id=self.id, resume="allow", settings=wandb.Settings(**settings),
-                **kwargs,
+                job_type=f"rank{env.rank}" if self.layout == Layout.group else None,
             )  # fmt: skip
         except (wandb.errors.Error, TimeoutError) as e:
             raise wandb_mode.init_error(e, cfg, self.mode) from None
@@ -260,8 +261,8 @@ class WandbSink(Sink):
             )
 
 
-def _settings(cfg: LoggerConfig, env: DistEnv, mode: str) -> tuple[dict, dict]:
-    """wandb.Settings and the other wandb.init arguments of this rank's run."""
+def _settings(cfg: LoggerConfig, env: DistEnv, mode: str) -> Dict[str, Any]:
+    """The wandb.Settings of this rank's run."""
     settings: Dict[str, Any] = {
         "mode": mode,
         # Hydra's basic launcher runs a sweep's jobs one after another in one process: each
@@ -277,9 +278,7 @@ def _settings(cfg: LoggerConfig, env: DistEnv, mode: str) -> tuple[dict, dict]:
     }
     if mode != "offline":
         settings["init_timeout"] = wandb_mode.init_timeout_s(cfg)[0]
-    kwargs: Dict[str, Any] = {}
     if cfg.layout == Layout.group:
-        kwargs["job_type"] = f"rank{env.rank}"
         settings["x_label"] = f"rank{env.rank}"
     elif cfg.layout == Layout.shared:
         settings.update(
@@ -293,7 +292,7 @@ def _settings(cfg: LoggerConfig, env: DistEnv, mode: str) -> tuple[dict, dict]:
         # System stats of this rank's own GPU only; gather's single run watches them all.
         index = env.device.index if env.device.index is not None else env.local_rank
         settings["x_stats_gpu_device_ids"] = [physical_gpu(index)]
-    return settings, kwargs
+    return settings
 
 
 def _define_metrics(run: Run, layout: Layout, env: DistEnv) -> None:
