@@ -1,14 +1,15 @@
-"""One job per run dir (hydra_ddp/rundir/claim.py), in process: a live holder on this host refuses a
-second job in one line naming it; a dead holder, an earlier attempt of the same launcher job,
-or a holder on another host whose heartbeat stopped is taken over with a warning; a finished
-job gives its claim back."""
+"""One job per run dir (hydra_ddp/rundir/claim.py): an OS lock that the kernel drops when its
+holder dies. In process, against real holder processes: a live holder refuses a second job in
+one line naming it; a killed one (reaped or still a zombie) is taken over at once; a joined
+worker keeps the dir after its launcher is killed, a forked child (a DataLoader worker) does
+not; of many claimers started at once exactly one wins; a finished job gives its claim back.
+Below, real jobs: two identical commands and two sweeps started at once on one dir."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,76 +21,172 @@ import pytest
 from hydra_ddp.rundir import claim
 from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE
 
+# A process that claims the dir argv[1] as a job's rank 0 does, says so, and holds it; with
+# argv[2] == "worker" a worker that joins the claim first (a self-launched rank, here a fresh
+# interpreter as spawn makes), with "fork" a forked child (a DataLoader worker).
+_HOLDER = """
+import os, subprocess, sys, time
+from hydra_ddp.rundir import claim
+claim.claim(sys.argv[1])
+if sys.argv[2] == "worker":
+    subprocess.Popen([sys.executable, "-c", "import sys, time; from hydra_ddp.rundir import "
+                      "claim; claim.join(sys.argv[1]); print('joined', flush=True); "
+                      "time.sleep(120)", sys.argv[1]])
+    sys.stdin.readline()  # the test says when the worker has joined
+elif sys.argv[2] == "fork" and os.fork() == 0:
+    time.sleep(120)
+    os._exit(0)
+print("held", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
 
 @pytest.fixture(autouse=True)
 def _no_job_id(monkeypatch):
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID"):
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
         monkeypatch.delenv(key, raising=False)
     yield
     claim.release_all()
+    claim.release_sweep()
 
 
-def _write(run_dir: Path, **holder) -> Path:
+def _hold(run_dir: Path, how: str = "alone", **env: str) -> subprocess.Popen:
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / claim.NAME
-    path.write_text(json.dumps({"host": socket.gethostname(), "since": time.time(), **holder}))
-    return path
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(run_dir), how], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, env={**os.environ, **env}, start_new_session=True,
+    )  # fmt: skip
+    if how == "worker":
+        assert proc.stdout.readline() == "joined\n"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    assert proc.stdout.readline().startswith("held"), "the holder did not claim"
+    return proc
 
 
-def test_a_live_holder_refuses_a_second_job_naming_it(tmp_path: Path, capsys) -> None:
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def _refused(run_dir: Path, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        claim.claim(run_dir)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_a_live_holder_refuses_and_a_killed_one_is_taken_over_at_once(
+    tmp_path: Path, capsys
+) -> None:
+    holder = _hold(tmp_path, SLURM_JOB_ID="41")
     try:
-        _write(tmp_path, pid=other.pid, job="SLURM_JOB_ID=41")
+        err = _refused(tmp_path, capsys)
+        assert err.startswith(f"error: {tmp_path} is in use by another job (pid {holder.pid} on")
+        assert "(SLURM_JOB_ID=41), since " in err and "choose another hydra.run.dir" in err
+        holder.kill()  # not reaped: a zombie, whose files the kernel has closed
+        deadline = time.monotonic() + 30
+        while psutil.Process(holder.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the holder never exited"
+            time.sleep(0.01)
+        claim.claim(tmp_path)
+        assert f"taking over {tmp_path / claim.NAME} from a job that is gone (pid {holder.pid}" in (
+            capsys.readouterr().err
+        )
+        assert json.loads((tmp_path / claim.NAME).read_text())["pid"] == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait()
+    claim.release_all()
+    assert not (tmp_path / claim.NAME).exists()  # given back: the next job finds no record
+    claim.claim(tmp_path)
+    assert "taking over" not in capsys.readouterr().err
+
+
+def test_a_joined_worker_keeps_the_dir_after_its_launcher_dies_a_forked_child_does_not(
+    tmp_path: Path, capsys
+) -> None:
+    launcher = _hold(tmp_path / "a", "worker")
+    worker = next(p for p in psutil.Process(launcher.pid).children())
+    try:
+        launcher.kill()
+        launcher.wait()
+        err = _refused(tmp_path / "a", capsys)
+        assert f"(pid {launcher.pid} on" in err and "a process of that job still runs" in err
+    finally:
+        worker.kill()
+        worker.wait()
+    claim.claim(tmp_path / "a")  # the worker's death let go of it
+
+    parent = _hold(tmp_path / "b", "fork")
+    child = next(p for p in psutil.Process(parent.pid).children())
+    try:
+        parent.kill()
+        parent.wait()
+        assert child.is_running()
+        claim.claim(tmp_path / "b")  # the child still runs but holds nothing
+    finally:
+        child.kill()
+
+
+_RACER = """
+import sys, time
+from hydra_ddp.rundir import claim
+while not __import__("os").path.exists(sys.argv[2]):
+    time.sleep(0.001)
+claim.claim(sys.argv[1])
+time.sleep(3)
+claim.release_all()
+"""
+
+
+def test_of_claimers_started_at_once_exactly_one_wins(tmp_path: Path) -> None:
+    run_dir, go = tmp_path / "run", tmp_path / "go"
+    run_dir.mkdir()
+    cmd = [sys.executable, "-c", _RACER, str(run_dir), str(go)]
+    racers = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    time.sleep(1.0)  # every racer imported the module and waits for the start
+    go.touch()
+    codes = [r.wait(timeout=60) for r in racers]
+    assert sorted(codes) == [0] + [2] * 5, codes
+    said = [r.stderr.read() for r in racers]
+    assert all(s.count("error: ") == 1 for s, c in zip(said, codes) if c == 2), said
+    assert not (run_dir / claim.NAME).exists()  # the winner gave it back (its normal exit)
+
+
+def test_ranks_wait_for_their_own_rank_0_and_refuse_another_live_job(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    other = _hold(tmp_path / "a", SLURM_JOB_ID="5")
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "6")
         with pytest.raises(SystemExit) as e:
-            claim.claim(tmp_path)
+            claim.wait_for_own_job(tmp_path / "a", timeout_s=30)
         assert e.value.code == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: {tmp_path} is in use by another job (pid {other.pid} on")
-        assert "SLURM_JOB_ID=41" in err and len(err.strip().splitlines()) == 1
+        assert err.startswith(f"error: {tmp_path / 'a'} is in use by another job (pid {other.pid}")
+        assert "this job's rank 0 stops too" in err and len(err.strip().splitlines()) == 1
     finally:
         other.kill()
         other.wait()
+    # The dead job's record stays until a rank 0 takes it over: rank 1 waits for its own.
+    t0 = time.monotonic()
+    claim.wait_for_own_job(tmp_path / "a", timeout_s=0.5)
+    assert time.monotonic() - t0 >= 0.5
+    claim.claim(tmp_path / "a")  # this job's rank 0 (here the same process)
+    t0 = time.monotonic()
+    claim.wait_for_own_job(tmp_path / "a", timeout_s=30)
+    assert time.monotonic() - t0 < 5
 
 
-def test_dead_holders_and_earlier_attempts_are_taken_over(tmp_path: Path, monkeypatch) -> None:
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    _write(tmp_path / "a", pid=dead.pid)
-    claim.claim(tmp_path / "a")
-    assert json.loads((tmp_path / "a" / claim.NAME).read_text())["pid"] == os.getpid()
-
-    # A requeued SLURM job: same job id, its first attempt's process "alive" elsewhere.
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    _write(tmp_path / "b", pid=1, host="another-node", job="SLURM_JOB_ID=77")
-    claim.claim(tmp_path / "b")
-
-    # Another host, another job, its heartbeat stopped long ago: a lost node.
-    monkeypatch.setenv("SLURM_JOB_ID", "78")
-    old = _write(tmp_path / "c", pid=1, host="lost-node", job="SLURM_JOB_ID=5")
-    os.utime(old, (time.time() - claim.STALE_S - 1,) * 2)
-    claim.claim(tmp_path / "c")
-    # ...but with a fresh heartbeat it is alive.
-    _write(tmp_path / "d", pid=1, host="busy-node", job="SLURM_JOB_ID=6")
-    with pytest.raises(SystemExit):
-        claim.claim(tmp_path / "d")
-
-    # A killed job's process that its parent has not reaped yet (a zombie: an orphan waits for
-    # PID 1, which reaps late or, in a container with no init, never) is gone too: another
-    # job's rank 1 waits for its own rank 0 instead of refusing, and rank 0 takes over.
-    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 30
-    while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "the child never exited"
-        time.sleep(0.01)
-    _write(tmp_path / "e", pid=zombie.pid, job="SLURM_JOB_ID=9")
-    claim.wait_for_own_job(tmp_path / "e", timeout_s=0.5)  # no SystemExit
-    claim.claim(tmp_path / "e")
-    assert json.loads((tmp_path / "e" / claim.NAME).read_text())["pid"] == os.getpid()
-    zombie.wait()
-
-    claim.release_all()
-    assert not any((tmp_path / d / claim.NAME).exists() for d in "abce")
-    assert (tmp_path / "d" / claim.NAME).exists()  # not ours: left alone
+def test_a_sweep_claim_outlives_its_jobs_claims(tmp_path: Path) -> None:
+    """The basic launcher runs a sweep's jobs in the process that holds the sweep dir."""
+    claim.claim_sweep(tmp_path)
+    (tmp_path / "0").mkdir()
+    claim.claim(tmp_path / "0")
+    claim.claim(tmp_path)  # a job whose dir is the sweep dir: already this process's
+    claim.release_all()  # the job's end
+    assert not (tmp_path / "0" / claim.NAME).exists()
+    assert (tmp_path / claim.NAME).exists()
+    claim.release_sweep()
+    assert not (tmp_path / claim.NAME).exists()
 
 
 def _lone_rank_with_bad_master(env, cfg, run):
@@ -266,3 +363,87 @@ def test_a_second_submitit_sweep_into_the_same_dir_is_refused_and_writes_nothing
     assert (job / "summary.json").exists()
     assert not (job / claim.NAME).exists(), "the winner's claim outlived it"
     assert not (sweep / claim.NAME).exists(), "the winner's sweep claim outlived it"
+
+
+def _at_once(cmds: list[list[str]], cwd: Path, env: dict) -> list[subprocess.CompletedProcess]:
+    """Start the commands together (milliseconds apart; each then spends seconds importing and
+    composing, so they reach their claims at about the same moment) and wait for them all."""
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for cmd in cmds
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+@pytest.mark.slow  # two real jobs at once; the claim race itself: test_of_claimers_started_...
+def test_two_identical_commands_on_one_run_dir_at_once(tmp_path: Path) -> None:
+    """Two `python -m hydra_ddp.train ... hydra.run.dir=D` started together: one refused in one
+    line (exit 2) before it writes anything, the other finishes a whole, uncorrupted run."""
+    from conftest import FAST, user_env
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", *FAST, "trainer.max_steps=12",
+           "trainer.log_interval=1", "trainer.ckpt_interval=4",
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
+    done = _at_once([cmd, cmd], tmp_path, user_env(tmp_path))
+    codes = sorted(d.returncode for d in done)
+    assert codes == [0, 2], [d.stderr[-3000:] for d in done]
+    winner, loser = sorted(done, key=lambda d: d.returncode)
+    said = [ln for ln in (loser.stdout + loser.stderr).splitlines() if ln.strip()]
+    assert len(said) == 1 and said[0].startswith(f"error: {run_dir} is in use by another job"), said
+    assert "taking over" not in winner.stderr
+    # One run's files: one config record, one log, every step once, whole checkpoints.
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".hydra")) == [".hydra"]
+    assert (run_dir / "train.log").read_text().count("resumed from") == 0
+    steps = [json.loads(ln)["step"] for ln in (run_dir / "stats" / "rank0.jsonl").open()]
+    assert steps == list(range(1, 13)), steps
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
+    import torch
+
+    for ckpt in sorted((run_dir / "checkpoints").glob("step_*.pt")):
+        assert torch.load(ckpt, weights_only=False)["step"] == int(ckpt.stem[5:]), ckpt
+    assert not (run_dir / claim.NAME).exists()
+
+
+@pytest.mark.slow  # two real sweeps at once
+def test_two_sweeps_into_one_sweep_dir_at_once(tmp_path: Path) -> None:
+    """Two identical 2-job sweeps (`optim.lr=0.001,0.003`, W&B offline) into one sweep dir,
+    started together: one refused in one line (exit 2) before it writes or starts anything,
+    the other runs both jobs into one sweep report; every job's W&B run is in the sweep's group
+    with the swept key as its config, so W&B groups the runs per configuration."""
+    from conftest import FAST, user_env
+    from helpers import wandb_records
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", *FAST, "logger=wandb",
+           "trainer.max_steps=4", "trainer.log_interval=2", "optim.lr=0.001,0.003",
+           f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    done = _at_once([cmd, cmd], tmp_path, user_env(tmp_path, WANDB_MODE="offline"))
+    assert sorted(d.returncode for d in done) == [0, 2], [d.stderr[-3000:] for d in done]
+    winner, loser = sorted(done, key=lambda d: d.returncode)
+    said = [ln for ln in (loser.stdout + loser.stderr).splitlines() if ln.strip()]
+    assert len(said) == 1 and said[0].startswith(f"error: {sweep} is in use by another job"), said
+    assert "choose another hydra.sweep.dir" in said[0]
+    jobs = json.loads((sweep / "sweep_report.json").read_text())
+    assert [(j["job"], j["status"]) for j in jobs] == [
+        ("0_optim.lr=0.001", "ok"),
+        ("1_optim.lr=0.003", "ok"),
+    ]  # fmt: skip
+    lines = (sweep / "sweep_jobs.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["event"] for ln in lines] == ["start", "end", "start", "end"]
+    assert not any(p.name == claim.NAME for p in sweep.rglob("*"))
+    infos = []
+    for job, lr in (("0_optim.lr=0.001", 1e-3), ("1_optim.lr=0.003", 3e-3)):
+        (record,) = (sweep / job).glob("wandb/offline-run-*/run-*.wandb")
+        info = wandb_records.run_info(record)
+        assert info["config"]["swept"] == {"optim.lr": lr}, info["config"].get("swept")
+        assert job.split("_", 1)[1] in info["name"] and wandb_records.exit_code(record) == 0
+        infos.append(info)
+    assert infos[0]["group"] == infos[1]["group"] == f"sweep-{tmp_path.name}-sweep"
+    assert infos[0]["id"] != infos[1]["id"]

@@ -159,7 +159,7 @@ def test_group_layout_one_run_per_rank(tmp_path: Path) -> None:
         infos[info["job_type"]] = (info, wandb_records.history_rows(path), path)
     assert sorted(infos) == ["rank0", "rank1"]
     groups = {info["group"] for info, _, _ in infos.values()}
-    assert groups == {"test-group-train"}
+    assert groups == {"test-group"}  # the job's (a sweep's jobs: the sweep's)
     for rank in (0, 1):
         info, rows, path = infos[f"rank{rank}"]
         assert info["name"] == f"train-rank{rank}"
@@ -412,10 +412,17 @@ def _run_records(path: Path):
     return [r.run for r in wandb_records.read_records(path) if r.WhichOneof("record_type") == "run"]
 
 
+def _tagged(path: Path) -> list[str]:
+    """The W&B run each row of a stats file went to, in order."""
+    return [row["run"] for row in _jsonl(path)]
+
+
 def test_resumed_tracker_continues_its_run_and_never_resends_a_step(tmp_path: Path) -> None:
     """One process, layout=gather: killed after sending step 8 but checkpointed at 6, the job
-    resumes the same run (same id, name and group) and sends only what W&B lacks; a job that
-    starts again from step 0 in that dir gets a new run."""
+    resumes the run its stats name (same id and group) and sends only what W&B lacks; after
+    trainer.resume=never set those stats aside, a job from step 0 in that dir gets a new run."""
+    from hydra_ddp.tracking import set_aside_stats
+
     out = tmp_path / "out"
 
     def attempt(name: str, first: int, last: int, resumed: Optional[int]) -> None:
@@ -433,24 +440,49 @@ def test_resumed_tracker_continues_its_run_and_never_resends_a_step(tmp_path: Pa
         )
 
     attempt("first", 1, 8, None)
-    first_id = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]["id"]
+    (first_id,) = set(_tagged(out / "stats" / "aggregate.jsonl"))
     attempt("second", 7, 9, 6)  # resumed from the step-6 checkpoint: 7 and 8 again
     by_id = _files_by_id(out)
     assert list(by_id) == [first_id] and len(by_id[first_id]) == 2, by_id
     files = by_id[first_id]
     assert _steps(files, "rank0/loss") == list(range(1, 10))
     assert _steps(files, "val/acc") == [8, 9]
-    infos = [wandb_records.run_info(f) for f in files]
-    assert {i["name"] for i in infos} == {"first"}  # the resumed run keeps its name
-    assert {i["group"] for i in infos} == {"test-group"}
+    assert {wandb_records.run_info(f)["group"] for f in files} == {"test-group"}
     assert [wandb_records.exit_code(f) for f in files] == [0, 0]
+    assert set(_tagged(out / "stats" / "aggregate.jsonl")) == {first_id}
 
-    attempt("third", 1, 2, None)  # trainer.resume=never in the same dir: from step 0 again
-    recorded = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]
-    assert recorded["id"] != first_id and recorded["attempt"] == 1
+    set_aside_stats(out)  # trainer.resume=never in the same dir: from step 0 again
+    attempt("third", 1, 2, None)
+    (third_id,) = set(_tagged(out / "stats" / "aggregate.jsonl"))
+    assert third_id != first_id
     by_id = _files_by_id(out)
-    assert set(by_id) == {first_id, recorded["id"]}
-    assert _steps(by_id[recorded["id"]], "rank0/loss") == [1, 2]
+    assert set(by_id) == {first_id, third_id}
+    assert _steps(by_id[third_id], "rank0/loss") == [1, 2]
+
+
+def test_a_dir_whose_stats_name_no_run_resumes_the_run_wandb_ids_json_records(
+    tmp_path: Path,
+) -> None:
+    """An output dir of an earlier version, which recorded its runs in wandb_ids.json and did
+    not tag its stats rows: its job continues the recorded run; another project's record is
+    not reopened."""
+    out = tmp_path / "out"
+    out.mkdir()
+    entry = {"id": "0123456789abcdef", "project": "hydra-ddp-tests", "entity": None}
+    (out / "wandb_ids.json").write_text(json.dumps({"runs": {"gather": entry}}))
+    ranks.run(resume_attempt, out, "second", 1, 2, 1, world_size=1, group=False,
+              env=_env(tmp_path))  # fmt: skip
+    (record,) = _runs(out)
+    assert wandb_records.run_info(record)["id"] == "0123456789abcdef"
+
+    other = tmp_path / "other"
+    other.mkdir()
+    entry["project"] = "another-project"
+    (other / "wandb_ids.json").write_text(json.dumps({"runs": {"gather": entry}}))
+    ranks.run(resume_attempt, other, "third", 1, 2, None, world_size=1, group=False,
+              env=_env(tmp_path))  # fmt: skip
+    (record,) = _runs(other)
+    assert wandb_records.run_info(record)["id"] != "0123456789abcdef"
 
 
 # log_interval=1 and min_interval_s=0: every step is a W&B row, so a lost or repeated one shows.
@@ -474,29 +506,28 @@ def test_resumed_job_continues_its_wandb_runs(tmp_path: Path, layout: str) -> No
     logs into the same run(s) (one per rank for group): steps 1..9 once each, in order."""
     out = tmp_path / "job"
     _job(tmp_path, out, "trainer.max_steps=6", f"logger.layout={layout}")
-    recorded = json.loads((out / "wandb_ids.json").read_text())["runs"]
-    keys = ["gather"] if layout == "gather" else ["rank0", "rank1"]
-    assert sorted(recorded) == keys
+    # The stats name each row's run: rank 0's rows its run, rank 1's its own (group).
+    keys = ["rank0"] if layout == "gather" else ["rank0", "rank1"]
+    recorded = {k: set(_tagged(out / "stats" / f"{k}.jsonl")) for k in keys}
+    assert all(len(ids) == 1 for ids in recorded.values()), recorded
     _job(tmp_path, out, "trainer.max_steps=9", f"logger.layout={layout}")
-    assert json.loads((out / "wandb_ids.json").read_text())["runs"] == recorded  # unchanged
+    assert {k: set(_tagged(out / "stats" / f"{k}.jsonl")) for k in keys} == recorded
+    assert not (out / "wandb_ids.json").exists()
 
     by_id = _files_by_id(out)
-    assert sorted(by_id) == sorted(recorded[k]["id"] for k in keys)
+    assert sorted(by_id) == sorted(next(iter(ids)) for ids in recorded.values())
     train_key = "rank1/loss" if layout == "gather" else "train/loss"
     for key in keys:
-        files = by_id[recorded[key]["id"]]
+        files = by_id[next(iter(recorded[key]))]
         assert len(files) == 2, files  # one offline-run-* dir per attempt, one run id
         assert _steps(files, train_key) == list(range(1, 10))
         infos = [wandb_records.run_info(f) for f in files]
-        # The second attempt's overrides differ, yet the run keeps its name and group.
         assert len({(i["name"], i["group"], i["job_type"]) for i in infos}) == 1, infos
-        assert infos[1]["config"]["trainer"]["max_steps"] == 9
+        assert infos[1]["config"]["trainer"]["max_steps"] == 9  # the newest overrides
         assert [wandb_records.exit_code(f) for f in files] == [0, 0]
-        if key in ("gather", "rank0"):
+        if key == "rank0":
             assert _steps(files, "agg/loss_mean") == list(range(1, 10))
             assert _steps(files, "test/acc") == [6, 9]
-    first, second = (_run_records(f)[0] for f in by_id[recorded[keys[0]]["id"]])
-    assert not first.resume and second.resume  # W&B records the second as a resume
 
 
 @pytest.mark.slow
@@ -556,7 +587,7 @@ def test_a_wandb_timeout_is_unreachable_even_with_403_in_the_run_id() -> None:
     import wandb
 
     from hydra_ddp.config import LoggerConfig
-    from hydra_ddp.tracking.wandb_errors import init_error
+    from hydra_ddp.tracking.wandb_mode import init_error
 
     cfg = LoggerConfig(sink={"_target_": "hydra_ddp.tracking.wandb_sink.WandbSink"})
     timed_out = "Failed to get resume status for run 40379b8e21bb9fcd: context deadline exceeded"

@@ -1,11 +1,10 @@
 """W&B for a logged-in user's concerns, checked offline: a secret given on the command line
-leaves no trace in the W&B run, wandb_ids.json, the logs or the console (one real CLI run);
+leaves no trace in the W&B run, the logs or the console (one real CLI run);
 a run stopped by SIGTERM finishes with a non-zero exit code; fresh runs in a dir re-created at
 the same path get new ids."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ def test_a_secret_on_the_command_line_reaches_no_file_log_or_console(tmp_path: P
         p for p in out.rglob("*")
         if p.is_file() and ".hydra" not in p.parts and SECRET.encode() in p.read_bytes()
     ]  # fmt: skip
-    assert not leaked, leaked  # wandb/ (config, metadata, args), wandb_ids.json, logs, run.json
+    assert not leaked, leaked  # wandb/ (config, metadata, args), logs, run.json
     assert SECRET in (out / ".hydra" / "config.yaml").read_text()  # the job's own record keeps it
     (record,) = _runs(out)
     config = wandb_records.run_info(record)["config"]
@@ -72,12 +71,11 @@ def test_a_sigterm_stopped_run_finishes_non_zero_and_fresh_ids_are_new(tmp_path:
     assert "stopped on SIGTERM at step" in str(done[0]), done[0]
     (record,) = _runs(out)
     assert wandb_records.exit_code(record) == 128 + 15
-    first_id = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]["id"]
+    first_id = wandb_records.run_info(record)["id"]
 
     shutil.rmtree(out)  # the same path, a new run
     cfg, info = job(out, "logger.mode=offline", "trainer.progress=false", "trainer.max_steps=2")
     ranks.run(_train, cfg, info, world_size=1, group=False, env=wandb_env)
-    second_id = json.loads((out / "wandb_ids.json").read_text())["runs"]["gather"]["id"]
-    assert second_id != first_id
     (record,) = _runs(out)
+    assert wandb_records.run_info(record)["id"] != first_id
     assert wandb_records.exit_code(record) == 0

@@ -1,9 +1,9 @@
 """The files of a run dir as a user may have left them, and why a write there failed.
 
 * `open_regular` / `check_regular`: every file the template opens in a run dir (checkpoints,
-  stats, summary.json, wandb_ids.json, the claim, the logs) must be a regular file. A FIFO
+  stats, summary.json, the claim, the logs) must be a regular file. A FIFO
   there blocks whoever opens it until a writer comes, with no timeout (the job hangs, and its
-  claim's heartbeat keeps the dir locked); a socket or a device is no checkpoint either. Each
+  claim keeps the dir locked); a socket or a device is no checkpoint either. Each
   is refused in one line naming the file and what to do.
 * `check_archive`: a checkpoint file that is no torch.save archive, in one line.
 * `write_advice`, `file_too_large`: what to do about a write that failed (a full disk, a

@@ -1,6 +1,6 @@
 """One rule for what counts as a secret, applied wherever a config or a command line leaves the
 job's own `.hydra/` record: W&B's config, run name, group and command line, the console's config
-tree, the rank logs, `wandb_ids.json` and `run.json`.
+tree, the rank logs and `run.json`.
 
 A key is secret when its last part contains `token`, `secret`, `password`/`passwd`,
 `api_key`/`apikey`, `access_key`, `credential` or `private_key` (`hf_token`,

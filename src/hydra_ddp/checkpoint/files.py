@@ -25,7 +25,6 @@ from hydra_ddp.disk import (
     write_failed,
 )
 from hydra_ddp.errors import UserError, first_line
-from hydra_ddp.rundir.claim import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +109,12 @@ def fsync_dir(folder: Path) -> None:
 
 
 def _remove_stale_tmp(folder: Path) -> None:
-    """Delete temporary files left by writers that were killed mid-write (their pid is gone).
-    Only global rank 0 ever writes here, so a live pid other than ours is not expected."""
+    """Delete temporary files left by writers that were killed mid-write. Only global rank 0
+    of the job that holds the run dir (rundir/claim.py) writes here: another pid's file is a
+    dead writer's."""
     for p in folder.iterdir():
         m = _TMP.match(p.name)
-        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid():
             p.unlink(missing_ok=True)
 
 

@@ -47,6 +47,7 @@ from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.protocols import Sink, missing_members
 from hydra_ddp.rank_job import build_components
 from hydra_ddp.rundir import claim, sweeps
+from hydra_ddp.rundir.paths import swept_overrides
 from hydra_ddp.tracking import RunInfo
 
 log = logging.getLogger(__name__)
@@ -202,12 +203,20 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
         name = hc.job.override_dirname or hc.job.name
         group = "-".join(output_dir.parts[-2:])
     config = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
-    # The name and group reach W&B and wandb_ids.json: no secret value in them. Jobs of a
-    # sweep that differ only in a secret are then told apart by their number, as their dirs.
+    # The name and group reach W&B: no secret value in them. Jobs of a sweep that differ only
+    # in a secret are then told apart by their number, as their dirs.
     blanked = ",".join(redact.overrides(name.split(",")))
     name = f"{hc.job.num}_{blanked}" if multirun and blanked != name else blanked
     overrides = list(hc.overrides.task)
-    return RunInfo(output_dir, job_name=name, group=group, config=config, overrides=overrides)
+    swept: dict[str, Any] = {}
+    params = OmegaConf.select(hc, "sweeper.params", default=None)
+    for key, value in swept_overrides(overrides, hc.sweep.dir, params) if multirun else []:
+        # The value the job ran with, typed (0.001 for `1e-3`); a config group's choice
+        # (`model=cnn`) and a secret's blank as the override says.
+        found = OmegaConf.select(dict_cfg, key, default=None) if "@" not in key else None
+        plain = isinstance(found, (bool, int, float, str)) and value != redact.REDACTED
+        swept[key] = found if plain else value
+    return RunInfo(output_dir, name, group, config, overrides=overrides, swept=swept)
 
 
 def _fail_task_at_exit(code: int) -> None:

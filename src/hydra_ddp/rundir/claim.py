@@ -1,18 +1,17 @@
 """One job per run dir: global rank 0 claims `<run dir>/.claim` before anything is written there.
 
-A second job started in a dir that a live job holds (a user re-running a command in a second
-terminal, a resubmitted SLURM job whose first copy still runs) stops in one line naming the
-holder. A claim whose holder is gone is taken over with a warning, so a restart still resumes:
-a dead process on this host, a claim of the same launcher job (torchrun's elastic restart,
-SLURM's requeue: same job id), or one whose heartbeat (the file's mtime, refreshed every
-`HEARTBEAT_S` by its holder) stopped on another host (a lost node).
+The claim is an OS lock on that file (`fcntl.flock`), which the kernel drops when its holder
+dies, however it dies (SIGKILL, the OOM killer; a zombie has closed its files). A second job
+started in a dir a live job holds stops in one line naming the holder, which the file records;
+a dir whose holder died is taken over at once, so a re-run, torchrun's elastic restart and
+SLURM's requeue resume. Every process of the job that writes there holds a shared lock: rank 0
+(the self-launch parent) from its claim, each self-launched worker from its start (`join`), so
+the workers of a SIGKILLed parent keep the dir until they have saved and stopped. What the lock
+does not cover (a shared file system's node-local locks, a lost node): when_things_go_wrong.md.
 
-"Gone" means every process of the job: the claimer and each worker that writes into the dir
-hold a shared `flock` on the claim file (`join`), which the kernel drops when a process dies,
-however it dies. A claim whose lock is still held is never taken over, even when its claimer's
-pid is dead: the workers of a SIGKILLed self-launch parent go on until they have saved and
-stopped (they get SIGTERM: preemption.exit_with_parent), and a restart in that second would
-otherwise write the same checkpoints and stats as they do.
+`fcntl.flock` itself: filelock truncates the lock file as it opens it (it could not name the
+holder) and has no shared lock; portalocker wraps this call for Windows; fasteners takes POSIX
+record locks, which a process loses when it closes any descriptor of the file.
 """
 
 from __future__ import annotations
@@ -22,146 +21,79 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from hydra_ddp.disk import check_regular
 from hydra_ddp.errors import UserError
 
 NAME = ".claim"
-HEARTBEAT_S = 30.0
-STALE_S = 4 * HEARTBEAT_S
-_held: dict[Path, threading.Event] = {}
-_locks: list[int] = []  # open descriptors of the claim files this process holds a lock on
-# The sweep dirs this process launches sweeps into: held apart from the job claims, which a job
-# run in this process (the basic launcher) gives back as it ends.
-_sweeps: dict[Path, tuple[threading.Event, int]] = {}
+# How long a busy lock is tried again before the dir counts as taken: another job's rank that
+# checks the claim (`wait_for_own_job`), or a claimer stepping down to a shared lock, holds it
+# for microseconds; a job holds it for its life.
+RETRY_S = 1.0
+_JOB_KEYS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID", "SUBMITIT_LOCAL_JOB_ID")
 
-
-def _job_id() -> str | None:
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
-        if key in os.environ:
-            return f"{key}={os.environ[key]}"
-    return None
-
-
-def _me() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "job": _job_id(),
-        "since": time.time(),
-    }
-
-
-def _alive(holder: dict[str, Any], path: Path) -> bool:
-    if holder.get("job") and holder.get("job") == _job_id():
-        return False  # an earlier attempt of this very job (restart, requeue)
-    if holder.get("host") == socket.gethostname():
-        try:
-            return pid_alive(int(holder["pid"]))
-        except (KeyError, ValueError, TypeError):
-            return True  # a claim we cannot read a pid from: not ours to take
-    try:  # another host: alive while its heartbeat is
-        return time.time() - path.stat().st_mtime < STALE_S
-    except OSError:
-        return False
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` (on this host) still runs. A zombie does not: it has exited and
-    closed its files, and waits only for its parent to reap it. The workers of a SIGKILLed
-    launcher are reparented to PID 1, which may reap late (this VM's init: up to 2 s) or never
-    (a container with no init), and a re-run in that window must still resume."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True  # another user's live process
+# The dirs this process claimed, each with the descriptor that holds its lock (None: the file
+# system has no locks). Sweep dirs are held across the sweep's jobs, which a job run in this
+# process (the basic launcher) gives back as it ends.
+_held: dict[Path, int | None] = {}
+_sweeps: set[Path] = set()
+_joined: list[int] = []  # a self-launched worker's share of its parent's claim
 
 
 def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
     """Claim `run_dir` for this process (exit 2 with one line if a live job holds it; `key`:
     the setting that chooses another dir)."""
-    run_dir = Path(run_dir)
-    path = run_dir / NAME
+    shown, run_dir = Path(run_dir), Path(run_dir).resolve()
     if run_dir in _held:
         return
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            _refuse_unless_regular(path)
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            busy = _still_held(path)
-            if busy or (holder and _alive(holder, path)):
-                still = " (a process of that job still runs: its workers stop after saving)"
-                sys.stderr.write(
-                    f"error: {run_dir} is in use by another job ({_describe(holder)}, since "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
-                    f"){still if busy and not _alive(holder, path) else ''}: wait for it to end, "
-                    f"or choose another {key}; if that job is gone, delete {path}\n"
-                )
-                raise SystemExit(2) from None
+    path = run_dir / NAME
+    for _ in range(100):  # another round when its holder removed the file as we locked it
+        fd = _open(path, os.O_RDWR | os.O_CREAT)
+        taken = _lock(fd, fcntl.LOCK_EX)
+        if taken is None:
+            os.close(fd)
+            sys.stderr.write(
+                f"warning: {path.parent} is on a file system without file locks: a second "
+                "job started in this dir would not be refused\n"
+            )
+            _held[run_dir] = None
+            return
+        if not taken:
+            holder = _read(fd)
+            os.close(fd)
+            _refuse(shown, holder, key)
+        if not _same_file(fd, path):
+            os.close(fd)
+            continue
+        previous, mine = _read(fd), _me()
+        _write(fd, mine)
+        # Shared, so this job's workers can join it. Not atomic: a claimer that got the
+        # exclusive lock in between has written itself in, and the dir is its.
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if _read(fd) != mine:
+            holder = _read(fd)
+            os.close(fd)
+            _refuse(shown, holder, key)
+        if previous:  # a job that ended well removed the file: this one died holding it
             # Hydra has not set up logging yet (this runs as it resolves the log file's name).
             sys.stderr.write(
-                f"warning: taking over {path} from a job that is gone ({_describe(holder)})\n"
+                f"warning: taking over {path} from a job that is gone ({_describe(previous)})\n"
             )
-            path.unlink(missing_ok=True)
-            continue
-        os.write(fd, json.dumps(_me()).encode())
-        _lock_shared(fd)
-        stop = threading.Event()
-        _held[run_dir] = stop
-        threading.Thread(target=_heartbeat, args=(path, stop), daemon=True).start()
+        _held[run_dir] = fd
         return
-    raise SystemExit(f"error: could not claim {path}: another job keeps taking it")
+    raise SystemExit(f"error: could not claim {path}: other jobs keep replacing it")
 
 
-def _refuse_unless_regular(path: Path) -> None:
-    """Exit 2 with one line when the claim file is a FIFO, a socket or a device: reading it
-    (a FIFO) would wait for ever, and no job of this template made it."""
-    try:
-        check_regular(path, "the claim file", f"delete it (a job's claim on {path.parent} is "
-                      "a regular file that the job writes)")  # fmt: skip
-    except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
-        raise SystemExit(2) from None
-
-
-def _lock_shared(fd: int) -> None:
-    """Hold a shared lock on the claim file through `fd` for the life of this process."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        pass  # a file system without locks: the pid and heartbeat rules still apply
-    _locks.append(fd)
-
-
-def _still_held(path: Path) -> bool:
-    """True while some process (of any host sharing the file system's locks) holds the claim
-    file's lock: the job that made it is not gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait for a writer
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False  # no locks here: the pid and heartbeat rules decide
-    finally:
-        os.close(fd)  # also drops the lock we got
-    return False
+def claim_sweep(sweep_dir: str | Path) -> None:
+    """The process that launches a multirun: claim `sweep_dir` for the whole sweep, before
+    anything is written there or any job is submitted. A second sweep into the dir of a live
+    one is so refused at once, in one line (exit 2), instead of after each of its jobs has
+    started (submitit's start-up) and found its job dir taken."""
+    claim(sweep_dir, key="hydra.sweep.dir")
+    _sweeps.add(Path(sweep_dir).resolve())
 
 
 def join(run_dir: str | Path) -> None:
@@ -169,10 +101,13 @@ def join(run_dir: str | Path) -> None:
     too, so the dir is not taken over while this process can still write there."""
     path = Path(run_dir) / NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: no wait for a writer
+        fd = _open(path, os.O_RDONLY)
     except OSError:
-        return  # no claim (a run dir from before claims): nothing to hold
-    _lock_shared(fd)
+        return  # no claim: its file system has no locks
+    if _lock(fd, fcntl.LOCK_SH):
+        _joined.append(fd)
+    else:  # no locks here; or the parent died and another job took the dir: SIGTERM comes
+        os.close(fd)
 
 
 def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
@@ -190,15 +125,19 @@ def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
     path = Path(run_dir) / NAME
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        _refuse_unless_regular(path)
         try:
-            holder = json.loads(path.read_text() or "{}")
-        except (OSError, ValueError):
-            holder = None
-        if holder is not None:
-            if holder.get("job") and holder.get("job") == _job_id():
+            fd = _open(path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None
+        if fd is not None:
+            holder = _read(fd)
+            if holder.get("job") == _job_id():
+                os.close(fd)
                 return
-            if _still_held(path) or (holder and _alive(holder, path)):
+            # An empty file is a claimer that has not written itself in: maybe our rank 0.
+            busy = bool(holder) and _lock(fd, fcntl.LOCK_EX, retry_s=0) is False
+            os.close(fd)  # also drops the lock if we got it
+            if busy:
                 sys.stderr.write(
                     f"error: {run_dir} is in use by another job ({_describe(holder)}): this "
                     "job's rank 0 stops too; wait for that job to end, or choose another "
@@ -206,6 +145,149 @@ def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
                 )
                 raise SystemExit(2)
         time.sleep(0.2)
+
+
+def release_all() -> None:
+    """Give back this process's job claims (the end of the job)."""
+    for run_dir in [d for d in _held if d not in _sweeps]:
+        _give_back(run_dir)
+    while _joined:
+        os.close(_joined.pop())
+
+
+def release_sweep() -> None:
+    """Give back the sweep dirs this process claimed (the end of the multirun)."""
+    for sweep_dir in list(_sweeps):
+        _give_back(sweep_dir)
+
+
+def _give_back(run_dir: Path) -> None:
+    fd = _held.pop(run_dir)
+    _sweeps.discard(run_dir)
+    if fd is None:
+        return
+    path = run_dir / NAME
+    # Removed while still locked: a later job finds no record of one that ended well, and a
+    # claimer that opened the file meanwhile sees it is gone (_same_file) and makes a new one.
+    if _same_file(fd, path) and _read(fd).get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
+    os.close(fd)
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the parent's locks through the descriptors
+    it inherits; it lets go of them, so the parent's death frees the dir at once, not when the
+    child notices it some seconds later. The parent keeps its locks."""
+    for fd in [*_held.values(), *_joined]:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _held.clear()
+    _sweeps.clear()
+    _joined.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _open(path: Path, flags: int) -> int:
+    """The claim file's descriptor; not blocking, should a FIFO appear after the check."""
+    _refuse_unless_regular(path)
+    return os.open(path, flags | os.O_NONBLOCK, 0o644)
+
+
+def _refuse_unless_regular(path: Path) -> None:
+    """Exit 2 with one line when the claim file is a FIFO, a socket or a device: reading it
+    (a FIFO) would wait for ever, and no job of this template made it."""
+    try:
+        check_regular(path, "the claim file", f"delete it (a job's claim on {path.parent} is "
+                      "a regular file that the job writes)")  # fmt: skip
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        raise SystemExit(2) from None
+
+
+def _lock(fd: int, how: int, retry_s: float = RETRY_S) -> bool | None:
+    """Take lock `how` (LOCK_EX, LOCK_SH) on `fd`, trying again for `retry_s` while it is busy:
+    True when taken, False when still busy, None where the file system has no locks."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        except OSError:  # ENOLCK, EOPNOTSUPP, ...: Lustre without `-o flock`, some FUSE
+            return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    locked = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino)
+
+
+def _read(fd: int) -> dict[str, Any]:
+    """The holder a claim file records ({} while its claimer has not written it yet)."""
+    try:
+        found = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _write(fd: int, holder: dict[str, Any]) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+
+def _job_id() -> str | None:
+    for key in _JOB_KEYS:
+        if key in os.environ:
+            return f"{key}={os.environ[key]}"
+    return None
+
+
+def _me() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": _job_id(),
+        "since": time.time(),
+    }
+
+
+def _refuse(run_dir: Path, holder: dict[str, Any], key: str) -> None:
+    since = holder.get("since")
+    when = time.strftime(", since %Y-%m-%d %H:%M:%S", time.localtime(since)) if since else ""
+    note, host = "", holder.get("host")
+    if host == socket.gethostname():
+        if not _pid_exists(holder.get("pid")):
+            note = " (a process of that job still runs: its workers stop after saving)"
+    elif host:  # a lock on a shared file system: a lost node's may outlive it (NFSv3)
+        note = f"; if {host} is down for good, delete {run_dir / NAME}"
+    sys.stderr.write(
+        f"error: {run_dir} is in use by another job ({_describe(holder)}{when}): wait for it "
+        f"to end, or choose another {key}{note}\n"
+    )
+    raise SystemExit(2)
+
+
+def _pid_exists(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        pass  # another user's process; no pid recorded
+    return True
 
 
 def _on_first_node() -> bool:
@@ -219,54 +301,6 @@ def _on_first_node() -> bool:
 
 def _describe(holder: dict[str, Any]) -> str:
     if not holder:
-        return "an unreadable claim"
+        return "a job that is starting"
     who = f"pid {holder.get('pid')} on {holder.get('host')}"
     return who + (f" ({holder['job']})" if holder.get("job") else "")
-
-
-def _heartbeat(path: Path, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_S):
-        try:
-            os.utime(path)
-        except OSError:
-            return
-
-
-def claim_sweep(sweep_dir: str | Path) -> None:
-    """The process that launches a multirun: claim `sweep_dir` for the whole sweep, before
-    anything is written there or any job is submitted. A second sweep into the dir of a live
-    one is so refused at once, in one line (exit 2), instead of after each of its jobs has
-    started (submitit's start-up) and found its job dir taken."""
-    sweep_dir = Path(sweep_dir)
-    if sweep_dir in _sweeps:
-        return
-    claim(sweep_dir, key="hydra.sweep.dir")
-    # Moved apart from the job claims; claim() appended its lock's descriptor last.
-    _sweeps[sweep_dir] = (_held.pop(sweep_dir), _locks.pop())
-
-
-def release_sweep() -> None:
-    """Give back the sweep dirs this process claimed (the end of the multirun)."""
-    for sweep_dir, (stop, fd) in list(_sweeps.items()):
-        _give_back(sweep_dir, stop)
-        os.close(fd)
-        _sweeps.pop(sweep_dir, None)
-
-
-def _give_back(run_dir: Path, stop: threading.Event) -> None:
-    stop.set()
-    path = run_dir / NAME
-    try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
-    except (OSError, ValueError):
-        pass
-
-
-def release_all() -> None:
-    """Give back this process's job claims (the end of the job)."""
-    for run_dir, stop in list(_held.items()):
-        _give_back(run_dir, stop)
-        _held.pop(run_dir, None)
-    while _locks:
-        os.close(_locks.pop())

@@ -162,19 +162,26 @@ def sweep_subdir(
     SUBDIR_MAX_CHARS is cut and ends in a hash of the whole, so no name is too long for the
     file system and two long ones stay apart. Resolved in the job's own process (also under
     submitit), from its own overrides."""
-    pairs = [split_override(line) for line in task_overrides]
-    keys = _known_swept_keys(Path(sweep_dir), sweeper_params)
-    if keys is not None:
-        pairs = [(k, v) for k, v in pairs if k in keys]
-    # A secret's value (redact.py's rule) would be in every log line, path and W&B run that
-    # names the dir: the job number tells such jobs apart instead.
-    pairs = [(k, redact.REDACTED if v and redact.is_secret(k) else v) for k, v in pairs]
+    pairs = swept_overrides(task_overrides, sweep_dir, sweeper_params)
     full = "_".join([str(num), *([",".join(f"{k}={v}" for k, v in pairs)] if pairs else [])])
     name = _UNSAFE.sub("_", full)
     if len(name) > SUBDIR_MAX_CHARS:
         digest = hashlib.sha256(full.encode()).hexdigest()[:8]
         name = f"{name[: SUBDIR_MAX_CHARS - len(digest) - 1]}-{digest}"
     return name
+
+
+def swept_overrides(
+    task_overrides: Sequence[str], sweep_dir: str, sweeper_params: Any = None
+) -> list[tuple[str, str]]:
+    """This job's `(key, value)` for each key its sweep varies, as `sweep_subdir` finds them.
+    A secret's value (redact.py's rule) would be in every log line, path and W&B run that
+    names the dir: it is blanked, and the job number tells such jobs apart instead."""
+    pairs = [split_override(line) for line in task_overrides]
+    keys = _known_swept_keys(Path(sweep_dir), sweeper_params)
+    if keys is not None:
+        pairs = [(k, v) for k, v in pairs if k in keys]
+    return [(k, redact.REDACTED if v and redact.is_secret(k) else v) for k, v in pairs]
 
 
 def override_value(line: str) -> str | None:

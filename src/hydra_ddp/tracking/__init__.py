@@ -8,8 +8,8 @@ fanned out to sinks.
     sink.py              RunInfo, Record and the Sink base (contract: hydra_ddp.protocols.Sink)
     files.py             JSON lines under <output dir>/stats/ (always)
     tensorboard_sink.py  logger=tensorboard
-    wandb_sink.py        logger=wandb, its layouts and throttling; wandb_mode.py,
-                         wandb_login.py, wandb_ids.py and wandb_errors.py do the rest
+    wandb_sink.py        logger=wandb: its layouts, run ids and throttling
+    wandb_mode.py        W&B's mode (the login it would find), start timeout, one-line errors
     stats.py             what the loop records between log points (per-rank stats, memory)
     console.py           what a person sees: rank 0's config tree, progress bar and summary
 

@@ -24,6 +24,8 @@ class RunInfo:
     group: str  # one per sweep (or per job when not sweeping)
     config: dict  # the resolved config as plain containers (the run's W&B config)
     overrides: List[str] = field(default_factory=list)  # the job's command-line overrides
+    # A sweep's job: each key its sweep varies, with this job's value (a secret's blanked).
+    swept: Dict[str, Any] = field(default_factory=dict)
 
 
 class Sink:

@@ -1,30 +1,40 @@
-"""W&B's mode for this job (online, offline, disabled) from ``logger.mode`` and the
-environment, with the reason for the choice; and how long an online start may take."""
+"""How a W&B run starts, and what the job says when it cannot: the mode (online, offline,
+disabled) from ``logger.mode``, the environment and the login W&B would find; how long an online
+start may take; W&B's errors as one line each, saying what to do (errors.UserError).
+
+The login is looked for in local files only, never prompting nor asking the server, so that
+``logger.mode=auto`` is decided at once without an account or a network. ``wandb.login(prompt=
+False, verify=False)`` reads the same places but also makes the key the process's session
+credentials and rewrites W&B's settings file.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+from pathlib import Path
+from typing import Optional
 
 from hydra_ddp.config import LoggerConfig, WandbMode
 from hydra_ddp.errors import UserError, shorten
-from hydra_ddp.tracking.wandb_login import wandb_credentials_source, wandb_host
 
-_ENV_MODES = {
-    "online": "online",
-    "run": "online",
-    "offline": "offline",
-    "dryrun": "offline",
-    "disabled": "disabled",
-}
+# W&B rejects longer groups/names/job types.
+WANDB_MAX_LEN = 128
+# The longest W&B reason quoted in an error line.
+REASON_MAX_LEN = 200
+# WANDB_MODE's values as W&B reads them.
+_ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
+              "disabled": "disabled"}  # fmt: skip
 
 
 def resolve_mode(mode: WandbMode) -> tuple[str, str]:
     """Turn ``logger.mode`` into W&B's mode and a human-readable reason for the choice.
 
     ``auto`` honours an explicit ``WANDB_MODE`` / ``WANDB_DISABLED`` in the environment, else
-    goes online exactly when W&B credentials exist locally (see `wandb_credentials_source`).
+    goes online exactly when W&B credentials exist locally (see `credentials_source`).
     """
-    if mode == WandbMode.online and wandb_credentials_source() is None:
+    if mode == WandbMode.online and credentials_source() is None:
         # W&B would ask for a key on a terminal and wait forever (or fail on every rank).
         host, where = wandb_host()
         raise UserError(
@@ -38,7 +48,7 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
     env_mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if env_mode in _ENV_MODES:
         return _ENV_MODES[env_mode], f"WANDB_MODE={env_mode}"
-    source = wandb_credentials_source()
+    source = credentials_source()
     if source is None:
         host, _ = wandb_host()
         return "offline", (
@@ -47,17 +57,133 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
     return "online", f"logger.mode=auto found W&B credentials in {source}"
 
 
+def credentials_source() -> Optional[str]:
+    """Where W&B would find credentials on this machine (never the key itself), or None.
+
+    The places W&B reads: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, and the netrc
+    entry (``$NETRC``, ``~/.netrc`` or ``~/_netrc``) that ``wandb login`` writes for the W&B
+    host (`wandb_host`). A key's validity is not checked here."""
+    import netrc
+
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(key):
+            return key
+    host, where = wandb_host()
+    names = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    for name in names:
+        path = Path(name).expanduser()
+        try:
+            if netrc.netrc(str(path)).authenticators(host):
+                return f"{path.name} for {host} ({where})"
+        except (netrc.NetrcParseError, OSError):
+            continue
+    return None
+
+
+def wandb_host() -> tuple[str, str]:
+    """The W&B server host W&B itself would use, and which setting named it:
+    ``WANDB_BASE_URL``, else the ``base_url`` that ``wandb login --host`` saved in W&B's
+    settings file (``./wandb/settings``, ``$WANDB_CONFIG_DIR/settings``, default
+    ``~/.config/wandb/settings``), else api.wandb.ai."""
+    import configparser
+    from urllib.parse import urlsplit
+
+    url, where = os.environ.get("WANDB_BASE_URL"), "WANDB_BASE_URL"
+    config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")).expanduser()
+    for path in (Path("wandb") / "settings", config_dir / "settings"):
+        if url:
+            break
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error:
+            continue
+        if parser.has_option("default", "base_url"):
+            url, where = parser.get("default", "base_url"), str(path)
+    if not url:
+        url, where = "https://api.wandb.ai", "the default host"
+    return urlsplit(url if "//" in url else f"https://{url}").netloc, where
+
+
 def init_timeout_s(cfg: LoggerConfig) -> tuple[float, str]:
     """How long wandb.init may try to reach the server, and which setting said so."""
     env = os.environ.get("WANDB_INIT_TIMEOUT", "").strip()
-    if env:
-        try:
-            if float(env) > 0:
-                return float(env), "WANDB_INIT_TIMEOUT"
-        except ValueError:
-            pass
-        raise UserError(
-            f"WANDB_INIT_TIMEOUT={shorten(env)} is not a number of seconds > 0: unset it or "
-            "set logger.init_timeout_s"
+    if not env:
+        return cfg.init_timeout_s, "logger.init_timeout_s"
+    try:
+        if float(env) > 0:
+            return float(env), "WANDB_INIT_TIMEOUT"
+    except ValueError:
+        pass
+    raise UserError(
+        f"WANDB_INIT_TIMEOUT={shorten(env)} is not a number of seconds > 0: unset it or set "
+        "logger.init_timeout_s"
+    )
+
+
+def clip(text: str, limit: int = WANDB_MAX_LEN) -> str:
+    """Shorten over-long W&B names while keeping distinct inputs distinct."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+    return f"{text[: limit - 9]}-{digest}"
+
+
+def reason(error: Exception, project: str) -> str:
+    """W&B's own reason, first line only, with the project name shortened and the whole
+    clipped (W&B quotes a 300-character name back in full)."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    text = lines[0].replace(project, shorten(project, 40)) if project else lines[0]
+    if len(text) > REASON_MAX_LEN:
+        text = text[: REASON_MAX_LEN - 3] + "..."
+    return text
+
+
+def shared_needs_online(why: str) -> UserError:
+    return UserError(
+        f"logger.layout=shared needs W&B online ({why}); use logger.layout=gather or group, "
+        "or log in (`wandb login` or WANDB_API_KEY)"
+    )
+
+
+def init_error(error: Exception, cfg: LoggerConfig, mode: str) -> UserError:
+    """What wandb.init raised, as the line the job stops with."""
+    import wandb
+
+    why = reason(error, cfg.project)
+    if isinstance(error, (wandb.errors.AuthenticationError, wandb.errors.UsageError)):
+        if isinstance(error, wandb.errors.AuthenticationError):
+            todo = "log in again (`wandb login`, or WANDB_API_KEY), or set logger.mode=offline"
+        elif mode == "offline":
+            todo = (
+                "fix logger.project / logger.entity / logger.name (W&B allows up to "
+                f"{WANDB_MAX_LEN} characters, none of / \\ # ? % :)"
+            )
+        else:
+            todo = (
+                "fix logger.project / logger.entity / logger.name and check your W&B login, "
+                "or set logger.mode=offline"
+            )
+        project = shorten(cfg.project, quote=True)
+        return UserError(f"W&B could not start a run for logger.project={project} ({why}): {todo}")
+    if isinstance(error, (wandb.errors.CommError, TimeoutError)):
+        # Status codes as whole words: a run id (hex) may hold "403" and time out all the same.
+        if re.search(r"not found|\b(404|403|409)\b|permission|deleted|conflict", why, re.I):
+            # The server answered, and said no: nothing to do with the network.
+            return UserError(
+                f"W&B refused the run ({why}): check logger.entity and logger.project (and "
+                "your access to them); a run deleted on the server cannot be resumed: "
+                "trainer.resume=never starts new runs (from step 0)"
+            )
+        # Else the server is out of reach (no network, a wrong WANDB_BASE_URL, a firewall):
+        # wandb.init has given up after `timeout` seconds.
+        timeout, timeout_from = init_timeout_s(cfg)
+        return UserError(
+            f"W&B could not be reached within {timeout:g} s ({timeout_from}; {why}): rerun "
+            "with logger.mode=offline and upload later with `wandb sync <output dir>/wandb/"
+            f"offline-run-*`, or check the network and WANDB_BASE_URL, or raise {timeout_from}"
         )
-    return cfg.init_timeout_s, "logger.init_timeout_s"
+    return UserError(
+        f"W&B could not start a run ({type(error).__name__}: {why}): set logger.mode=offline "
+        "to train without the server, and upload later with `wandb sync`"
+    )

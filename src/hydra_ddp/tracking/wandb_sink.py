@@ -3,8 +3,8 @@
   ``gather``  rank 0 owns the only run and logs ``rank{r}/<stat>`` for every rank plus
               ``agg/<stat>``; other ranks' ``ctx.log`` values reach it at the next log
               interval (tracker.Tracker forwards them) as ``rank{r}/<key>``;
-  ``group``   one run per rank (``job_type=rank{r}``), grouped per job; each run logs its own
-              stats as ``train/<stat>`` (so the UI can average a key across the group) and
+  ``group``   one run per rank (``job_type=rank{r}``) in the job's group; each run logs its
+              own stats as ``train/<stat>`` (so the UI can average a key across the ranks) and
               rank 0's run also logs ``agg/<stat>``;
   ``shared``  every rank writes into one run (W&B's experimental shared mode, online only):
               ``rank{r}/<stat>`` from each rank, ``agg/<stat>`` from rank 0.
@@ -13,34 +13,52 @@ Training rows go to W&B at most once per ``logger.min_interval_s`` (the newest r
 one is sent at close); the stats files keep every interval. All keys are plotted against
 ``trainer/step`` (set with ``define_metric``), never against W&B's internal ``_step``, so eval
 rows and train rows share one x axis. Runs live under ``<output_dir>/wandb``, so an offline run
-can be uploaded later with ``wandb sync <output_dir>/wandb/offline-run-*``. Run ids and resume:
-wandb_ids.py; the mode: wandb_mode.py; errors: wandb_errors.py.
+can be uploaded later with ``wandb sync <output_dir>/wandb/offline-run-*``. The jobs of a sweep
+share the sweep's group, each with the keys the sweep varies as its config ``swept``.
+
+A job's runs are the ones its stats files were sent to: every row there names its W&B run, so a
+restart, a resume or a re-run in the same dir (torchrun's restarts, SLURM's requeue,
+``hydra.run.dir=<dir>``) reopens them with ``resume="allow"`` and sends only the rows after the
+newest step an earlier attempt could have sent (the stats get each row before W&B does). A dir
+whose stats name no run (a new dir, one made again at the same path, trainer.resume=never's
+fresh start, which sets the stats aside) gets new, random ids. The mode, the login and the
+one-line errors: wandb_mode.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import re
+import secrets
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+import torch.distributed as dist
+
 from hydra_ddp import redact
 from hydra_ddp.config import Layout, LoggerConfig
+from hydra_ddp.disk import open_regular, read_regular
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking import names, wandb_ids
+from hydra_ddp.tracking import names, wandb_mode
+from hydra_ddp.tracking.files import STEP_FIELD, SUPERSEDED
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
-from hydra_ddp.tracking.wandb_errors import clip, init_error, shared_needs_online
-from hydra_ddp.tracking.wandb_mode import init_timeout_s, resolve_mode
 
 if TYPE_CHECKING:
     from wandb import Run
 
 logger = logging.getLogger(__name__)
+
+_RUN_FIELD = re.compile(r'"run": "([^"]+)"')
+# Where earlier versions recorded a job's run ids (read for a dir whose stats rows name none).
+LEGACY_IDS_FILE = "wandb_ids.json"
+_FIX = "remove it, or move it away (the job keeps a regular file there)"
 
 
 def physical_gpu(index: int) -> int:
@@ -68,7 +86,9 @@ class WandbSink(Sink):
 
     @staticmethod
     def check_before_launch(logger_cfg: LoggerConfig) -> None:
-        resolve_mode(logger_cfg.mode)  # logger.mode=online without a login: one line, once
+        wandb_mode.resolve_mode(
+            logger_cfg.mode
+        )  # logger.mode=online without a login: one line, once
 
     def __init__(
         self,
@@ -78,24 +98,23 @@ class WandbSink(Sink):
         resumed_step: Optional[int],
         stats_dir: Path,
     ) -> None:
-        """`# collective`: build it on every rank (rank 0 hands every rank its run id, and a
-        rank whose run could not start tells the others). Its options are the logger.* keys
-        (`logger_cfg`), typed, so conf/logger/wandb.yaml gives its `_target_` only."""
+        """`# collective`: build it on every rank (a rank whose run could not start tells the
+        others; under `shared` rank 0 hands every rank its run id). Its options are the
+        logger.* keys (`logger_cfg`), typed, so conf/logger/wandb.yaml gives its `_target_`
+        only."""
         cfg, info, stats = logger_cfg, run, stats_dir
         self.cfg, self.env, self.layout = cfg, env, cfg.layout
         self.run: Optional[Run] = None
         self.last_sent = -math.inf  # time.monotonic() of the last training row sent
         self.unsent: Optional[Dict[str, Any]] = None  # a throttled row, sent at close
-        # Rows at or below these steps already went to the reopened run: not sent again.
-        self.sent_train = self.sent_eval = 0
-        self.mode, why = resolve_mode(cfg.mode)
+        self.mode, why = wandb_mode.resolve_mode(cfg.mode)
         # Checked on every rank before any collective, so all ranks fail alike and fast.
         if cfg.layout == Layout.shared and self.mode == "offline":
-            raise shared_needs_online(why)
+            raise wandb_mode.shared_needs_online(why)
         logger.info("W&B mode %s (%s), layout %s", self.mode, why, cfg.layout.value)
         try:
-            # Decided on every rank (even one whose W&B is disabled): it may be collective.
-            plan = wandb_ids.plan_runs(cfg, env, info, resumed_step)
+            # Found on every rank (even one whose W&B is disabled): it may be collective.
+            self.id, self.sent_train, self.sent_eval = self._find_run(info, stats)
             # Shared: the primary (rank 0) first, then the others join its run, as W&B's docs
             # show; else every rank starts its own at once.
             turns = [env.is_main, not env.is_main] if self.layout == Layout.shared else [True]
@@ -107,7 +126,7 @@ class WandbSink(Sink):
                     and (env.is_main or self.layout != Layout.gather)
                 ):
                     try:
-                        self.run = self._start(plan, info, resumed_step, stats)
+                        self.run = self._start(info, resumed_step)
                     except UserError as e:
                         failure = str(e)
                 self._agree_on_start(failure)  # collective
@@ -136,39 +155,55 @@ class WandbSink(Sink):
         rank, why = failed[0]
         raise UserError(f"rank {rank}: {why}")
 
-    def _start(self, plan: Optional[wandb_ids.Plan], info: RunInfo, resumed: Optional[int],
-               stats: Path) -> Run:  # fmt: skip
+    def _find_run(self, info: RunInfo, stats: Path) -> tuple[str, int, int]:
+        """This rank's W&B run id, and the newest train and eval steps already sent to it.
+        Rank 0 reads its aggregate and eval rows, another rank its own rows (its files may be
+        on its own node); under `shared` every rank takes rank 0's run. `# collective` for
+        shared."""
+        env = self.env
+        own = stats / ("aggregate.jsonl" if env.is_main else f"rank{env.rank}.jsonl")
+        newest, train = _sent(own)
+        _, evals = _sent(stats / "eval.jsonl") if env.is_main else (None, {})
+        key = f"rank{env.rank}" if self.layout == Layout.group else self.layout.value
+        run_id = newest or _legacy_id(Path(info.output_dir), key, self.cfg) or secrets.token_hex(8)
+        if self.layout == Layout.shared and env.distributed:
+            box = [run_id]
+            dist.broadcast_object_list(box, src=0, device=env.device)  # collective
+            run_id = box[0]
+        return run_id, train.get(run_id, 0), evals.get(run_id, 0)
+
+    def _start(self, info: RunInfo, resumed: Optional[int]) -> Run:
         import wandb
 
-        cfg, env = self.cfg, self.env
-        assert plan is not None
-        entry = plan[wandb_ids.run_key(self.layout, env.rank)]
-        settings, kwargs = _settings(cfg, env, self.mode, entry)
-        if entry["resume"]:
-            self.sent_train, self.sent_eval = wandb_ids.sent_before(stats, env, entry["id"])
+        cfg, env, clip = self.cfg, self.env, wandb_mode.clip
+        settings = _settings(cfg, env, self.mode)
+        name, group = cfg.name or info.job_name, cfg.group or info.group
+        if self.layout == Layout.group:
+            name = f"{name}-rank{env.rank}"
+        config = redact.config(info.config)
+        if info.swept:  # a sweep's job: W&B groups the sweep's runs by these keys
+            config["swept"] = info.swept
         out = Path(info.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         # W&B records sys.argv as the run's command: the same, with secrets blanked.
         argv, sys.argv = sys.argv, [sys.argv[0], *redact.overrides(sys.argv[1:])]
         try:
             run = wandb.init(
-                project=cfg.project, entity=cfg.entity, name=entry["name"], group=entry["group"],
-                tags=[clip(t, 64) for t in dict.fromkeys(cfg.tags)],
-                config=redact.config(info.config), dir=str(out),
-                settings=wandb.Settings(**settings), **kwargs,
+                project=cfg.project, entity=cfg.entity, name=clip(name), group=clip(group),
+                tags=[clip(t, 64) for t in dict.fromkeys(cfg.tags)], config=config,
+                dir=str(out), id=self.id, resume="allow", settings=wandb.Settings(**settings),
+                job_type=f"rank{env.rank}" if self.layout == Layout.group else None,
             )  # fmt: skip
         except (wandb.errors.Error, TimeoutError) as e:
-            raise init_error(e, cfg, self.mode) from None
+            raise wandb_mode.init_error(e, cfg, self.mode) from None
         finally:
             sys.argv = argv
         _define_metrics(run, self.layout, env)
-        if entry["resume"]:
-            logger.info(
-                "W&B run %s (%s) continued in %s: rows after step %d (checkpoint step %s)",
-                run.id, self.mode, out / "wandb", max(self.sent_train, self.sent_eval), resumed,
-            )  # fmt: skip
-        else:
-            logger.info("W&B run %s (%s) in %s", run.id, self.mode, out / "wandb")
+        sent = max(self.sent_train, self.sent_eval)
+        logger.info(
+            "W&B run %s (%s) in %s%s", run.id, self.mode, out / "wandb",
+            f", continued: rows after step {sent} (resumed at step {resumed})" if sent else "",
+        )  # fmt: skip
         return run
 
     def log(self, record: Record, step: int) -> None:
@@ -227,10 +262,8 @@ class WandbSink(Sink):
             )
 
 
-def _settings(
-    cfg: LoggerConfig, env: DistEnv, mode: str, entry: Dict[str, Any]
-) -> tuple[dict, dict]:
-    """wandb.Settings and the other wandb.init arguments of this rank's run."""
+def _settings(cfg: LoggerConfig, env: DistEnv, mode: str) -> Dict[str, Any]:
+    """The wandb.Settings of this rank's run."""
     settings: Dict[str, Any] = {
         "mode": mode,
         # Hydra's basic launcher runs a sweep's jobs one after another in one process: each
@@ -245,13 +278,8 @@ def _settings(
         "finish_timeout": cfg.finish_timeout_s,
     }
     if mode != "offline":
-        settings["init_timeout"] = init_timeout_s(cfg)[0]
-    # A fresh id is never reopened ("never": W&B refuses an id that exists instead of mixing
-    # into it); "allow", not "must", on resume: a run recorded offline and never synced does not
-    # exist on the server yet, and an online re-run then starts it under the same id.
-    kwargs: Dict[str, Any] = {"id": entry["id"], "resume": "allow" if entry["resume"] else "never"}
+        settings["init_timeout"] = wandb_mode.init_timeout_s(cfg)[0]
     if cfg.layout == Layout.group:
-        kwargs["job_type"] = f"rank{env.rank}"
         settings["x_label"] = f"rank{env.rank}"
     elif cfg.layout == Layout.shared:
         settings.update(
@@ -265,7 +293,7 @@ def _settings(
         # System stats of this rank's own GPU only; gather's single run watches them all.
         index = env.device.index if env.device.index is not None else env.local_rank
         settings["x_stats_gpu_device_ids"] = [physical_gpu(index)]
-    return settings, kwargs
+    return settings
 
 
 def _define_metrics(run: Run, layout: Layout, env: DistEnv) -> None:
@@ -280,3 +308,33 @@ def _define_metrics(run: Run, layout: Layout, env: DistEnv) -> None:
         families += ["agg/*", "val/*", "test/*"]
     for pattern in families:
         run.define_metric(pattern, step_metric=names.STEP_METRIC)
+
+
+def _sent(path: Path) -> tuple[Optional[str], Dict[str, int]]:
+    """The W&B run the newest tagged row of a stats file (or of its superseded rows) went to,
+    and each run's highest step there."""
+    newest: Optional[str] = None
+    steps: Dict[str, int] = {}
+    for candidate in (path.parent / SUPERSEDED / path.name, path):
+        try:
+            with open_regular(candidate, what="stats file", fix=_FIX, encoding="utf-8") as f:
+                for line in f:
+                    step, run = STEP_FIELD.match(line), _RUN_FIELD.search(line)
+                    if step and run:
+                        newest = run.group(1)
+                        steps[newest] = max(steps.get(newest, 0), int(step.group(1)))
+        except OSError:
+            pass
+    return newest, steps
+
+
+def _legacy_id(output_dir: Path, key: str, cfg: LoggerConfig) -> Optional[str]:
+    """The run id an earlier version recorded in wandb_ids.json, for a dir whose stats rows
+    name none (those versions did not tag them)."""
+    path = output_dir / LEGACY_IDS_FILE
+    try:
+        entry = json.loads(read_regular(path, what="W&B run record", fix=_FIX))["runs"][key]
+        same = entry["project"] == cfg.project and entry["entity"] == cfg.entity
+    except (OSError, ValueError, LookupError, TypeError):
+        return None
+    return entry["id"] if same and isinstance(entry.get("id"), str) else None
