@@ -54,10 +54,11 @@ def sweep(sweeper: Any, arguments: list[str]) -> None:
     try:
         _Run(sweeper, sweep_dir, space, storage).run(int(params["n_trials"]))
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        cause = e.__cause__ or e  # Optuna's StorageInternalError wraps SQLAlchemy's
         raise UserError(
             f"the Optuna study's storage {_shown(storage)} failed "
-            f"({first_line(getattr(e, 'orig', None) or e)}): free space there (or make it "
-            "writable) and run the same command again to continue the study, or name another "
+            f"({first_line(getattr(cause, 'orig', None) or cause)}): free space there (or make "
+            "it writable) and run the same command again to continue the study, or name another "
             "with hydra.sweeper.storage"
         ) from e
 
