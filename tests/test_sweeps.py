@@ -427,10 +427,13 @@ def test_optuna_direction_must_match_monitor_mode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     """`-m hparams_search=digits_optuna trainer.monitor_mode=min`: the sweep report's callback,
-    which Hydra calls before the first job, stops the sweep (exit 2) with one line."""
-    pytest.importorskip("optuna", reason=NEEDS_OPTUNA)
+    which Hydra calls before the first job, stops the sweep (exit 2) with one line. Needs no
+    Optuna: the callback runs before the sweeper."""
     from helpers.inproc import compose
 
+    from hydra_ddp.distributed.entry import find_own_plugins
+
+    find_own_plugins()
     monkeypatch.chdir(tmp_path)
     cfg = compose(
         "hparams_search=digits_optuna", "trainer.monitor_mode=min", return_hydra_config=True
