@@ -117,11 +117,11 @@ class SearchSpace:
             self.distributions[key] = CategoricalDistribution(values)
         return values
 
-    def job(self, swept: dict[str, Any]) -> list[str]:
-        """The overrides of a job whose trial has these swept values."""
-        values = {k: self.secrets[k][v] if k in self.secrets else v for k, v in swept.items()}
-        swept_overrides = [f"{k}={Transformer.str(values[k])}" for k in self.distributions]
-        return [*swept_overrides, *self.fixed.values()]
+    def job(self, params: dict[str, Any]) -> list[str]:
+        """The overrides of a job whose trial has these swept values (a key it lacks: as set)."""
+        values = {k: self.secrets[k][v] if k in self.secrets else v for k, v in params.items()}
+        swept = [f"{k}={Transformer.str(values[k])}" for k in self.distributions if k in values]
+        return [*swept, *self.fixed.values()]
 
 
 class _Run:
