@@ -142,6 +142,8 @@ def test_hydra_sweep_syntax_becomes_optuna_distributions_and_jobs_read_it_back()
     assert not any(o.is_sweep_override() for o in parsed)
     assert values == {**chosen, "vars.db_password": "PW 1", "trainer.max_steps": 60,
                       "+extra.note": "x,y"}  # fmt: skip
+    # A trial asked for before the space grew (a continued study): the new keys keep their value.
+    assert space.job({"optim.lr": 0.001}) == ["optim.lr=0.001", *space.fixed.values()]
 
 
 @pytest.mark.parametrize(
