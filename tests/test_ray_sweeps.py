@@ -329,7 +329,7 @@ def test_a_job_bigger_than_every_node_fails_alone_in_one_line(tmp_path: Path, he
 @needs_ray
 @pytest.mark.timeout(600)
 def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
-    pytest.importorskip("optuna")
+    pytest.importorskip("optuna", reason='needs Optuna, the sweep extra: pip install -e ".[sweep]"')
     address, _ = head
     proc = _sweep(
         tmp_path,
@@ -441,7 +441,9 @@ def test_a_pruned_optuna_sweep_keeps_n_jobs_trials_in_flight(tmp_path: Path, hea
     process to the sweep's SQLite study and stopped by the pruner (a threshold no accuracy
     reaches: every trial, at its evaluation of step 200). Each trial lasts about a second: the
     second of a pair starts once it is composed (~0.1 s), so a shorter one could be over."""
-    optuna = pytest.importorskip("optuna")
+    optuna = pytest.importorskip(
+        "optuna", reason='needs Optuna, the sweep extra: pip install -e ".[sweep]"'
+    )
     address, _ = head
     proc = _sweep(
         tmp_path,

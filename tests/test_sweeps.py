@@ -10,6 +10,7 @@ of 2-rank jobs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -282,19 +283,24 @@ def test_sweep_values_with_slashes_and_1000_chars(tmp_path: Path, synthetic) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# Optuna (pip install -e ".[sweep]")
+# Optuna (pip install -e ".[sweep]"); the sweeper's own tests are in test_optuna_sweeps.py
 # --------------------------------------------------------------------------------------------
+
+NEEDS_OPTUNA = 'needs Optuna, the sweep extra: pip install -e ".[sweep]"'
+WITHOUT_OPTUNA = 'error: {} needs Optuna: pip install -e ".[sweep]" (or "optuna>=4")'
 
 
 def test_optuna_search_composes() -> None:
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    """With or without the sweep extra: the preset and the sweeper's keys need no Optuna."""
     from hydra import compose, initialize_config_dir
 
     from hydra_ddp.config import MonitorMode, register_configs
+    from hydra_ddp.launch.command import find_own_plugins
     from hydra_ddp.rundir.paths import register_resolvers
 
     register_configs()
     register_resolvers()
+    find_own_plugins()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["hparams_search=digits_optuna"], return_hydra_config=True)
     assert (cfg.trainer.monitor, cfg.trainer.monitor_mode) == ("val/acc", MonitorMode.max)
@@ -304,10 +310,51 @@ def test_optuna_search_composes() -> None:
     assert set(sweeper.params) == {"optim.lr", "model.hidden"}
 
 
+@pytest.mark.parametrize("choice", ["hparams_search=digits_optuna", "hydra/sweeper=optuna_pruned"])
+def test_without_the_sweep_extra_an_optuna_sweep_says_what_to_install(
+    choice: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The sweeper's setup, where no Optuna can be found (as in a venv without the extra; the
+    test below runs the real command there): one line, exit 2, before any job."""
+    import importlib.util
+
+    from helpers.inproc import compose
+
+    from hydra_ddp.launch.command import find_own_plugins
+
+    find_own_plugins()
+    from hydra_plugins.hydra_ddp_optuna.sweeper import OptunaSweeper
+
+    cfg = compose(choice, return_hydra_config=True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "optuna" else find_spec(name, *a),
+    )
+    with pytest.raises(SystemExit) as info:
+        OptunaSweeper().setup(hydra_context=None, task_function=None, config=cfg)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == WITHOUT_OPTUNA.format(choice) + "\n"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("optuna") is not None,
+    reason="Optuna is installed (the sweep extra): this runs where it is not, as the README's "
+    "test command does; the test above checks the same path in process",
+)
+def test_without_the_sweep_extra_the_command_says_what_to_install(tmp_path: Path) -> None:
+    for choice in ("hparams_search=digits_optuna", "hydra/sweeper=optuna_pruned"):
+        proc = python_train(tmp_path, "-m", choice, timeout=120)
+        assert proc.returncode == 2, output(proc)[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == WITHOUT_OPTUNA.format(choice), proc.stderr
+        assert "Traceback" not in proc.stderr and not job_dirs(tmp_path / "multirun")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_optuna_search_of_two_rank_jobs(tmp_path: Path) -> None:
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    pytest.importorskip("optuna", reason=NEEDS_OPTUNA)
     proc = ok(
         python_train(
             tmp_path,
@@ -347,7 +394,7 @@ def test_an_optuna_sweep_of_a_secret_leaves_it_only_in_the_jobs_config_records(
     a blank was blanked only up to it in the launcher's line. Now no file of the sweep dir
     holds a value, except the jobs' .hydra/ records (which resume and eval rebuild a job
     from), and neither does the console."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    pytest.importorskip("optuna", reason=NEEDS_OPTUNA)
     # Made at run time, so that no file holds them (see SECRETS above).
     plain, spaced = (
         "PWAAA" + "222",
@@ -380,10 +427,13 @@ def test_optuna_direction_must_match_monitor_mode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     """`-m hparams_search=digits_optuna trainer.monitor_mode=min`: the sweep report's callback,
-    which Hydra calls before the first job, stops the sweep (exit 2) with one line."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    which Hydra calls before the first job, stops the sweep (exit 2) with one line. Needs no
+    Optuna: the callback runs before the sweeper."""
     from helpers.inproc import compose
 
+    from hydra_ddp.launch.command import find_own_plugins
+
+    find_own_plugins()
     monkeypatch.chdir(tmp_path)
     cfg = compose(
         "hparams_search=digits_optuna", "trainer.monitor_mode=min", return_hydra_config=True
