@@ -55,6 +55,8 @@ REFUSED = {
     "ddp.param_dtype=bf17": "ddp.param_dtype='bf17' is not allowed",
     "trainer.batchsize=3": "trainer.batchsize is not a key of trainer",
     "trainer.password=S3CRET": "trainer.password is not a key of trainer",
+    "model.hidden=choice()": "model.hidden=choice(): Hydra cannot read this override (ValueError",
+    "vars.password=S3CRET(": "vars.password=<redacted>: Hydra cannot read this override: see",
 }
 ACCEPTED = [
     "model=cnn", "trainer.max_steps=3", "ddp=fsdp2", "ddp.param_dtype=bf16", "hydra/launcher=ray",

@@ -55,15 +55,25 @@ def check(argv: list[str], conf_dirs: list[Path], choices: bool = True) -> None:
 
 
 def _parse(items: list[str]) -> list[Any]:
-    """Hydra's parse of each override; one it cannot parse is left out (Hydra says why)."""
+    """Hydra's parse of each override; one it cannot read (`model.hidden=choice()`) is refused
+    in one line, its value blanked when the key is a secret's."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
 
     parser, parsed = OverridesParser.create(), []
     for item in items:
         try:
             parsed += parser.parse_overrides([item])
-        except Exception:
-            continue
+        except OverrideParseException as e:
+            shown = redact.overrides([item])[0]
+            # Hydra's first line repeats the override; the next says why (quoting the value).
+            lines = [line.strip() for line in str(e).splitlines()[1:]]
+            why = [line for line in lines if line and not line.startswith("See ")]
+            cause = f" ({why[0]})" if why and shown == item else ""
+            raise UserError(
+                f"{shown}: Hydra cannot read this override{cause}: see "
+                "https://hydra.cc/docs/advanced/override_grammar/basic/"
+            ) from None
     return parsed
 
 
