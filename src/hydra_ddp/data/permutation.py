@@ -33,8 +33,8 @@ _INT64_MAX = np.iinfo(np.int64).max
 #   6 rounds   3.38 % (z +2.1)                  1.00 - 1.04  (z +6.6 at n = 64)
 #   8 rounds   3.19 % (z +0.6)                  1.01 - 1.09  (|z| <= 2.1)
 # Position uniformity (chi-square) and serial correlation look random at 4, 6 and 8 rounds.
-# Cost of 8 over 4 (busy 2-core machine): the n = 65536 table builds in ~1.5 ms instead of
-# ~0.9 ms per epoch, per-batch lookups unchanged; for n > 2**16 ~15-40 ns more per index.
+# Cost of 8 over 4: the n = 65536 table builds in about 1.7x the time (a millisecond or two
+# per epoch), per-batch lookups unchanged; for n > 2**16 tens of ns more per index.
 # Changing the count changes every shuffled order, so a run resumed mid-epoch across such a
 # change sees a different rest of that epoch (rows repeated or skipped once).
 FEISTEL_ROUNDS = 8

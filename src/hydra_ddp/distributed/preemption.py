@@ -88,9 +88,9 @@ class StopOnSignal:
 
     Ranks agree with a tiny blocking all-reduce, so a signal that reaches any rank during a step
     stops every rank at the end of that step, however long the step is: the bound is one step
-    plus the checkpoint, inside the grace a launcher gives before it kills. (It used to be
-    asynchronous and read one check later: with 20 s steps the stop then came ~2 steps late and
-    torchrun's agent killed the workers before the checkpoint.) It is not run every step: rank
+    plus the checkpoint, inside the grace a launcher gives before it kills (an asynchronous
+    agreement, read one check later, would stop long steps too late for that grace). It is not
+    run every step: rank
     0 sends, in the same all-reduce, how many steps to wait before the next one (about
     `_CHECK_EVERY_S` of steps, from its step time), so every rank checks at the same steps and
     a 2 ms step does not pay for a collective each time. Under NCCL it runs on a gloo group of

@@ -29,8 +29,8 @@ import sys
 
 from hydra_ddp.distributed.preemption import stop_exit_codes
 
-# torch's elastic agent (torchrun, and the self-launch's agent in launch.py) and what it logs
-# as it stops its workers on a signal: the job's own line says it once.
+# torch's elastic agent (torchrun, and the self-launch's agent in launch/workers.py) and what
+# it logs as it stops its workers on a signal: the job's own line says it once.
 AGENT_LOGS = (
     "torch.distributed.elastic.agent.server.api",
     "torch.distributed.elastic.multiprocessing.api",

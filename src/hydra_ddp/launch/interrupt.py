@@ -2,11 +2,11 @@
 
 A worker that torchrun or the self-launch (launch/workers.py) starts spends seconds importing
 torch and building its job before the loop's signal handlers (distributed/preemption.py) take over.
-The terminal sends Ctrl-C to every process of the job, so each worker used to die in that time
-with a KeyboardInterrupt traceback (often inside `import torch`), and the launcher's own line
-was lost among them. Importing this module (train.py does it first, before torch) makes a
-KeyboardInterrupt that ends a launched process exit 130 silently: the launcher says the one
-line (launch.py for a self-launched job, launch/runner.py's rank 0 under torchrun).
+The terminal sends Ctrl-C to every process of the job, so each worker would die in that time
+with a KeyboardInterrupt traceback (often inside `import torch`), burying the launcher's own
+line. Importing this module (train.py does it first, before torch) makes a KeyboardInterrupt
+that ends a launched process exit 130 silently: the launcher says the one line (workers.py for
+a self-launched job, runner.py's rank 0 under torchrun).
 
 The self-launch closes the remaining gap, the interpreter's own start-up before this import:
 its agent starts the workers with SIGINT blocked (`held_for_workers`), and a worker unblocks it

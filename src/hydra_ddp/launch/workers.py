@@ -182,10 +182,10 @@ def worker(
 
 
 def _exit(code: int) -> None:
-    """End a worker that stops (signal) or failed now, as entry.py ends a torchrun worker:
+    """End a worker that stops (signal) or failed now, as command.py ends a torchrun worker:
     everything is written and its process group is gone, but the interpreter's own teardown of
-    torch (garbage collection, C++ destructors) took 10-25 s on a loaded 2-core machine, out of
-    the grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s)."""
+    torch (garbage collection, C++ destructors) can take tens of seconds on a loaded machine,
+    out of the grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
