@@ -173,6 +173,21 @@ def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path
     assert sweeps.sweep_failed()  # a stopped sweep did not finish: exit status not 0
 
 
+def test_eval_says_what_a_fifo_at_the_runs_config_is(tmp_path: Path) -> None:
+    """`python -m hydra_ddp.eval run=<dir>` with a FIFO at <dir>/.hydra/config.yaml: said to
+    be a FIFO (previously "no .hydra/config.yaml there"), and never opened (that would block)."""
+    from hydra_ddp import eval as evaluation
+    from hydra_ddp.errors import UserError
+
+    (tmp_path / ".hydra").mkdir()
+    os.mkfifo(tmp_path / ".hydra" / "config.yaml")
+    with pytest.raises(UserError) as info:
+        evaluation.job_config(tmp_path, [])
+    message = str(info.value)
+    assert "config.yaml is a FIFO (named pipe), not a regular file" in message, message
+    assert message.startswith(f"run={tmp_path}: ") and "\n" not in message
+
+
 def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> None:
     """Previously blanked only up to its first blank (`<redacted> WITH\\ SPACE`), and not at all
     in the Optuna sweeper's `Best parameters: {...}` line."""
