@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ from helpers import wandb_records
 from omegaconf import OmegaConf
 
 from hydra_ddp import redact
-from hydra_ddp.rundir import paths, sweeps
+from hydra_ddp.rundir import paths, seed_groups, sweeps
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]
@@ -150,9 +153,10 @@ def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> 
     assert sweeps.sweep_failed()
 
 
-def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path) -> None:
+def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path, caplog) -> None:
     """A stopped Ray sweep: a job that saved a checkpoint and stopped, one that never started
-    (only the launcher's journal line names it), and one that finished first."""
+    (only the launcher's journal line names it), and one that finished first. Previously its
+    log line said "3 job(s), 2 failed"."""
     sweep = tmp_path / "sweep"
     task = ["optim.lr=0.1,0.2,0.3"]
     _job(sweep, "0_optim.lr=0.1", ["optim.lr=0.1"], {"objective": 0.5})
@@ -163,7 +167,10 @@ def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path
     config = _sweep_config(sweep, task)
     config.hydra.job = {"num": 2}
     sweeps.record_not_started(config, sweep / "2_optim.lr=0.3", ["optim.lr=0.3"])
+    caplog.set_level("INFO")
     sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    head = next(r.getMessage() for r in caplog.records if "sweep done" in r.getMessage())
+    assert head.startswith("sweep done: 3 job(s), 0 failed, 1 stopped, 1 not started;"), head
     jobs = {j["num"]: j for j in report(sweep)}
     assert [jobs[n]["status"] for n in range(3)] == ["ok", "PREEMPTED", "PREEMPTED"], jobs
     assert "at step 7 of 40" in jobs[1]["detail"]
@@ -171,6 +178,47 @@ def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path
         "optim.lr": "0.3"
     }
     assert sweeps.sweep_failed()  # a stopped sweep did not finish: exit status not 0
+
+
+def test_a_job_stopped_on_a_signal_is_journaled_as_preempted(tmp_path: Path) -> None:
+    """Under Ray (and submitit) a job stopped on a signal records it and returns NaN, which
+    Hydra calls COMPLETED: the journal said so too, now it says PREEMPTED."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.types import RunMode
+
+    sweep = tmp_path / "sweep"
+    job = sweep / "0_optim.lr=0.1"
+    config = _sweep_config(sweep, ["optim.lr=0.1,0.2"])
+    config.hydra.update(mode=RunMode.MULTIRUN, job={"num": 0}, runtime={"output_dir": str(job)})
+    sweeps.record_failure(job, "stopped on SIGINT at step 7 of 40 with a checkpoint", "PREEMPTED")
+    returned = JobReturn(hydra_cfg=config, status=JobStatus.COMPLETED, _return_value=math.nan)
+    sweeps.SweepReport().on_job_end(config, returned)
+    [line] = [json.loads(x) for x in (sweep / "sweep_jobs.jsonl").read_text().splitlines()]
+    assert (line["event"], line["status"], line["return_value"]) == ("end", "PREEMPTED", None)
+    assert json.loads((job / "job_return.json").read_text())["status"] == "PREEMPTED"
+
+
+def test_the_report_lists_only_this_sweeps_jobs(tmp_path: Path) -> None:
+    """A sweep dir that already held a run (hydra.run.dir=<sweep dir>/old) and an earlier
+    sweep's preempted job (nested one level deeper): previously listed among this sweep's jobs,
+    and the sweep exited 1 for them."""
+    sweep = tmp_path / "sweep"
+    task = ["optim.lr=0.1,0.2"]
+    for old in (_job(sweep, "old", ["optim.lr=0.5"]), _job(sweep / "earlier", "0_x", ["x=1"])):
+        sweeps.record_failure(
+            old, "stopped on SIGTERM at step 3 of 9 with a checkpoint", "PREEMPTED"
+        )
+        an_hour_ago = time.time() - 3600
+        os.utime(old / ".hydra", (an_hour_ago, an_hour_ago))
+    sweeps.SweepReport().on_multirun_start(_sweep_config(sweep, task))
+    _job(sweep, "0_optim.lr=0.1", ["optim.lr=0.1"], {"objective": 0.5})
+    # This one reached no journal line: found by its dir, written since the sweep started.
+    _job(sweep, "1_optim.lr=0.2", ["optim.lr=0.2"], {"objective": 0.4})
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    assert [j["job"] for j in report(sweep)] == ["0_optim.lr=0.1", "1_optim.lr=0.2"]
+    assert [j["status"] for j in report(sweep)] == ["ok", "ok"]
+    assert not sweeps.sweep_failed()
+    assert not (sweep / ".claim").exists()  # given back at the end
 
 
 def test_eval_says_what_a_fifo_at_the_runs_config_is(tmp_path: Path) -> None:
@@ -186,6 +234,127 @@ def test_eval_says_what_a_fifo_at_the_runs_config_is(tmp_path: Path) -> None:
     message = str(info.value)
     assert "config.yaml is a FIFO (named pipe), not a regular file" in message, message
     assert message.startswith(f"run={tmp_path}: ") and "\n" not in message
+
+
+def _seed_sweep(sweep: Path, objectives: dict[str, list[float]]) -> list[str]:
+    """Job dirs of `trainer.seed=0,1,2 optim.lr=...`: lr -> the objective of each seed; the
+    sweep's command line returned."""
+    num = 0
+    for seed in range(3):
+        for lr, values in objectives.items():
+            value = values[seed]
+            overrides = [f"trainer.seed={seed}", f"optim.lr={lr}", "trainer.max_steps=3"]
+            summary = {"objective": value, "val_loss": value, "val_acc": 1 - value}
+            _job(sweep, f"{num}_trainer.seed={seed},optim.lr={lr}", overrides, summary)
+            num += 1
+    return ["trainer.seed=0,1,2", f"optim.lr={','.join(objectives)}", "trainer.max_steps=3"]
+
+
+def test_a_sweep_over_seeds_is_reported_by_seed_group(tmp_path: Path, caplog) -> None:
+    """`trainer.seed=0,1,2 optim.lr=0.1,0.2`: two groups of n = 3, each with its mean, std, min,
+    max and 95 % Student's t interval (objective and metrics), ranked by mean; the best two
+    compared (a paired t-test: the same seeds; else Welch's), and the seeds a two-sample t-test
+    would need at the spread seen."""
+    sweep = tmp_path / "sweep"
+    good, bad = [0.50, 0.52, 0.55], [0.60, 0.63, 0.61]
+    task = _seed_sweep(sweep, {"0.1": good, "0.2": bad})
+    caplog.set_level("INFO")
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    assert not sweeps.sweep_failed()
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    assert (result["monitor"], result["mode"], result["seed_keys"]) == (
+        "val/loss",
+        "min",
+        ["trainer.seed"],
+    )
+    first, second = result["groups"]
+    assert (first["group"], second["group"]) == ("optim.lr=0.1", "optim.lr=0.2")
+    assert [first["rank"], first["best"], second["rank"], second["best"]] == [1, True, 2, False]
+    t_975_2 = 4.302652729911275  # Student's t, 97.5 % quantile, 2 degrees of freedom (tables)
+    for group, values in ((first, good), (second, bad)):
+        mean, std = sum(values) / 3, statistics.stdev(values)
+        assert group["n"] == 3 and group["seeds"] == ["0", "1", "2"] and group["unscored"] == 0
+        assert math.isclose(group["mean"], mean) and math.isclose(group["std"], std)
+        assert (group["min"], group["max"]) == (min(values), max(values))
+        half = t_975_2 * std / math.sqrt(3)
+        assert all(map(math.isclose, group["interval"], [mean - half, mean + half]))
+        acc = group["metrics"]["val_acc"]
+        assert acc["n"] == 3 and math.isclose(acc["mean"], 1 - mean)
+        assert math.isclose(acc["std"], std) and math.isclose(acc["interval"][1], 1 - mean + half)
+    assert first["jobs"] == ["0_trainer.seed=0,optim.lr=0.1", "2_trainer.seed=1,optim.lr=0.1",
+                             "4_trainer.seed=2,optim.lr=0.1"]  # fmt: skip
+    assert [j["best"] for j in result["jobs"]] == [True, False] * 3  # the best group's jobs
+    # The paired t-test by hand: the differences' mean over their standard error, n - 1 dof.
+    from scipy.stats import t as student
+
+    diffs = [a - b for a, b in zip(good, bad)]
+    paired_t = statistics.mean(diffs) / (statistics.stdev(diffs) / math.sqrt(3))
+    compared = result["comparison"]
+    assert compared["test"] == "paired t-test" and compared["distinguishable"] is True
+    assert math.isclose(compared["paired_p"], 2 * student.sf(abs(paired_t), 2), rel_tol=1e-9)
+    # Intervals that overlap a little do not mean the two are alike: the tests tell them apart.
+    assert compared["intervals_overlap"] is True and 0 < compared["welch_p"] < 0.05
+    pooled = math.sqrt((statistics.variance(good) + statistics.variance(bad)) / 2)
+    assert compared["seeds_needed"] == seed_groups.seeds_needed(abs(0.66 / 3 - 0.31 / 3), pooled)
+    messages = [r.getMessage() for r in caplog.records]
+    head = next(m for m in messages if m.startswith("sweep done:"))
+    assert head.startswith("sweep done: 6 job(s), 0 failed; objective val/loss (min): "), head
+    assert f"best group optim.lr=0.1: mean {sum(good) / 3:.6g} of 3 seed(s)" in head, head
+    at = messages.index("seed groups (trainer.seed), ranked by their mean val/loss (min):")
+    header, row1, row2, line = messages[at + 1 : at + 5]
+    assert "95% interval" in header and "val_acc mean" in header
+    assert row1.startswith("  * 1") and row1.endswith("optim.lr=0.1") and row2.split()[0] == "2"
+    assert line.startswith("best vs next: optim.lr=0.1 vs optim.lr=0.2: distinguishable at the")
+    assert f"{compared['seeds_needed']} seed(s) per group would tell them apart" in line
+    assert (
+        messages[-1].startswith("plots: `python scripts/plot_run.py ") and "plots" in messages[-1]
+    )
+    assert messages[-1].endswith(str(sweep / "plots"))
+
+    # A failed job: its group counts the two seeds left, compared by Welch's t-test; with
+    # trainer.monitor_mode=max the order turns round.
+    (sweep / "5_trainer.seed=2,optim.lr=0.2" / "summary.json").unlink()
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task, "val/acc", "max"))
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    first, second = result["groups"]
+    assert (first["group"], first["n"], first["unscored"]) == ("optim.lr=0.2", 2, 1)
+    assert first["seeds"] == ["0", "1"] and math.isclose(first["mean"], 0.615)
+    assert (
+        result["comparison"]["test"] == "Welch's t-test"
+        and result["comparison"]["paired_p"] is None
+    )
+    assert sweeps.sweep_failed()
+
+
+def test_seeds_needed_is_the_two_sample_t_test_power_calculation() -> None:
+    """The textbook figures (Cohen's tables, G*Power): at a difference of d standard deviations,
+    two-sided 5 %, 80 % power: 64 per group for d = 0.5, 26 for 0.8, 17 for 1."""
+    assert [seed_groups.seeds_needed(d, 1.0) for d in (0.5, 0.8, 1.0)] == [64, 26, 17]
+    assert seed_groups.seeds_needed(2.0, 4.0) == 64  # only the ratio counts
+    assert seed_groups.seeds_needed(0.0, 1.0) is None  # equal means: no number of seeds
+    assert seed_groups.seeds_needed(0.001, 1.0) is None  # over MAX_SEEDS
+    assert seed_groups.seeds_needed(0.1, 0.0) == 2  # no spread at all
+
+
+def test_seed_keys_name_the_seeds_and_a_seedless_sweep_keeps_its_list(tmp_path: Path) -> None:
+    """hydra.callbacks.sweep_report.seed_keys=[data.seed]: the jobs that differ only in
+    data.seed form a group; without it (the default, trainer.seed) the same sweep is
+    reported job by job, as a list."""
+    sweep = tmp_path / "sweep"
+    task = ["data.seed=1,2", "model.hidden=8,16"]
+    for num, (seed, hidden) in enumerate([(1, 8), (1, 16), (2, 8), (2, 16)]):
+        value = hidden / 100 + seed / 1000
+        _job(sweep, f"{num}_data.seed={seed},model.hidden={hidden}",
+             [f"data.seed={seed}", f"model.hidden={hidden}"], {"objective": value})  # fmt: skip
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    jobs = report(sweep)
+    assert isinstance(jobs, list) and [j["best"] for j in jobs] == [True, False, False, False]
+    sweeps.SweepReport(seed_keys=["data.seed"]).on_multirun_end(_sweep_config(sweep, task))
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    assert [(g["group"], g["n"], g["seeds"]) for g in result["groups"]] == [
+        ("model.hidden=8", 2, ["1", "2"]), ("model.hidden=16", 2, ["1", "2"])
+    ]  # fmt: skip
+    assert result["seed_keys"] == ["data.seed"]
 
 
 def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> None:
@@ -212,6 +381,32 @@ def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> N
 # --------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_a_fifo_in_the_sweep_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A FIFO at the sweep's journal or at Hydra's own multirun.yaml: previously the sweep
+    blocked for ever (opening a FIFO waits for a reader), holding the sweep dir's claim. Now
+    the sweep stops before its first job, in one line naming the file (exit 2), and leaves the
+    FIFO as it was and no claim."""
+    sweep = tmp_path / "S"
+    sweep.mkdir()
+    for name in ("multirun.yaml", "sweep_jobs.jsonl"):
+        os.mkfifo(sweep / name)
+        proc = python_train(tmp_path, "-m", "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}",
+                            *TINY, timeout=60)  # fmt: skip
+        assert proc.returncode == 2, output(proc)[-3000:]
+        errors = [ln for ln in output(proc).splitlines() if "error:" in ln]
+        assert len(errors) == 1, output(proc)[-3000:]
+        assert errors[0].endswith(
+            f"error: the sweep's file {sweep / name} is a FIFO (named pipe), not a regular file: "
+            "remove it (the sweep writes its own there), or choose another hydra.sweep.dir"
+        ), errors
+        assert "Traceback" not in output(proc)
+        assert stat.S_ISFIFO((sweep / name).stat().st_mode)  # left as the user made it
+        assert sorted(p.name for p in sweep.iterdir()) == [name]  # no claim, no job
+        (sweep / name).unlink()
+
 
 # Made at run time, so that no file holds them (a job records the checkout's uncommitted
 # changes, this file among them).
