@@ -326,6 +326,36 @@ def test_a_sweep_over_seeds_is_reported_by_seed_group(tmp_path: Path, caplog) ->
     assert sweeps.sweep_failed()
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_plot_run_draws_a_sweep_by_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seeded: bool
+) -> None:
+    """scripts/plot_run.py on a sweep dir (its main, in process), from the report and each
+    job's stats/eval.jsonl: the monitored metric per configuration against the step and the
+    objective against the swept key, with seeds (groups of 3) and without (a job each)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import plot_run
+    from matplotlib.image import imread
+
+    sweep = tmp_path / "sweep"
+    task = _seed_sweep(sweep, {"0.1": [0.50, 0.52, 0.55], "0.2": [0.60, 0.63, 0.61]})
+    for job in sweep.iterdir():
+        final = json.loads((job / "summary.json").read_text())["val_loss"]
+        (job / "stats").mkdir()
+        (job / "stats" / "rank0.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+        lines = [{"step": s, "val/loss": final + (4 - s) / 10} for s in (2, 4)]
+        (job / "stats" / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report_with = sweeps.SweepReport(seed_keys=["trainer.seed"] if seeded else ["data.seed"])
+    report_with.on_multirun_end(_sweep_config(sweep, task))
+    assert plot_run.main([str(sweep), "--stats", "loss"]) == 0
+    keys = ["optim.lr"] if seeded else ["trainer.seed", "optim.lr"]
+    names = ["loss.png", "val_loss_by_group.png", *(f"objective_by_{k}.png" for k in keys)]
+    assert sorted(p.name for p in (sweep / "plots").iterdir()) == sorted(names)
+    for name in names:
+        pixels = imread(sweep / "plots" / name)[..., :3]
+        assert pixels.std() > 0.05, name  # lines and text, not a blank canvas
+
+
 def test_seeds_needed_is_the_two_sample_t_test_power_calculation() -> None:
     """The textbook figures (Cohen's tables, G*Power): at a difference of d standard deviations,
     two-sided 5 %, 80 % power: 64 per group for d = 0.5, 26 for 0.8, 17 for 1."""
@@ -406,6 +436,56 @@ def test_a_fifo_in_the_sweep_dir_is_refused_in_one_line(tmp_path: Path) -> None:
         assert stat.S_ISFIFO((sweep / name).stat().st_mode)  # left as the user made it
         assert sorted(p.name for p in sweep.iterdir()) == [name]  # no claim, no job
         (sweep / name).unlink()
+
+
+@pytest.mark.slow  # a real sweep of 4 jobs; the report and the drawing are checked in process
+@pytest.mark.timeout(300)
+def test_a_seed_sweep_reports_its_groups_and_draws_its_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-m trainer.seed=range(2) optim.lr=1e-3,3e-2` (the shorthand: every learning rate over
+    seeds 0 and 1): two groups of n = 2 in the report and on the console, the comparison line,
+    the command that draws the picture, and scripts/plot_run.py drawing it: per group the
+    validation loss against the step (eval.jsonl), the final objective against optim.lr."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import plot_run
+    from matplotlib.image import imread
+
+    proc = ok(python_train(
+        tmp_path, "-m", "trainer.seed=range(2)", "optim.lr=1e-3,3e-2", "trainer.eval_interval=2",
+        "trainer.max_steps=4", *FAST, "hydra.sweep.dir=S", timeout=240,
+    ))  # fmt: skip
+    sweep = tmp_path / "S"
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    jobs = result["jobs"]
+    assert [j["job"] for j in jobs] == [
+        "0_trainer.seed=0,optim.lr=0.001", "1_trainer.seed=0,optim.lr=0.03",
+        "2_trainer.seed=1,optim.lr=0.001", "3_trainer.seed=1,optim.lr=0.03",
+    ]  # fmt: skip
+    assert sorted(g["group"] for g in result["groups"]) == ["optim.lr=0.001", "optim.lr=0.03"]
+    for group in result["groups"]:
+        values = [j["objective"] for j in jobs if j["job"] in group["jobs"]]
+        assert group["n"] == 2 and group["seeds"] == ["0", "1"] and len(values) == 2
+        assert math.isclose(group["mean"], sum(values) / 2)
+        assert math.isclose(group["std"], statistics.stdev(values))
+        assert group["interval"][0] <= min(values) and max(values) <= group["interval"][1]
+    assert result["comparison"]["test"] == "paired t-test"
+    out = output(proc)
+    assert f"best group {result['groups'][0]['group']}: mean" in out
+    assert "seed groups (trainer.seed), ranked by their mean val/loss (min):" in out
+    assert f"best vs next: {result['groups'][0]['group']} vs " in out
+    assert f"plots: `python scripts/plot_run.py {sweep}` draws this sweep into {sweep}/plots" in out
+
+    assert plot_run.main([str(sweep)]) == 0
+    pictures = [sweep / "plots" / n for n in ("val_loss_by_group.png", "objective_by_optim.lr.png")]
+    for picture in pictures:
+        pixels = imread(picture)
+        assert picture.stat().st_size > 10_000 and pixels.shape[:2] == (495, 880), picture
+        assert pixels[..., :3].std() > 0.05, picture  # lines and text, not a blank canvas
+    # Two coloured lines (one per group) besides black text and grey grid lines.
+    curves = imread(pictures[0])[..., :3]
+    coloured = curves.max(axis=-1) - curves.min(axis=-1) > 0.3
+    assert coloured.sum() > 500, coloured.sum()
 
 
 # Made at run time, so that no file holds them (a job records the checkout's uncommitted
