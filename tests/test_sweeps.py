@@ -119,6 +119,13 @@ def _sweep_config(sweep: Path, task: list[str], monitor: str = "val/loss", mode:
     )
 
 
+def configured_report() -> sweeps.SweepReport:
+    """The report's callback as Hydra builds it from conf/train.yaml (seed_keys: trainer.seed)."""
+    from hydra.utils import instantiate
+
+    return instantiate(OmegaConf.load(REPO / "conf" / "train.yaml").hydra.callbacks.sweep_report)
+
+
 def _job(sweep: Path, name: str, overrides: list[str], summary: dict | None = None) -> Path:
     job = sweep / name
     (job / ".hydra").mkdir(parents=True)
@@ -259,7 +266,7 @@ def test_a_sweep_over_seeds_is_reported_by_seed_group(tmp_path: Path, caplog) ->
     good, bad = [0.50, 0.52, 0.55], [0.60, 0.63, 0.61]
     task = _seed_sweep(sweep, {"0.1": good, "0.2": bad})
     caplog.set_level("INFO")
-    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
     assert not sweeps.sweep_failed()
     result = json.loads((sweep / "sweep_report.json").read_text())
     assert (result["monitor"], result["mode"], result["seed_keys"]) == (
@@ -314,7 +321,7 @@ def test_a_sweep_over_seeds_is_reported_by_seed_group(tmp_path: Path, caplog) ->
     # A failed job: its group counts the two seeds left, compared by Welch's t-test; with
     # trainer.monitor_mode=max the order turns round.
     (sweep / "5_trainer.seed=2,optim.lr=0.2" / "summary.json").unlink()
-    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task, "val/acc", "max"))
+    configured_report().on_multirun_end(_sweep_config(sweep, task, "val/acc", "max"))
     result = json.loads((sweep / "sweep_report.json").read_text())
     first, second = result["groups"]
     assert (first["group"], first["n"], first["unscored"]) == ("optim.lr=0.2", 2, 1)
@@ -376,7 +383,7 @@ def test_seed_keys_name_the_seeds_and_a_seedless_sweep_keeps_its_list(tmp_path: 
         value = hidden / 100 + seed / 1000
         _job(sweep, f"{num}_data.seed={seed},model.hidden={hidden}",
              [f"data.seed={seed}", f"model.hidden={hidden}"], {"objective": value})  # fmt: skip
-    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
     jobs = report(sweep)
     assert isinstance(jobs, list) and [j["best"] for j in jobs] == [True, False, False, False]
     sweeps.SweepReport(seed_keys=["data.seed"]).on_multirun_end(_sweep_config(sweep, task))

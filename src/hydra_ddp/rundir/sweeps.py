@@ -78,10 +78,10 @@ class SweepReport(Callback):
     Each job's rank 0 leaves what Hydra got back from it (what a sweeper such as Optuna's
     optimises) in <job dir>/job_return.json.
 
-    `seed_keys`: the keys whose values are seeds (hydra.callbacks.sweep_report.seed_keys=
-    [trainer.seed,data.seed]); a sweep over one of them is reported by seed group too."""
+    `seed_keys`: the keys whose values are seeds (hydra.callbacks.sweep_report.seed_keys, in
+    conf/train.yaml); a sweep over one of them is reported by seed group too."""
 
-    def __init__(self, seed_keys: Sequence[str] = ("trainer.seed",)) -> None:
+    def __init__(self, seed_keys: Sequence[str] = ()) -> None:
         self.seed_keys = [str(k) for k in seed_keys]
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
