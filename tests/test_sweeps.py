@@ -3,8 +3,10 @@ sweep, and an Optuna search.
 
 The sweep of the default suite is a real `python -m hydra_ddp.train -m ...` of 2-rank jobs
 (tests/test_launch.py: job names, the report and its table, the objective from
-trainer.monitor, one W&B run per job, plotting the sweep). Here: the job dir names and the report
-in process, and, slow, a sweep over values with slashes and 1000 characters and an Optuna search
+trainer.monitor, one W&B run per job, plotting the sweep). Here: the job dir names, the report
+(its counts, only this sweep's jobs, seed groups and their statistics) and the sweep's picture
+in process; a real sweep refusing a FIFO in its dir; and, slow, a sweep over seeds drawn by
+scripts/plot_run.py, a sweep over values with slashes and 1000 characters and an Optuna search
 of 2-rank jobs.
 """
 

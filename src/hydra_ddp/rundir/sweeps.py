@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 _sweep_failed = False
 
-PRUNED = sweep_jobs.PRUNED
 _REPORT = "sweep_report.json"
 _SWEEPER_RESULTS = "optimization_results.yaml"  # the Optuna sweeper's
 # Every file of the sweep dir that a sweep opens: the report's, and Hydra's own (its basic
