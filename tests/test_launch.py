@@ -771,7 +771,8 @@ def test_a_submitit_sweep_survives_the_time_limit_signal(tmp_path: Path) -> None
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
-    report = json.loads(next(tmp_path.glob("multirun/*/*/sweep_report.json")).read_text())
+    # A sweep over seeds: its jobs beside its seed group.
+    report = json.loads(next(tmp_path.glob("multirun/*/*/sweep_report.json")).read_text())["jobs"]
     assert [j["status"] for j in report] == ["ok", "ok"], report
     assert report[0]["requeued"] == 1 and report[1]["requeued"] == 0, report
     logs = (job_dir / "train_rank0.log").read_text()

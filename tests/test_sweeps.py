@@ -3,8 +3,10 @@ sweep, and an Optuna search.
 
 The sweep of the default suite is a real `python -m hydra_ddp.train -m ...` of 2-rank jobs
 (tests/test_launch.py: job names, the report and its table, the objective from
-trainer.monitor, one W&B run per job, plotting the sweep). Here: the job dir names and the report
-in process, and, slow, a sweep over values with slashes and 1000 characters and an Optuna search
+trainer.monitor, one W&B run per job, plotting the sweep). Here: the job dir names, the report
+(its counts, only this sweep's jobs, seed groups and their statistics) and the sweep's picture
+in process; a real sweep refusing a FIFO in its dir; and, slow, a sweep over seeds drawn by
+scripts/plot_run.py, a sweep over values with slashes and 1000 characters and an Optuna search
 of 2-rank jobs.
 """
 
@@ -14,7 +16,10 @@ import importlib.util
 import json
 import math
 import os
+import stat
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,7 @@ from helpers import wandb_records
 from omegaconf import OmegaConf
 
 from hydra_ddp import redact
-from hydra_ddp.rundir import paths, sweeps
+from hydra_ddp.rundir import paths, seed_groups, sweeps
 
 DATA = ["--rows", "256", "--shards", "2", "--features", "16", "--eval-rows", "32"]
 TINY = [*FAST, "trainer.max_steps=3"]
@@ -117,6 +122,13 @@ def _sweep_config(sweep: Path, task: list[str], monitor: str = "val/loss", mode:
     )
 
 
+def configured_report() -> sweeps.SweepReport:
+    """The report's callback as Hydra builds it from conf/train.yaml (seed_keys: trainer.seed)."""
+    from hydra.utils import instantiate
+
+    return instantiate(OmegaConf.load(REPO / "conf" / "train.yaml").hydra.callbacks.sweep_report)
+
+
 def _job(sweep: Path, name: str, overrides: list[str], summary: dict | None = None) -> Path:
     job = sweep / name
     (job / ".hydra").mkdir(parents=True)
@@ -151,9 +163,10 @@ def test_report_counts_jobs_without_dir_or_summary_as_failed(tmp_path: Path) -> 
     assert sweeps.sweep_failed()
 
 
-def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path) -> None:
+def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path, caplog) -> None:
     """A stopped Ray sweep: a job that saved a checkpoint and stopped, one that never started
-    (only the launcher's journal line names it), and one that finished first."""
+    (only the launcher's journal line names it), and one that finished first. Previously its
+    log line said "3 job(s), 2 failed"."""
     sweep = tmp_path / "sweep"
     task = ["optim.lr=0.1,0.2,0.3"]
     _job(sweep, "0_optim.lr=0.1", ["optim.lr=0.1"], {"objective": 0.5})
@@ -164,7 +177,10 @@ def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path
     config = _sweep_config(sweep, task)
     config.hydra.job = {"num": 2}
     sweeps.record_not_started(config, sweep / "2_optim.lr=0.3", ["optim.lr=0.3"])
+    caplog.set_level("INFO")
     sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    head = next(r.getMessage() for r in caplog.records if "sweep done" in r.getMessage())
+    assert head.startswith("sweep done: 3 job(s), 0 failed, 1 stopped, 1 not started;"), head
     jobs = {j["num"]: j for j in report(sweep)}
     assert [jobs[n]["status"] for n in range(3)] == ["ok", "PREEMPTED", "PREEMPTED"], jobs
     assert "at step 7 of 40" in jobs[1]["detail"]
@@ -172,6 +188,213 @@ def test_report_lists_stopped_and_never_started_jobs_as_preempted(tmp_path: Path
         "optim.lr": "0.3"
     }
     assert sweeps.sweep_failed()  # a stopped sweep did not finish: exit status not 0
+
+
+def test_a_job_stopped_on_a_signal_is_journaled_as_preempted(tmp_path: Path) -> None:
+    """Under Ray (and submitit) a job stopped on a signal records it and returns NaN, which
+    Hydra calls COMPLETED: the journal said so too, now it says PREEMPTED."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from hydra.types import RunMode
+
+    sweep = tmp_path / "sweep"
+    job = sweep / "0_optim.lr=0.1"
+    config = _sweep_config(sweep, ["optim.lr=0.1,0.2"])
+    config.hydra.update(mode=RunMode.MULTIRUN, job={"num": 0}, runtime={"output_dir": str(job)})
+    sweeps.record_failure(job, "stopped on SIGINT at step 7 of 40 with a checkpoint", "PREEMPTED")
+    returned = JobReturn(hydra_cfg=config, status=JobStatus.COMPLETED, _return_value=math.nan)
+    sweeps.SweepReport().on_job_end(config, returned)
+    [line] = [json.loads(x) for x in (sweep / "sweep_jobs.jsonl").read_text().splitlines()]
+    assert (line["event"], line["status"], line["return_value"]) == ("end", "PREEMPTED", None)
+    assert json.loads((job / "job_return.json").read_text())["status"] == "PREEMPTED"
+
+
+def test_the_report_lists_only_this_sweeps_jobs(tmp_path: Path) -> None:
+    """A sweep dir that already held a run (hydra.run.dir=<sweep dir>/old) and an earlier
+    sweep's preempted job (nested one level deeper): previously listed among this sweep's jobs,
+    and the sweep exited 1 for them."""
+    sweep = tmp_path / "sweep"
+    task = ["optim.lr=0.1,0.2"]
+    for old in (_job(sweep, "old", ["optim.lr=0.5"]), _job(sweep / "earlier", "0_x", ["x=1"])):
+        sweeps.record_failure(
+            old, "stopped on SIGTERM at step 3 of 9 with a checkpoint", "PREEMPTED"
+        )
+        an_hour_ago = time.time() - 3600
+        os.utime(old / ".hydra", (an_hour_ago, an_hour_ago))
+    sweeps.SweepReport().on_multirun_start(_sweep_config(sweep, task))
+    _job(sweep, "0_optim.lr=0.1", ["optim.lr=0.1"], {"objective": 0.5})
+    # This one reached no journal line: found by its dir, written since the sweep started.
+    _job(sweep, "1_optim.lr=0.2", ["optim.lr=0.2"], {"objective": 0.4})
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    assert [j["job"] for j in report(sweep)] == ["0_optim.lr=0.1", "1_optim.lr=0.2"]
+    assert [j["status"] for j in report(sweep)] == ["ok", "ok"]
+    assert not sweeps.sweep_failed()
+    assert not (sweep / ".claim").exists()  # given back at the end
+
+
+def test_eval_says_what_a_fifo_at_the_runs_config_is(tmp_path: Path) -> None:
+    """`python -m hydra_ddp.eval run=<dir>` with a FIFO at <dir>/.hydra/config.yaml: said to
+    be a FIFO (previously "no .hydra/config.yaml there"), and never opened (that would block)."""
+    from hydra_ddp import eval as evaluation
+    from hydra_ddp.errors import UserError
+
+    (tmp_path / ".hydra").mkdir()
+    os.mkfifo(tmp_path / ".hydra" / "config.yaml")
+    with pytest.raises(UserError) as info:
+        evaluation.job_config(tmp_path, [])
+    message = str(info.value)
+    assert "config.yaml is a FIFO (named pipe), not a regular file" in message, message
+    assert message.startswith(f"run={tmp_path}: ") and "\n" not in message
+
+
+def _seed_sweep(sweep: Path, objectives: dict[str, list[float]]) -> list[str]:
+    """Job dirs of `trainer.seed=0,1,2 optim.lr=...`: lr -> the objective of each seed; the
+    sweep's command line returned."""
+    num = 0
+    for seed in range(3):
+        for lr, values in objectives.items():
+            value = values[seed]
+            overrides = [f"trainer.seed={seed}", f"optim.lr={lr}", "trainer.max_steps=3"]
+            summary = {"objective": value, "val_loss": value, "val_acc": 1 - value}
+            _job(sweep, f"{num}_trainer.seed={seed},optim.lr={lr}", overrides, summary)
+            num += 1
+    return ["trainer.seed=0,1,2", f"optim.lr={','.join(objectives)}", "trainer.max_steps=3"]
+
+
+def test_a_sweep_over_seeds_is_reported_by_seed_group(tmp_path: Path, caplog) -> None:
+    """`trainer.seed=0,1,2 optim.lr=0.1,0.2`: two groups of n = 3, each with its mean, std, min,
+    max and 95 % Student's t interval (objective and metrics), ranked by mean; the best two
+    compared (a paired t-test: the same seeds; else Welch's), and the seeds a two-sample t-test
+    would need at the spread seen."""
+    sweep = tmp_path / "sweep"
+    good, bad = [0.50, 0.52, 0.55], [0.60, 0.63, 0.61]
+    task = _seed_sweep(sweep, {"0.1": good, "0.2": bad})
+    caplog.set_level("INFO")
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
+    assert not sweeps.sweep_failed()
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    assert (result["monitor"], result["mode"], result["seed_keys"]) == (
+        "val/loss",
+        "min",
+        ["trainer.seed"],
+    )
+    first, second = result["groups"]
+    assert (first["group"], second["group"]) == ("optim.lr=0.1", "optim.lr=0.2")
+    assert [first["rank"], first["best"], second["rank"], second["best"]] == [1, True, 2, False]
+    t_975_2 = 4.302652729911275  # Student's t, 97.5 % quantile, 2 degrees of freedom (tables)
+    for group, values in ((first, good), (second, bad)):
+        mean, std = sum(values) / 3, statistics.stdev(values)
+        assert group["n"] == 3 and group["seeds"] == ["0", "1", "2"] and group["unscored"] == 0
+        assert math.isclose(group["mean"], mean) and math.isclose(group["std"], std)
+        assert (group["min"], group["max"]) == (min(values), max(values))
+        half = t_975_2 * std / math.sqrt(3)
+        assert all(map(math.isclose, group["interval"], [mean - half, mean + half]))
+        acc = group["metrics"]["val_acc"]
+        assert acc["n"] == 3 and math.isclose(acc["mean"], 1 - mean)
+        assert math.isclose(acc["std"], std) and math.isclose(acc["interval"][1], 1 - mean + half)
+    assert first["jobs"] == ["0_trainer.seed=0,optim.lr=0.1", "2_trainer.seed=1,optim.lr=0.1",
+                             "4_trainer.seed=2,optim.lr=0.1"]  # fmt: skip
+    assert [j["best"] for j in result["jobs"]] == [True, False] * 3  # the best group's jobs
+    # The paired t-test by hand: the differences' mean over their standard error, n - 1 dof.
+    from scipy.stats import t as student
+
+    diffs = [a - b for a, b in zip(good, bad)]
+    paired_t = statistics.mean(diffs) / (statistics.stdev(diffs) / math.sqrt(3))
+    compared = result["comparison"]
+    assert compared["test"] == "paired t-test" and compared["distinguishable"] is True
+    assert math.isclose(compared["paired_p"], 2 * student.sf(abs(paired_t), 2), rel_tol=1e-9)
+    # Intervals that overlap a little do not mean the two are alike: the tests tell them apart.
+    assert compared["intervals_overlap"] is True and 0 < compared["welch_p"] < 0.05
+    pooled = math.sqrt((statistics.variance(good) + statistics.variance(bad)) / 2)
+    assert compared["seeds_needed"] == seed_groups.seeds_needed(abs(0.66 / 3 - 0.31 / 3), pooled)
+    messages = [r.getMessage() for r in caplog.records]
+    head = next(m for m in messages if m.startswith("sweep done:"))
+    assert head.startswith("sweep done: 6 job(s), 0 failed; objective val/loss (min): "), head
+    assert f"best group optim.lr=0.1: mean {sum(good) / 3:.6g} of 3 seed(s)" in head, head
+    at = messages.index("seed groups (trainer.seed), ranked by their mean val/loss (min):")
+    header, row1, row2, line = messages[at + 1 : at + 5]
+    assert "95% interval" in header and "val_acc mean" in header
+    assert row1.startswith("  * 1") and row1.endswith("optim.lr=0.1") and row2.split()[0] == "2"
+    assert line.startswith("best vs next: optim.lr=0.1 vs optim.lr=0.2: distinguishable at the")
+    assert f"{compared['seeds_needed']} seed(s) per group would tell them apart" in line
+    assert (
+        messages[-1].startswith("plots: `python scripts/plot_run.py ") and "plots" in messages[-1]
+    )
+    assert messages[-1].endswith(str(sweep / "plots"))
+
+    # A failed job: its group counts the two seeds left, compared by Welch's t-test; with
+    # trainer.monitor_mode=max the order turns round.
+    (sweep / "5_trainer.seed=2,optim.lr=0.2" / "summary.json").unlink()
+    configured_report().on_multirun_end(_sweep_config(sweep, task, "val/acc", "max"))
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    first, second = result["groups"]
+    assert (first["group"], first["n"], first["unscored"]) == ("optim.lr=0.2", 2, 1)
+    assert first["seeds"] == ["0", "1"] and math.isclose(first["mean"], 0.615)
+    assert (
+        result["comparison"]["test"] == "Welch's t-test"
+        and result["comparison"]["paired_p"] is None
+    )
+    assert sweeps.sweep_failed()
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_plot_run_draws_a_sweep_by_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seeded: bool
+) -> None:
+    """scripts/plot_run.py on a sweep dir (its main, in process), from the report and each
+    job's stats/eval.jsonl: the monitored metric per configuration against the step and the
+    objective against the swept key, with seeds (groups of 3) and without (a job each)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import plot_run
+    from matplotlib.image import imread
+
+    sweep = tmp_path / "sweep"
+    task = _seed_sweep(sweep, {"0.1": [0.50, 0.52, 0.55], "0.2": [0.60, 0.63, 0.61]})
+    for job in sweep.iterdir():
+        final = json.loads((job / "summary.json").read_text())["val_loss"]
+        (job / "stats").mkdir()
+        (job / "stats" / "rank0.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+        lines = [{"step": s, "val/loss": final + (4 - s) / 10} for s in (2, 4)]
+        (job / "stats" / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report_with = sweeps.SweepReport(seed_keys=["trainer.seed"] if seeded else ["data.seed"])
+    report_with.on_multirun_end(_sweep_config(sweep, task))
+    assert plot_run.main([str(sweep), "--stats", "loss"]) == 0
+    keys = ["optim.lr"] if seeded else ["trainer.seed", "optim.lr"]
+    names = ["loss.png", "val_loss_by_group.png", *(f"objective_by_{k}.png" for k in keys)]
+    assert sorted(p.name for p in (sweep / "plots").iterdir()) == sorted(names)
+    for name in names:
+        pixels = imread(sweep / "plots" / name)[..., :3]
+        assert pixels.std() > 0.05, name  # lines and text, not a blank canvas
+
+
+def test_seeds_needed_is_the_two_sample_t_test_power_calculation() -> None:
+    """The textbook figures (Cohen's tables, G*Power): at a difference of d standard deviations,
+    two-sided 5 %, 80 % power: 64 per group for d = 0.5, 26 for 0.8, 17 for 1."""
+    assert [seed_groups.seeds_needed(d, 1.0) for d in (0.5, 0.8, 1.0)] == [64, 26, 17]
+    assert seed_groups.seeds_needed(2.0, 4.0) == 64  # only the ratio counts
+    assert seed_groups.seeds_needed(0.0, 1.0) is None  # equal means: no number of seeds
+    assert seed_groups.seeds_needed(0.001, 1.0) is None  # over MAX_SEEDS
+    assert seed_groups.seeds_needed(0.1, 0.0) == 2  # no spread at all
+
+
+def test_seed_keys_name_the_seeds_and_a_seedless_sweep_keeps_its_list(tmp_path: Path) -> None:
+    """hydra.callbacks.sweep_report.seed_keys=[data.seed]: the jobs that differ only in
+    data.seed form a group; without it (the default, trainer.seed) the same sweep is
+    reported job by job, as a list."""
+    sweep = tmp_path / "sweep"
+    task = ["data.seed=1,2", "model.hidden=8,16"]
+    for num, (seed, hidden) in enumerate([(1, 8), (1, 16), (2, 8), (2, 16)]):
+        value = hidden / 100 + seed / 1000
+        _job(sweep, f"{num}_data.seed={seed},model.hidden={hidden}",
+             [f"data.seed={seed}", f"model.hidden={hidden}"], {"objective": value})  # fmt: skip
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
+    jobs = report(sweep)
+    assert isinstance(jobs, list) and [j["best"] for j in jobs] == [True, False, False, False]
+    sweeps.SweepReport(seed_keys=["data.seed"]).on_multirun_end(_sweep_config(sweep, task))
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    assert [(g["group"], g["n"], g["seeds"]) for g in result["groups"]] == [
+        ("model.hidden=8", 2, ["1", "2"]), ("model.hidden=16", 2, ["1", "2"])
+    ]  # fmt: skip
+    assert result["seed_keys"] == ["data.seed"]
 
 
 def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> None:
@@ -198,6 +421,82 @@ def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> N
 # --------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_a_fifo_in_the_sweep_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A FIFO at the sweep's journal or at Hydra's own multirun.yaml: previously the sweep
+    blocked for ever (opening a FIFO waits for a reader), holding the sweep dir's claim. Now
+    the sweep stops before its first job, in one line naming the file (exit 2), and leaves the
+    FIFO as it was and no claim."""
+    sweep = tmp_path / "S"
+    sweep.mkdir()
+    for name in ("multirun.yaml", "sweep_jobs.jsonl"):
+        os.mkfifo(sweep / name)
+        proc = python_train(tmp_path, "-m", "optim.lr=0.01,0.02", f"hydra.sweep.dir={sweep}",
+                            *TINY, timeout=60)  # fmt: skip
+        assert proc.returncode == 2, output(proc)[-3000:]
+        errors = [ln for ln in output(proc).splitlines() if "error:" in ln]
+        assert len(errors) == 1, output(proc)[-3000:]
+        assert errors[0].endswith(
+            f"error: the sweep's file {sweep / name} is a FIFO (named pipe), not a regular file: "
+            "remove it (the sweep writes its own there), or choose another hydra.sweep.dir"
+        ), errors
+        assert "Traceback" not in output(proc)
+        assert stat.S_ISFIFO((sweep / name).stat().st_mode)  # left as the user made it
+        assert sorted(p.name for p in sweep.iterdir()) == [name]  # no claim, no job
+        (sweep / name).unlink()
+
+
+@pytest.mark.slow  # a real sweep of 4 jobs; the report and the drawing are checked in process
+@pytest.mark.timeout(300)
+def test_a_seed_sweep_reports_its_groups_and_draws_its_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-m trainer.seed=range(2) optim.lr=1e-3,3e-2` (the shorthand: every learning rate over
+    seeds 0 and 1): two groups of n = 2 in the report and on the console, the comparison line,
+    the command that draws the picture, and scripts/plot_run.py drawing it: per group the
+    validation loss against the step (eval.jsonl), the final objective against optim.lr."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import plot_run
+    from matplotlib.image import imread
+
+    proc = ok(python_train(
+        tmp_path, "-m", "trainer.seed=range(2)", "optim.lr=1e-3,3e-2", "trainer.eval_interval=2",
+        "trainer.max_steps=4", *FAST, "hydra.sweep.dir=S", timeout=240,
+    ))  # fmt: skip
+    sweep = tmp_path / "S"
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    jobs = result["jobs"]
+    assert [j["job"] for j in jobs] == [
+        "0_trainer.seed=0,optim.lr=0.001", "1_trainer.seed=0,optim.lr=0.03",
+        "2_trainer.seed=1,optim.lr=0.001", "3_trainer.seed=1,optim.lr=0.03",
+    ]  # fmt: skip
+    assert sorted(g["group"] for g in result["groups"]) == ["optim.lr=0.001", "optim.lr=0.03"]
+    for group in result["groups"]:
+        values = [j["objective"] for j in jobs if j["job"] in group["jobs"]]
+        assert group["n"] == 2 and group["seeds"] == ["0", "1"] and len(values) == 2
+        assert math.isclose(group["mean"], sum(values) / 2)
+        assert math.isclose(group["std"], statistics.stdev(values))
+        assert group["interval"][0] <= min(values) and max(values) <= group["interval"][1]
+    assert result["comparison"]["test"] == "paired t-test"
+    out = output(proc)
+    assert f"best group {result['groups'][0]['group']}: mean" in out
+    assert "seed groups (trainer.seed), ranked by their mean val/loss (min):" in out
+    assert f"best vs next: {result['groups'][0]['group']} vs " in out
+    assert f"plots: `python scripts/plot_run.py {sweep}` draws this sweep into {sweep}/plots" in out
+
+    assert plot_run.main([str(sweep)]) == 0
+    pictures = [sweep / "plots" / n for n in ("val_loss_by_group.png", "objective_by_optim.lr.png")]
+    for picture in pictures:
+        pixels = imread(picture)
+        assert picture.stat().st_size > 10_000 and pixels.shape[:2] == (495, 880), picture
+        assert pixels[..., :3].std() > 0.05, picture  # lines and text, not a blank canvas
+    # Two coloured lines (one per group) besides black text and grey grid lines.
+    curves = imread(pictures[0])[..., :3]
+    coloured = curves.max(axis=-1) - curves.min(axis=-1) > 0.3
+    assert coloured.sum() > 500, coloured.sum()
+
 
 # Made at run time, so that no file holds them (a job records the checkout's uncommitted
 # changes, this file among them).

@@ -25,6 +25,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp.config import TrainConfig
+from hydra_ddp.disk import check_regular
 from hydra_ddp.distributed import env_from_environ
 from hydra_ddp.errors import UserError, exit_code, first_line
 from hydra_ddp.launch import workers
@@ -89,6 +90,12 @@ def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:
     """The run's composed config, typed, with `overrides` applied as on the training command
     line (`key=value`, `+key=value` to add, `++key=value`, `~key` to delete)."""
     path = run_dir / ".hydra" / "config.yaml"
+    # A FIFO there is no missing file: say what it is (and never open it: that waits for ever).
+    check_regular(
+        path,
+        f"run={run_dir}: the run's config",
+        "put the config.yaml the run was trained with there, or give another run dir",
+    )
     if not path.is_file():
         raise UserError(
             f"run={run_dir}: no {path.relative_to(run_dir)} there; give the output dir of a "

@@ -4,5 +4,6 @@
 - `paths`: where a job writes, and the `${...}` resolvers that name run dirs.
 - `provenance`: `run.json`, what ran (code, versions, machines, every rank's environment).
 - `jsonfile`: the JSON side files, written atomically and read with one clear error.
-- `sweeps`: a sweep's report (`sweep.json`), one row per job.
+- `sweeps`: the sweep report's Hydra callback (`sweep_report.json`), its journal, its checks;
+  `sweep_jobs`: the sweep's jobs, one row each; `seed_groups`: a sweep over seeds by group.
 """

@@ -1,45 +1,46 @@
 """Sweeps of DDP jobs: a failed job's record, and the report at the end.
 
-`SweepReport` is a Hydra callback that tables every job at the end of a multirun (status,
-objective, metrics, and for a failed job why and where its logs are; a job a pruning sweep
-stopped early is PRUNED, with the step it reached, and counts as no failure). Job dir names are
-paths.sweep_subdir's; each job's objective is the metric `trainer.monitor` names
-(monitor.monitor_key). The values of secret keys (redact.py) are blanked in the report, its
-table and the journal, as in the job dir names, and in the Optuna sweeper's
-optimization_results.yaml.
+`SweepReport` is a Hydra callback that tables every job of this sweep at the end of a multirun
+(status, objective, metrics, and for a failed job why and where its logs are; a job a pruning
+sweep stopped early is PRUNED, with the step it reached, and counts as no failure); a sweep
+over seeds adds its seed groups (seed_groups.py). Job dir names are paths.sweep_subdir's; each
+job's objective is the metric `trainer.monitor` names (monitor.monitor_key). The values of
+secret keys (redact.py) are blanked in the report, its table and the journal, as in the job dir
+names, and in the Optuna sweeper's optimization_results.yaml.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import redact
+from hydra_ddp.disk import check_regular, open_regular
+from hydra_ddp.errors import UserError
 from hydra_ddp.launcher_env import JOB_STARTED_ENV, launcher_rank
-from hydra_ddp.rundir import claim, jsonfile
-from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE, split_override, swept_keys
+from hydra_ddp.rundir import claim, jsonfile, seed_groups, sweep_jobs
+from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE, swept_keys
 
 log = logging.getLogger(__name__)
 
 _sweep_failed = False
 
-_JOURNAL = "sweep_jobs.jsonl"
-# A job a pruning sweep stopped early on purpose: reported, not failed.
-PRUNED = "PRUNED"
-_FINE = ("ok", PRUNED)
-_JOB_RETURN = "job_return.json"
+_REPORT = "sweep_report.json"
 _SWEEPER_RESULTS = "optimization_results.yaml"  # the Optuna sweeper's
+# Every file of the sweep dir that a sweep opens: the report's, and Hydra's own (its basic
+# sweeper writes multirun.yaml after on_multirun_start, before the first job). A FIFO there
+# would block the sweep for ever, holding its claim.
+_SWEEP_FILES = (sweep_jobs.JOURNAL, SWEPT_KEYS_FILE, _REPORT, "multirun.yaml", _SWEEPER_RESULTS)
 
 
 def record_failure(output_dir: Path, message: str, status: str = "FAILED") -> None:
@@ -74,13 +75,20 @@ class SweepReport(Callback):
     ends, whatever process runs it: the basic launcher's or submitit's) and by looking for job
     dirs, so a job whose dir is missing or that wrote no summary.json is reported as failed.
     Each job's rank 0 leaves what Hydra got back from it (what a sweeper such as Optuna's
-    optimises) in <job dir>/job_return.json."""
+    optimises) in <job dir>/job_return.json.
+
+    `seed_keys`: the keys whose values are seeds (hydra.callbacks.sweep_report.seed_keys, in
+    conf/train.yaml); a sweep over one of them is reported by seed group too."""
+
+    def __init__(self, seed_keys: Sequence[str] = ()) -> None:
+        self.seed_keys = [str(k) for k in seed_keys]
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _sweep_failed
         _sweep_failed = False
         _check_sweeper_direction(config)
         sweep_dir = Path(config.hydra.sweep.dir)
+        _check_sweep_files(sweep_dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         # Before anything is written or submitted: a live sweep's dir is refused in one line.
         claim.claim_sweep(sweep_dir)
@@ -89,15 +97,17 @@ class SweepReport(Callback):
             OmegaConf.select(config, "hydra.sweeper.params", default=None),
         )
         jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, keys, indent=None)
-        # A sweep rerun into the same dir starts its journal afresh.
-        (sweep_dir / _JOURNAL).write_text("")
+        # A sweep rerun into the same dir starts its journal afresh, with the time it started:
+        # job dirs found there that no job of this sweep has written since are another run's.
+        start = {"event": "sweep_start", "time": round(time.time(), 3)}
+        (sweep_dir / sweep_jobs.JOURNAL).write_text(json.dumps(start) + "\n")
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_multirun(config) or launcher_rank() != 0:
             return
         output_dir = Path(config.hydra.runtime.output_dir)
         # A sweep rerun into the same sweep dir must not report the previous run's outcome.
-        for name in ("failure.json", _JOB_RETURN):
+        for name in ("failure.json", sweep_jobs.JOB_RETURN):
             (output_dir / name).unlink(missing_ok=True)
         # A launcher that starts a process per job (hydra/launcher=ray) says when it did:
         # the job's start-up is then from there, not from here.
@@ -122,13 +132,15 @@ class SweepReport(Callback):
         if _is_multirun(job_return.hydra_cfg):
             value = job_return._return_value if job_return.status == JobStatus.COMPLETED else None
             number = float(value) if isinstance(value, (int, float)) else None
+            # A job stopped on a signal under Ray or submitit returns (NaN): its record says so.
+            failure = sweep_jobs.read_side_file(output_dir / "failure.json")
             returned = {
-                "status": job_return.status.name,
+                "status": failure.get("status", "FAILED") if failure else job_return.status.name,
                 "return_type": type(value).__name__,
                 # JSON has no NaN: a failed job's NaN objective is written as null.
                 "return_value": jsonfile.finite_or_none(number),
             }
-            jsonfile.write(output_dir / _JOB_RETURN, returned, indent=None)
+            jsonfile.write(output_dir / sweep_jobs.JOB_RETURN, returned, indent=None)
             # `config`, not the copy in job_return: that one lost the resolved `${now:}` of the
             # sweep dir's name.
             _journal(config, event="end", **returned)
@@ -154,32 +166,44 @@ class SweepReport(Callback):
             OmegaConf.to_container(config.hydra.overrides.task),
             OmegaConf.select(config, "hydra.sweeper.params", default=None),
         )
-        jobs = [
-            _job_entry(job, keys, monitor, mode)
-            for job in _find_jobs(sweep_dir, _read_journal(sweep_dir / _JOURNAL))
-        ]
-        scored = [j for j in jobs if j["status"] == "ok" and j["objective"] is not None]
-        best = (min if mode == "min" else max)(scored, key=lambda j: j["objective"], default=None)
-        for j in jobs:
-            j["best"] = j is best
-        jsonfile.write(sweep_dir / "sweep_report.json", jobs)
-        failed = [j for j in jobs if j["status"] not in _FINE]
-        _sweep_failed = bool(failed)
-        pruned = sum(j["status"] == PRUNED for j in jobs)
+        jobs = sweep_jobs.collect(sweep_dir, keys, monitor, mode)
+        seeds = [k for k in self.seed_keys if k in keys]
+        if seeds:
+            report, best, more = seed_groups.summarise(jobs, seeds, monitor, mode)
+        else:
+            report, best, more = jobs, sweep_jobs.mark_best(jobs, mode), []
+        jsonfile.write(sweep_dir / _REPORT, report)
+        _sweep_failed = any(j["status"] not in sweep_jobs.FINE for j in jobs)
         log.info(
-            "sweep done: %d job(s), %d failed%s; objective %s (%s): %s; report: %s",
-            len(jobs),
-            len(failed),
-            f", {pruned} pruned" if pruned else "",
+            "sweep done: %s; objective %s (%s): %s; report: %s",
+            sweep_jobs.counts(jobs),
             monitor,
             mode,
-            f"best {best['objective']:.6g} ({best['job']})" if best else "no job has one",
-            sweep_dir / "sweep_report.json",
+            best,
+            sweep_dir / _REPORT,
         )
-        header, *lines = _table(jobs, monitor, mode)
+        header, *lines = sweep_jobs.table(jobs, monitor, mode)
         log.info(header)
         for job, line in zip(jobs, lines):
-            (log.error if job["status"] not in _FINE else log.info)(line)
+            (log.error if job["status"] not in sweep_jobs.FINE else log.info)(line)
+        for line in more:
+            log.info(line)
+        log.info(
+            "plots: `python scripts/plot_run.py %s` draws this sweep into %s",
+            sweep_dir,
+            sweep_dir / "plots",
+        )
+
+
+def _check_sweep_files(sweep_dir: Path) -> None:
+    """Refuse, in one line and before anything is written or claimed, a sweep dir where a file
+    the sweep opens is no regular file (a FIFO would block the sweep for ever)."""
+    try:
+        for name in _SWEEP_FILES:
+            check_regular(sweep_dir / name, "the sweep's file", sweep_jobs.FILE_FIX)
+    except UserError as e:
+        log.error("error: %s", e)
+        sys.exit(2)
 
 
 def _blank_sweeper_results(sweep_dir: Path) -> None:
@@ -232,182 +256,15 @@ def _journal(config: DictConfig, **record: Any) -> None:
         "time": round(time.time(), 3),
         **record,
     }
-    path = Path(config.hydra.sweep.dir) / _JOURNAL
+    path = Path(config.hydra.sweep.dir) / sweep_jobs.JOURNAL
     try:
-        with path.open("a", encoding="utf-8") as f:
+        with open_regular(path, "a", what="the sweep's file", fix=sweep_jobs.FILE_FIX) as f:
             f.write(json.dumps(record) + "\n")
-    except OSError as e:  # the report still finds the job by its dir
+    except (OSError, UserError) as e:  # the report still finds the job by its dir
         log.warning("could not write %s: %s", path, e)
-
-
-def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
-    """Job dir -> what the journal says of it (its start and end merged)."""
-    jobs: dict[str, dict[str, Any]] = {}
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return jobs
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn line of a job killed while writing it
-        if isinstance(record, dict) and "dir" in record:
-            job = jobs.setdefault(record["dir"], {})
-            # A start after the first: the job was requeued (preemption, time limit) or rerun.
-            starts = job.get("starts", 0) + (record.get("event") == "start")
-            job.update(record, starts=starts)
-    return jobs
-
-
-def _find_jobs(sweep_dir: Path, journal: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every job of the sweep, in launch order: those in the journal, every dir with a .hydra/
-    dump under the sweep dir (a subdir may nest), and a placeholder for each job number missing
-    between them (a job that left no trace)."""
-    jobs = {d: dict(record) for d, record in journal.items()}
-    for root, dirs, _ in os.walk(sweep_dir):
-        if ".hydra" in dirs:
-            jobs.setdefault(os.path.abspath(root), {})
-            dirs.clear()  # a job dir holds no other job
-    for job_dir, record in jobs.items():
-        if record.get("num") is None:
-            record["num"] = _job_number(Path(job_dir))
-        record["dir"] = job_dir
-    numbers = {r["num"] for r in jobs.values() if isinstance(r["num"], int)}
-    if numbers and len(numbers) == len(jobs):
-        for num in sorted(set(range(max(numbers) + 1)) - numbers):
-            jobs[f"#{num}"] = {"num": num, "dir": None}
-    return sorted(
-        jobs.values(),
-        key=lambda r: (r["num"] if isinstance(r["num"], int) else sys.maxsize, str(r["dir"])),
-    )
-
-
-def _job_number(job_dir: Path) -> int | None:
-    """The number the job dir's name starts with (`10_...` is job 10), else .hydra's."""
-    head = job_dir.name.split("_", 1)[0]
-    if head.isdigit():
-        return int(head)
-    try:
-        num = OmegaConf.load(job_dir / ".hydra" / "hydra.yaml").hydra.job.num
-        return int(num)
-    except Exception:  # no dump, or no number in it
-        return None
-
-
-def _job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) -> dict[str, Any]:
-    """One row of the report, from the journal's record and what the job left in its dir."""
-    num, job_dir = record["num"], record["dir"]
-    saved = _read_yaml(Path(job_dir) / ".hydra" / "overrides.yaml") if job_dir else None
-    overrides = record.get("overrides")
-    if overrides is None:
-        overrides = list(saved) if isinstance(saved, list) else []
-    # What the report must not repeat: the values of the job's secret keys (redact.py).
-    secrets = [v for k, v in map(split_override, saved or overrides) if v and redact.is_secret(k)]
-    swept = dict(split_override(line) for line in redact.overrides(overrides))
-    swept = {k: v for k, v in swept.items() if k in keys}
-    summary: dict[str, Any] = {}
-    logs: list[str] = []
-    if job_dir is None:
-        status, detail = "FAILED", f"job {num} left no dir (see the launcher's log)"
-    elif record.get("event") == "not_started" and not Path(job_dir).is_dir():
-        status, detail = "PREEMPTED", "not started: the sweep was stopped before it"
-    elif not Path(job_dir).is_dir():
-        status, detail = "FAILED", f"its dir is missing: {job_dir}"
-    else:
-        path = Path(job_dir)
-        logs = sorted(str(p) for p in path.glob("*.log"))
-        failure = jsonfile.read(path / "failure.json")
-        summary = jsonfile.read(path / "summary.json") or {}
-        if failure is not None:
-            status = str(failure.get("status", "FAILED"))
-            detail = _scrub(str(failure.get("error", failure)), secrets)
-        elif summary.get("pruned"):  # a pruning sweep's pruner stopped it (loop/pruning.py)
-            status, detail = PRUNED, f"pruned at step {summary.get('steps')}"
-        elif summary:
-            status, detail = "ok", None
-        else:
-            status, detail = "FAILED", "no summary.json (the job died)"
-    objective = record.get("return_value")
-    if objective is None and job_dir is not None:
-        objective = (jsonfile.read(Path(job_dir) / _JOB_RETURN) or {}).get("return_value")
-    if objective is None and status == "ok":
-        objective = summary.get("objective")
-    if not isinstance(objective, (int, float)) or not math.isfinite(objective):
-        objective = None
-    return {
-        "job": Path(job_dir).name if job_dir else f"#{num}",
-        "num": num,
-        "overrides": swept,
-        "status": status,
-        # The step it reached (a pruned job's is where it was stopped).
-        "steps": summary.get("steps"),
-        "monitor": monitor,
-        "mode": mode,
-        "objective": objective,
-        "metrics": {k: v for k, v in summary.items() if k.startswith("val_")},
-        "detail": detail,
-        # How often it was started again (a requeue after a time limit or a preemption).
-        "requeued": max(int(record.get("starts", 1)) - 1, 0),
-        "dir": job_dir,
-        "logs": logs,
-    }
-
-
-def _table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
-    """The report as aligned text: a header line, then one line per job (`*`: the best)."""
-    names = [n for n in ("val_loss",) if any(n in j["metrics"] for j in jobs)]
-    names += sorted({n for j in jobs for n in j["metrics"]} - {"val_loss"})
-    header = ["", "status", "job", f"{monitor} ({mode})", *names, "overrides"]
-    rows = [
-        [
-            "*" if j["best"] else "",
-            j["status"] + (f" (requeued {j['requeued']}x)" if j.get("requeued") else ""),
-            j["job"],
-            _cell(j["objective"]),
-            *(_cell(j["metrics"].get(n)) for n in names),
-            _ellipsize(" ".join(f"{k}={v}" for k, v in j["overrides"].items()) or "-", 60),
-        ]
-        for j in jobs
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for j, row in zip([None, *jobs], [header, *rows]):
-        line = "  " + " ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-        if j is not None and j["status"] == PRUNED:
-            line += f"  {j['detail']}"
-        elif j is not None and j["status"] != "ok":
-            # The whole error is in the JSON report; here a line stays a line.
-            line += (
-                f"  {_ellipsize(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"
-            )
-        lines.append(line)
-    return lines
-
-
-def _scrub(text: str, secrets: list[str]) -> str:
-    """`text` with each of `secrets` (and the live W&B API key) blanked."""
-    for value in sorted(secrets, key=len, reverse=True):
-        text = text.replace(value, redact.REDACTED)
-    return redact.text(text)
-
-
-def _cell(value: Any) -> str:
-    return f"{value:.6g}" if isinstance(value, (int, float)) else "-"
-
-
-def _ellipsize(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _is_multirun(config: DictConfig) -> bool:
     from hydra.types import RunMode
 
     return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        return OmegaConf.to_container(OmegaConf.load(path))
-    except Exception:  # missing or unreadable: the caller falls back
-        return None

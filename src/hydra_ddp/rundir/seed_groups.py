@@ -1,0 +1,211 @@
+"""Seed groups of a sweep: jobs whose swept overrides differ only in the seed, and what their
+objectives say together.
+
+With `trainer.seed=range(3) optim.lr=1e-3,3e-3` every learning rate runs with three seeds, and
+one run each would rank the luckiest seed. Here each configuration is a group: n, mean,
+standard deviation, min, max and a 95 % Student's t interval of its objective and of each
+`val_*` metric of its jobs' summaries; the groups ranked by mean (trainer.monitor_mode); and
+whether the best group is distinguishable from the next: Welch's t-test, a paired t-test when
+both ran the same seeds, and how many seeds per group a two-sample t-test would need at the
+spread seen. Which keys are seeds: SweepReport's `seed_keys`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from typing import Any, Sequence
+
+from hydra_ddp.rundir.sweep_jobs import cell
+
+LEVEL = 0.95  # the confidence of each interval
+ALPHA = 0.05  # the tests' level, two-sided
+POWER = 0.80  # the power the seeds-needed figure is for
+MAX_SEEDS = 10_000  # beyond this the figure says "more than"
+POWER_CALCULATION = (
+    f"two-sample t-test, two-sided, {ALPHA:.0%} level, {POWER:.0%} power, at the two groups' "
+    "difference of means and pooled standard deviation"
+)
+
+
+def summarise(
+    jobs: list[dict[str, Any]], seed_keys: list[str], monitor: str, mode: str
+) -> tuple[dict[str, Any], str, list[str]]:
+    """The report of a sweep over seeds: its JSON (the groups, the comparison of the best two,
+    the jobs, each marked `best` when in the best group), the best group in a few words, and
+    the lines for the log (the group table, the comparison)."""
+    entries = groups(jobs, seed_keys, mode)
+    best = entries[0] if entries and entries[0]["best"] else None
+    for job in jobs:
+        job["best"] = best is not None and job["job"] in best["jobs"]
+    comparison = compare(*entries[:2]) if best is not None and len(entries) > 1 else None
+    report = {"monitor": monitor, "mode": mode, "seed_keys": seed_keys, "groups": entries,
+              "comparison": comparison, "jobs": jobs}  # fmt: skip
+    lines = [f"seed groups ({','.join(seed_keys)}), ranked by their mean {monitor} ({mode}):"]
+    lines += table(entries, monitor, mode)
+    lines += [comparison_line(comparison)] if comparison is not None else []
+    said = f"best group {best['group']}: mean {best['mean']:.6g} of {best['n']} seed(s)"
+    return report, said if best is not None else "no job has one", lines
+
+
+def groups(jobs: list[dict[str, Any]], seed_keys: Sequence[str], mode: str) -> list[dict]:
+    """One entry per configuration (the swept overrides but the seed keys), best first."""
+    members: dict[tuple, list[dict[str, Any]]] = {}
+    for job in jobs:
+        config = tuple((k, v) for k, v in job["overrides"].items() if k not in seed_keys)
+        members.setdefault(config, []).append(job)
+    entries = []
+    for config, group in members.items():
+        # Only finished jobs count: a pruned job's value is from an earlier step.
+        scored = [j for j in group if j["status"] == "ok" and j["objective"] is not None]
+        names = sorted({n for j in scored for n in j["metrics"]})
+        entries.append(
+            {
+                "group": " ".join(f"{k}={v}" for k, v in config) or "(one configuration)",
+                "overrides": dict(config),
+                **describe([j["objective"] for j in scored]),
+                "seeds": [seed_of(j, seed_keys) for j in scored],
+                "jobs": [j["job"] for j in group],
+                "unscored": len(group) - len(scored),  # failed, stopped or pruned
+                "metrics": {
+                    name: describe([j["metrics"][name] for j in scored if name in j["metrics"]])
+                    for name in names
+                },
+                "objectives": [j["objective"] for j in scored],
+            }
+        )
+    sign = 1 if mode == "min" else -1
+    entries.sort(key=lambda g: (g["n"] == 0, sign * g["mean"] if g["n"] else 0.0))
+    for rank, entry in enumerate(entries, 1):
+        entry["rank"] = rank
+        entry["best"] = rank == 1 and entry["n"] > 0
+    return entries
+
+
+def seed_of(job: dict[str, Any], seed_keys: Sequence[str]) -> str:
+    """The job's seed as its values of the seed keys (`0`; `0,1` for two keys)."""
+    return ",".join(str(job["overrides"][k]) for k in seed_keys if k in job["overrides"])
+
+
+def describe(values: list[float]) -> dict[str, Any]:
+    """n, mean, std (sample, n - 1), min, max and the 95 % Student's t interval of the mean;
+    None where n is too small for one."""
+    from scipy import stats
+
+    n = len(values)
+    mean = math.fsum(values) / n if n else None
+    std = statistics.stdev(values) if n > 1 else None
+    interval = None
+    if n > 1:
+        half = float(stats.t.ppf(1 - (1 - LEVEL) / 2, n - 1)) * std / math.sqrt(n)
+        interval = [mean - half, mean + half]
+    return {
+        "n": n,
+        "mean": mean,
+        "std": std,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
+        "interval": interval,
+    }
+
+
+def compare(best: dict[str, Any], runner_up: dict[str, Any]) -> dict[str, Any]:
+    """Whether `best` is distinguishable from `runner_up`: their intervals, Welch's t-test, a
+    paired t-test over the seeds both ran (when they ran the same ones), and the seeds per
+    group a two-sample t-test would need at the spread seen."""
+    from scipy import stats
+
+    result: dict[str, Any] = {"best": best["group"], "next": runner_up["group"]}
+    a, b = best["objectives"], runner_up["objectives"]
+    if len(a) < 2 or len(b) < 2:
+        result["verdict"] = "cannot tell: each group needs at least 2 seeds with an objective"
+        return result
+    lo_a, hi_a = best["interval"]
+    lo_b, hi_b = runner_up["interval"]
+    result["intervals_overlap"] = lo_a <= hi_b and lo_b <= hi_a
+    with warnings.catch_warnings():  # identical values: scipy warns, and says inf or NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result["welch_p"] = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+        seeds_a, seeds_b = best["seeds"], runner_up["seeds"]
+        paired = sorted(seeds_a) == sorted(seeds_b) and len(set(seeds_a)) == len(seeds_a)
+        by_seed = dict(zip(seeds_b, b))
+        result["paired_p"] = (
+            float(stats.ttest_rel(a, [by_seed[s] for s in seeds_a]).pvalue) if paired else None
+        )
+    result["test"] = "paired t-test" if paired else "Welch's t-test"
+    p = result["paired_p"] if paired else result["welch_p"]
+    result["distinguishable"] = bool(p < ALPHA)  # NaN (no difference, no spread): False
+    pooled = math.sqrt((best["std"] ** 2 + runner_up["std"] ** 2) / 2)
+    result["seeds_needed"] = seeds_needed(abs(best["mean"] - runner_up["mean"]), pooled)
+    result["power_calculation"] = POWER_CALCULATION
+    return result
+
+
+def seeds_needed(difference: float, std: float) -> int | None:
+    """The fewest seeds per group at which a two-sample t-test (equal group sizes, two-sided,
+    ALPHA) detects `difference` with POWER, `std` being each group's standard deviation; the
+    power from the noncentral t distribution. None: no difference, or over MAX_SEEDS."""
+    import numpy as np
+    from scipy import stats
+
+    if difference == 0:
+        return None
+    if std == 0:
+        return 2  # no spread: any two seeds tell them apart
+    n = np.arange(2, MAX_SEEDS + 1)
+    df = 2 * n - 2
+    critical = stats.t.ppf(1 - ALPHA / 2, df)
+    shift = difference / std * np.sqrt(n / 2)
+    power = stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift)
+    enough = np.flatnonzero(power >= POWER)
+    return int(n[enough[0]]) if enough.size else None
+
+
+def comparison_line(comparison: dict[str, Any]) -> str:
+    """The comparison as one line of the sweep's log."""
+    head = f"best vs next: {comparison['best']} vs {comparison['next']}: "
+    if "verdict" in comparison:
+        return head + comparison["verdict"]
+    tests = [f"Welch's t-test p={comparison['welch_p']:.3g}"]
+    if comparison["paired_p"] is not None:
+        tests.insert(0, f"paired t-test over the same seeds p={comparison['paired_p']:.3g}")
+    overlap = "overlap" if comparison["intervals_overlap"] else "do not overlap"
+    needed = comparison["seeds_needed"]
+    seeds = (
+        f"{needed} seed(s) per group would tell them apart"
+        if needed is not None
+        else f"no number of seeds up to {MAX_SEEDS} would tell them apart"
+    )
+    return (
+        head
+        + ("distinguishable" if comparison["distinguishable"] else "not distinguishable")
+        + f" at the {ALPHA:.0%} level ({'; '.join(tests)}; the {LEVEL:.0%} intervals {overlap});"
+        + f" at the spread seen, {seeds} ({POWER_CALCULATION})"
+    )
+
+
+def table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
+    """The groups as aligned text: a header line, then one line per group (`*`: the best)."""
+    names = sorted({n for g in entries for n in g["metrics"]})
+    header = ["", "rank", "n", f"{monitor} ({mode}) mean", "std", f"{LEVEL:.0%} interval"]
+    header += ["min", "max", *(f"{n} mean" for n in names), "group"]
+    rows = [
+        [
+            "*" if g["best"] else "",
+            str(g["rank"]),
+            str(g["n"]) + (f" (+{g['unscored']} unscored)" if g["unscored"] else ""),
+            cell(g["mean"]),
+            cell(g["std"]),
+            f"{cell(g['interval'][0])} .. {cell(g['interval'][1])}" if g["interval"] else "-",
+            cell(g["min"]),
+            cell(g["max"]),
+            *(cell(g["metrics"].get(n, {}).get("mean")) for n in names),
+            g["group"],
+        ]
+        for g in entries
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  " + " ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]
+    ]
