@@ -11,11 +11,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import FAST
 from helpers.inproc import train_here, train_ranks, typed
 from torch.profiler import ProfilerActivity, profile
 
 from hydra_ddp import memory
+from hydra_ddp import memory_rules as rules
 from hydra_ddp.components import build
 from hydra_ddp.config import Wrapper
 from hydra_ddp.distributed.fsdp import local
@@ -145,6 +147,28 @@ def test_plan_of_a_wider_gpt_and_the_command(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: --device-mem 'lots'")
+
+
+def test_the_cuda_terms_are_zero_on_cpu_and_follow_torch():
+    """The cuBLAS workspaces (memory_rules.py): none on a CPU job, whichever the wrapper; on
+    CUDA two (the forward's thread and the backward's), and with PowerSGD one on each of
+    torch's 32 pool streams too; CUBLAS_WORKSPACE_CONFIG as torch reads it; the measured
+    window runs through PowerSGD's warm-up on CUDA only."""
+    digits, powersgd = typed(*FAST), typed(*FAST, "ddp=powersgd")
+    for cfg in (digits, powersgd):
+        counted = memory.count(cfg, build(cfg.data, "data"))
+        for wrapper in Wrapper:
+            planned = memory.plan_memory(counted, cfg, 2, wrapper)
+            assert planned.workspaces == 0 and planned.where == "cpu"
+            assert (planned.hook_state > 0) == (cfg is powersgd and wrapper == Wrapper.ddp)
+    assert rules.workspaces(digits, ddp=True) == rules.workspaces(powersgd, ddp=False) == 2
+    assert rules.workspaces(powersgd, ddp=True) == 2 + 32
+    assert rules.workspace_config(":4096:8") == 32 * 2**20
+    assert rules.workspace_config(":4096:2:16:8") == 8 * 2**20 + 128 * 2**10
+    assert rules.workspace_config(":0:0") == 0 and rules.workspace_config("") is None
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert rules.window_steps(digits, cuda) == rules.window_steps(powersgd, cpu) == 4
+    assert rules.window_steps(powersgd, cuda) == powersgd.ddp.powersgd_start_iter + 33
 
 
 def test_device_memory_sizes():

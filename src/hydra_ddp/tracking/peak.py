@@ -46,13 +46,14 @@ def held_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimize
 class PeakMeter:
     """The peak over a window of training steps: `step()` after each step of the loop starts
     it after the first (which pages in code and makes the optimizer state) and ends it
-    `STEPS` steps later (a steady step repeats itself; evaluation and checkpoints come
+    `steps` steps later (a steady step repeats itself; evaluation and checkpoints come
     later), `peak()` reads it (a window cut short by the run's end too)."""
 
     STEPS = 4
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, steps: int = STEPS) -> None:
         self.device = device
+        self.window = steps
         self.held = 0
         self.base: int | None = None
         self.steps = 0
@@ -94,8 +95,8 @@ class PeakMeter:
         self.steps += 1
         if self.steps == 1:
             self.start(held())
-        elif self.steps == 1 + self.STEPS:
-            self.frozen = self._read()
+        elif self.steps == 1 + self.window:
+            self._end()
 
     def start(self, held: int) -> None:
         if self.device.type == "cuda":
@@ -115,9 +116,12 @@ class PeakMeter:
     def peak(self) -> int | None:
         """The peak bytes of the window; None where they cannot be measured (or no step ran
         after the first)."""
-        if self.frozen is not None:
-            return self.frozen
-        return self._read() if self.steps > 1 else None
+        if self.frozen is None and self.steps > 1:
+            self._end()
+        return self.frozen
+
+    def _end(self) -> None:
+        self.frozen = self._read()
 
     def _read(self) -> int | None:
         if self.base is None:
