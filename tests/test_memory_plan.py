@@ -206,3 +206,20 @@ def test_plan_on_two_ranks(tmp_path, job, wrapper):
         state = summaries[0]["state_bytes_per_rank"][rank] - peak["grads"]
         measured = state + peak["buffers"] + peak["above_start"] + planned.buckets
         assert 0.75 <= planned.peak / measured <= 1.25, (planned, measured, peak)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["default", "fsdp2"])
+def test_a_runs_own_cpu_measure_holds_its_plan(tmp_path, wrapper):
+    """summary.json's own check, on 2 gloo ranks, for the GPT of text_gpt at width 256: the
+    measured peak (the growth of resident memory over the window, glibc mapping each block above
+    128 KiB on its own, tracking/peak.py) within 25 % of the plan. Left to glibc's dynamic
+    threshold, which keeps what the backward frees in its heaps, fsdp2's came out 1.35x."""
+    summaries = train_ranks(
+        tmp_path, *FAST, *SHORT, "experiment=text_gpt", "~callbacks.sample_text",
+        "model.n_embd=256", "trainer.max_steps=6", f"ddp={wrapper}",
+    )  # fmt: skip
+    summary = summaries[0]
+    assert summary["memory_peak_measure"] == "cpu_rss_growth"
+    assert all(peak > 0 for peak in summary["memory_peak_per_rank"])
+    assert 0.75 <= summary["memory_peak_over_plan"] <= 1.25, summary["memory_peak_per_rank"]
