@@ -35,12 +35,21 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
 def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
     from helpers import ranks
 
-    train_ranks(tmp_path, *POWERSGD, "trainer.max_steps=6")
+    summaries = train_ranks(tmp_path, *POWERSGD, "trainer.max_steps=6")
     path = checkpoint.latest(tmp_path)
     saved = checkpoint.load(path)["rng"]
     for rank in (0, 1):
         hook = saved[rank]["comm_hook"]
         assert hook["iter"] == 6 and hook["error_dict"], "error feedback is saved per rank"
+    # The memory plan counts that state (memory_rules.powersgd_bytes): what it keeps between
+    # steps (the error feedback, the factors P and Q) and, while it runs on the one bucket of
+    # this small model, two more bucket-sized tensors; no CUDA workspaces on a CPU job.
+    kept = {k: sum(t.numel() * t.element_size() for t in hook[k].values())
+            for k in ("error_dict", "p_memory_dict", "q_memory_dict")}  # fmt: skip
+    planned = summaries[0]["memory_plan"]
+    assert kept["p_memory_dict"] and kept["q_memory_dict"]
+    assert planned["hook_state"] == sum(kept.values()) + 2 * kept["error_dict"]
+    assert planned["workspaces"] == 0
     assert not torch.equal(
         next(iter(saved[0]["comm_hook"]["error_dict"].values())),
         next(iter(saved[1]["comm_hook"]["error_dict"].values())),

@@ -59,11 +59,15 @@ def test_cpu_offload_trains_like_the_run_without_it(fp32: Path, tmp_path: Path) 
 
 
 @pytest.mark.parametrize(
-    "dtype, torch_dtype",
-    [("bf16", torch.bfloat16), pytest.param("fp16", torch.float16, marks=pytest.mark.slow)],
+    "dtype, torch_dtype, autocast",
+    [
+        ("bf16", torch.bfloat16, False),
+        pytest.param("fp16", torch.float16, False, marks=pytest.mark.slow),
+        pytest.param("bf16", torch.bfloat16, True, marks=pytest.mark.slow),
+    ],
 )
 def test_low_precision_params_train_with_fp32_state(
-    fp32: Path, tmp_path: Path, dtype: str, torch_dtype: torch.dtype
+    fp32: Path, tmp_path: Path, dtype: str, torch_dtype: torch.dtype, autocast: bool
 ) -> None:
     """The forward and backward compute in bf16/fp16 (the gathered parameters), the gradients
     are reduced in fp32, and what the optimizer steps and the checkpoint keeps stays fp32.
@@ -71,10 +75,14 @@ def test_low_precision_params_train_with_fp32_state(
     0.4 % per weight and activation), fp16 11 (0.05 %); the loss averages many such roundings,
     and the fp32 master weights take every update, so nothing compounds over 10 steps. Bound:
     one rounding's worth, 0.5 % (bf16) and 0.05 % (fp16) of the fp32 run's loss (measured:
-    0.017 % and 0.0008 %); the losses still differ from fp32's (the policy did apply)."""
+    0.017 % and 0.0008 %); the losses still differ from fp32's (the policy did apply). Under
+    autocast (trainer.precision=bf16) the units inside the root do not cast their inputs
+    (autocast casts each op's); without it they must (a 16-bit unit fed fp32 would fail)."""
     job = tmp_path / "job"
-    done = train_ranks(job, *GPT, f"ddp.param_dtype={dtype}", "ddp.reduce_dtype=fp32")
+    precision = f"trainer.precision={'bf16' if autocast else 'fp32'}"
+    done = train_ranks(job, *GPT, f"ddp.param_dtype={dtype}", "ddp.reduce_dtype=fp32", precision)
     assert f"param_dtype={dtype} reduce_dtype=fp32" in done.logs[0]
+    assert f"units_cast_inputs={not autocast}" in done.logs[0]
     low, full = _losses(job), _losses(fp32)
     assert sorted(low) == sorted(full) == list(range(1, 11))
     rel = 5e-3 if dtype == "bf16" else 5e-4

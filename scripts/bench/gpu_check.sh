@@ -1,126 +1,175 @@
 #!/usr/bin/env bash
-# One short check of the CUDA/NCCL paths (CI has no GPU). Results go to docs/gpu_check.md.
+# The short GPU check (about 3 minutes on one H200; the full one, about 5, is
+# gpu_check_full.sh). Results go to docs/gpu_check.md.
 #   PYTHONPATH=src bash scripts/bench/gpu_check.sh <work dir>
-# With one GPU, DDP runs as one torchrun rank (a real NCCL process group, device_ids from
-# LOCAL_RANK; two NCCL ranks cannot share a GPU) and the over-subscription error is checked
-# with two; with two or more GPUs visible, a two-rank NCCL job runs too. Every shipped metric
-# is evaluated on the GPU (classification, regression, language model), with EMA, compile,
-# bf16, fp16 and a resume; `sync_debug` runs the steps between log intervals under
-# torch.cuda.set_sync_debug_mode("error").
+# One NCCL rank (torchrun), python3, logger=none. It runs:
+# - speed: DDP and fsdp2 (bf16 parameters, fp32 reduce) on the example GPT at 12 x 768 (block
+#   1024, batch 16) and 6 x 384 (block 256, batch 64), bf16, checkpoints only at the end, 40
+#   steps, the rate taken from the second log interval (steps 21-40); fsdp2 with the root as its
+#   only unit at 12 x 768; a plain loop of the same model (plain_gpt.py) beside each;
+# - a profile of steps 42-44 of both 12 x 768 runs (after the speed interval): the top ops by
+#   self CUDA time and, per step, the device synchronisations and device-to-host copies;
+# - sync_debug under DDP and fsdp2: the steps between log intervals under
+#   torch.cuda.set_sync_debug_mode("error") (sync_check.py), exit 0 and its "sync check" line;
+# - the memory plan against each run's measured peak (summary.json), the default digits job
+#   and ddp=powersgd included.
+# Without CUDA it runs the same on the CPU (gloo) at tiny sizes, as a check of the script:
+# BIG and SMALL ("layers width heads block batch") and STEPS override the sizes and steps;
+# RUN_TIMEOUT the seconds a job may take (120 on a GPU).
 set -u
 W=${1:-/tmp/gpu_check}
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$(cd "$(dirname "$0")" && pwd):${PYTHONPATH:-}"  # sync_check.py
+BENCH=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
-nvidia-smi -L
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'nccl', torch.cuda.nccl.version())"
-T=(-m hydra_ddp.train logger=none trainer.progress=false)
-R=($PY -m torch.distributed.run --standalone)
-run() {  # name, then the command
-  local name=$1; shift
-  echo "=== $name: $*"
-  "$@" > "$W/$name.log" 2>&1
-  echo "rc=$?"
-  grep -E "process group up|error:|done \||sync check" "$W/$name.log" | cut -c 1-400
+CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
+if [ "$CUDA" = 1 ]; then
+  nvidia-smi -L
+  BIG=${BIG:-"12 768 12 1024 16"} SMALL=${SMALL:-"6 384 6 256 64"} STEPS=${STEPS:-40}
+else
+  echo "no CUDA: the same runs on the CPU at tiny sizes (a check of the script; CUDA-only parts skipped)"
+  BIG=${BIG:-"2 64 2 32 4"} SMALL=${SMALL:-"2 32 2 16 4"} STEPS=${STEPS:-40}
+fi
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+LOG=$((STEPS / 2))
+# Each job is stopped after RUN_TIMEOUT seconds (rc 124), so that a hang costs one job's time.
+if [ "$CUDA" = 1 ]; then TO=${RUN_TIMEOUT:-120}; else TO=${RUN_TIMEOUT:-600}; fi
+R=(timeout "$TO" $PY -m torch.distributed.run --standalone --nproc_per_node=1)
+T=(-m hydra_ddp.train logger=none trainer.progress=false trainer.limit_eval_batches=1)
+F=(ddp=fsdp2 ddp.param_dtype=bf16 ddp.reduce_dtype=fp32)
+gpt() {  # layers width heads block batch
+  echo data=text model=gpt model.n_layer=$1 model.n_embd=$2 model.n_head=$3 data.block_size=$4 \
+    trainer.batch_size=$5 trainer.precision=bf16 trainer.max_steps=$STEPS trainer.log_interval=$LOG
 }
-run single      "$PY" "${T[@]}" hydra.run.dir="$W/single"
-run ddp_nccl    "${R[@]}" --nproc_per_node=1 "${T[@]}" hydra.run.dir="$W/ddp_nccl"
-run fp16_scaler "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.precision=fp16 hydra.run.dir="$W/fp16_scaler"
-run bf16_hook   "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.precision=bf16 ddp=bf16_compress hydra.run.dir="$W/bf16_hook"
-run powersgd    "${R[@]}" --nproc_per_node=1 "${T[@]}" ddp=powersgd ddp.powersgd_start_iter=2 trainer.max_steps=60 hydra.run.dir="$W/powersgd"
-run sharded     "${R[@]}" --nproc_per_node=1 "${T[@]}" sampler=sharded trainer.epochs=5 hydra.run.dir="$W/sharded"
-run gpt_bf16    "${R[@]}" --nproc_per_node=1 "${T[@]}" data=text model=gpt model.n_layer=6 model.n_embd=384 model.n_head=6 data.block_size=256 trainer.batch_size=64 trainer.max_steps=300 trainer.precision=bf16 trainer.log_interval=50 hydra.run.dir="$W/gpt_bf16"
-run regression  "${R[@]}" --nproc_per_node=1 "${T[@]}" data=diabetes trainer.batch_size=32 hydra.run.dir="$W/regression"
-run ema         "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.ema_decay=0.99 trainer.eval_interval=200 hydra.run.dir="$W/ema"
-run compile     "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.compile=true trainer.max_steps=200 hydra.run.dir="$W/compile"
-run sync_debug  "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.eval_interval=0 trainer.ckpt_interval=0 trainer.ema_decay=0.99 trainer.max_steps=200 +callbacks.sync._target_=sync_check.SyncDebug +callbacks.sync.log_interval=10 hydra.run.dir="$W/sync_debug"
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  run two_ranks "${R[@]}" --nproc_per_node=2 "${T[@]}" trainer.ema_decay=0.99 trainer.eval_interval=200 ddp=powersgd trainer.ckpt_interval=100 hydra.run.dir="$W/two_ranks"
-fi
-run resume      "${R[@]}" --nproc_per_node=1 "${T[@]}" trainer.max_steps=900 trainer.ckpt_interval=100 trainer.resume="$W/ddp_nccl/checkpoints/$(ls "$W/ddp_nccl/checkpoints" | tail -1)" hydra.run.dir="$W/resume"
-run too_many    "${R[@]}" --nproc_per_node=2 "${T[@]}" hydra.run.dir="$W/too_many"
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && $PY -c "import ray" 2>/dev/null; then
-  # hydra/launcher=ray (the ray extra): two 1-GPU jobs of one sweep run side by side, each on
-  # its own GPU. Read from the jobs' processes while they run: the CUDA_VISIBLE_DEVICES Ray
-  # gave each, and the GPU nvidia-smi sees each one compute on.
-  echo "=== ray_two_jobs: a Ray sweep of two 1-GPU jobs"
-  $PY - "$W" "$PY" <<'PY'
-import json, subprocess, sys, time, pathlib
-import psutil
-w, py = pathlib.Path(sys.argv[1]), sys.argv[2]
-sweep = w / "ray_two_jobs"
-cmd = [py, "-m", "hydra_ddp.train", "-m", "hydra/launcher=ray", "hydra.launcher.num_gpus=2",
-       "logger=none", "trainer.progress=false", "dist.nproc_per_node=1", "trainer.max_steps=3000",
-       "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}"]
-log = open(w / "ray_two_jobs.log", "w")
-proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-visible, on_gpu = {}, {}
-while proc.poll() is None:
-    jobs = {}
-    for p in psutil.process_iter():
-        try:
-            env = p.environ()
-        except psutil.Error:
-            continue
-        if "HYDRA_DDP_RAY_JOB" in env:  # a job's own process (it trains: one rank)
-            jobs[p.pid] = env["HYDRA_DDP_RAY_JOB"]
-            visible[env["HYDRA_DDP_RAY_JOB"]] = env.get("CUDA_VISIBLE_DEVICES")
-    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout
-    for line in apps.splitlines():
-        pid, _, uuid = line.partition(",")
-        if pid.strip().isdigit() and int(pid) in jobs:
-            on_gpu.setdefault(jobs[int(pid)], set()).add(uuid.strip())
-    time.sleep(0.5)
-report = json.loads((sweep / "sweep_report.json").read_text())
-print("rc", proc.returncode, "statuses", [j["status"] for j in report])
-print("CUDA_VISIBLE_DEVICES by job", visible, "GPUs computed on by job", on_gpu)
-ok = (proc.returncode == 0 and sorted(visible) == ["0", "1"]
-      and all(v and len(v.split(",")) == 1 for v in visible.values())
-      and visible["0"] != visible["1"]
-      and not (on_gpu.get("0", set()) & on_gpu.get("1", set())))
-print("ray_two_jobs disjoint GPUs:", "OK" if ok else "FAILED")
-PY
-fi
+plain() {  # name, wrapper, then the sizes
+  local name=$1 wrapper=$2 t0=$SECONDS
+  set -- $3
+  echo "=== $name: plain_gpt.py --wrapper $wrapper $*"
+  "${R[@]}" "$BENCH/plain_gpt.py" --wrapper "$wrapper" --n-layer "$1" --n-embd "$2" --n-head "$3" \
+    --block-size "$4" --batch-size "$5" --steps "$STEPS" --skip "$LOG" > "$W/$name.log" 2>&1
+  echo "$? $((SECONDS - t0))" > "$W/$name.rc"
+  tail -1 "$W/$name.log" > "$W/$name.json"
+}
+run() {  # name, then the overrides
+  local name=$1 t0=$SECONDS
+  shift
+  echo "=== $name: $*"
+  "${R[@]}" "${T[@]}" "$@" hydra.run.dir="$W/$name" > "$W/$name.log" 2>&1
+  echo "$? $((SECONDS - t0))" > "$W/$name.rc"
+  grep -E "error:|sync check" "$W/$name.log" | cut -c 1-300
+}
+PROFILE=(trainer.max_steps=$((STEPS + 4)) trainer.profile_start=$((STEPS + 1)) trainer.profile_steps=3)
+SYNC=(data=text model=gpt model.n_layer=2 model.n_embd=128 model.n_head=4 data.block_size=64
+  trainer.batch_size=8 trainer.max_steps=$STEPS trainer.log_interval=10 trainer.eval_interval=0
+  trainer.ckpt_interval=0 trainer.ema_decay=0.99 trainer.precision=bf16
+  +callbacks.sync._target_=sync_check.SyncDebug '+callbacks.sync.log_interval=${trainer.log_interval}'
+  '+callbacks.sync.max_steps=${trainer.max_steps}')
 
-# ---- ddp=fsdp2 on NCCL: bf16 parameters, fp32 gradient reduce, beside DDP on the same GPT ----
-# (issue 27; a block of its own.) Both on as many ranks as GPUs allow (2 at most): tokens/s,
-# state_bytes_per_rank and each rank's CUDA peak memory are printed side by side below. Then
-# the sharded run resumes on 1 rank (another world size) and is exported (a folder).
-G=(data=text model=gpt model.n_layer=6 model.n_embd=384 model.n_head=6 data.block_size=256 trainer.batch_size=64 trainer.max_steps=300 trainer.log_interval=50 trainer.ckpt_interval=100)
-NP=$(( $(nvidia-smi -L | wc -l) >= 2 ? 2 : 1 ))
-run gpt_ddp_bf16 "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" trainer.precision=bf16 hydra.run.dir="$W/gpt_ddp_bf16"
-run gpt_fsdp2    "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.param_dtype=bf16 ddp.reduce_dtype=fp32 trainer.async_ckpt=true hydra.run.dir="$W/gpt_fsdp2"
-$PY - "$W" <<'PY'
-import json, sys, pathlib
-w = pathlib.Path(sys.argv[1])
-for name in ("gpt_ddp_bf16", "gpt_fsdp2"):
-    s = json.loads((w / name / "summary.json").read_text())
-    peaks = []
-    for r in range(s["world_size"]):
-        rows = [json.loads(l) for l in (w / name / "stats" / f"rank{r}.jsonl").read_text().splitlines() if l.strip()]
-        peaks.append(max((x.get("cuda_peak_mem_mb") or 0) for x in rows))
-    print(name, "ranks", s["world_size"], "steps", s["steps"], "tokens_per_s", round(s.get("tokens_per_s", 0)),
-          "state_MiB_per_rank", [round(b / 2**20, 1) for b in s["state_bytes_per_rank"]],
-          "cuda_peak_MiB_per_rank", peaks, "val_loss", round(s["val_loss"], 4))
-PY
-run gpt_fsdp2_meta "${R[@]}" --nproc_per_node=$NP "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.meta_init=true trainer.max_steps=100 hydra.run.dir="$W/gpt_fsdp2_meta"
-run gpt_fsdp2_1rank "${R[@]}" --nproc_per_node=1 "${T[@]}" "${G[@]}" ddp=fsdp2 ddp.param_dtype=bf16 trainer.max_steps=400 hydra.run.dir="$W/gpt_fsdp2"
-run gpt_fsdp2_export "$PY" -m hydra_ddp.export run="$W/gpt_fsdp2"
-run gpt_fsdp2_eval "$PY" -m hydra_ddp.eval run="$W/gpt_fsdp2" ckpt="$W/gpt_fsdp2/export/step_00000400"
-grep -h "resumed from\|export\]\|test step" "$W/gpt_fsdp2_1rank.log" "$W/gpt_fsdp2_export.log" "$W/gpt_fsdp2_eval.log" | cut -c 1-300
-$PY - "$W" <<'PY'
-import json, sys, pathlib
-w = pathlib.Path(sys.argv[1])
-out = {p.parent.name: json.loads(p.read_text()) for p in sorted(w.glob("*/summary.json"))}
-(w / "summaries.json").write_text(json.dumps(out, indent=1))
-for k, v in out.items():
-    print(k, {x: v.get(x) for x in ("world_size", "steps", "test_acc", "val_loss", "samples_per_s", "tokens_per_s", "wall_time_s")})
-# The per-interval stats gather runs asynchronously on the NCCL group: every interval must
-# still reach rank 0's aggregate file, with CUDA memory among each rank's stats.
-for k in out:
-    agg = (w / k / "stats" / "aggregate.jsonl").read_text().splitlines()
-    own = [json.loads(l) for l in (w / k / "stats" / "rank0.jsonl").read_text().splitlines()]
-    print(k, "intervals", len(own), "aggregated", len(agg), "cuda_peak_mem_mb", own[-1].get("cuda_peak_mem_mb"))
+run digits          trainer.max_steps=$STEPS
+run digits_powersgd ddp=powersgd ddp.powersgd_start_iter=2 trainer.max_steps=$STEPS
+run big_ddp         $(gpt $BIG) "${PROFILE[@]}"
+run big_fsdp2       $(gpt $BIG) "${F[@]}" "${PROFILE[@]}"
+run big_fsdp2_root  $(gpt $BIG) "${F[@]}" 'ddp.shard_units=[]'
+run small_ddp       $(gpt $SMALL)
+run small_fsdp2     $(gpt $SMALL) "${F[@]}"
+plain plain_big_ddp     ddp   "$BIG"
+plain plain_big_fsdp2   fsdp2 "$BIG"
+plain plain_small_ddp   ddp   "$SMALL"
+plain plain_small_fsdp2 fsdp2 "$SMALL"
+run sync_ddp        "${SYNC[@]}"
+run sync_fsdp2      "${SYNC[@]}" "${F[@]}"
+
+$PY - "$W" "$LOG" "$SECONDS" <<'PY'
+import collections, json, pathlib, re, sys
+
+w, log_interval, total = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+MiB = 2**20
+runs, failed, summaries = {}, [], {}
+for rc_file in sorted(w.glob("*.rc")):
+    name = rc_file.stem
+    rc, wall = map(int, rc_file.read_text().split())
+    runs[name] = {"rc": rc, "wall_s": wall}
+    if rc:
+        failed.append(name)
+
+def speed(name):
+    """tokens/s of the second log interval (template), or the plain loop's (after --skip)."""
+    if name.startswith("plain_"):
+        text = (w / f"{name}.json").read_text().strip() if (w / f"{name}.json").exists() else ""
+        return json.loads(text)["tokens_per_s"] if text.startswith("{") else None
+    stats = w / name / "stats" / "rank0.jsonl"
+    if not stats.exists():
+        return None
+    rows = [json.loads(row) for row in stats.read_text().splitlines() if row.strip()]
+    second = [r for r in rows if r.get("step") == 2 * log_interval]
+    return round(second[0]["tokens_per_s"]) if second and second[0].get("tokens_per_s") else None
+
+print("\n=== runs (rc, wall s, tokens/s of steps", log_interval + 1, "-", 2 * log_interval, ")")
+for name, r in runs.items():
+    r["tokens_per_s"] = speed(name)
+    print(f"{name:18} rc={r['rc']} wall={r['wall_s']:4d}s tokens/s={r['tokens_per_s']}")
+
+print("\n=== speed ratios")
+def ratio(a, b):
+    x, y = runs.get(a, {}).get("tokens_per_s"), runs.get(b, {}).get("tokens_per_s")
+    return f"{x / y:.2f}" if x and y else "n/a"
+for size in ("big", "small"):
+    print(f"{size}: fsdp2/ddp template {ratio(f'{size}_fsdp2', f'{size}_ddp')}, "
+          f"plain {ratio(f'plain_{size}_fsdp2', f'plain_{size}_ddp')}; template/plain ddp "
+          f"{ratio(f'{size}_ddp', f'plain_{size}_ddp')}, fsdp2 "
+          f"{ratio(f'{size}_fsdp2', f'plain_{size}_fsdp2')}")
+print(f"big: fsdp2 root only/ddp {ratio('big_fsdp2_root', 'big_ddp')}, "
+      f"root only/per-block units {ratio('big_fsdp2_root', 'big_fsdp2')}")
+
+print("\n=== memory: measured peak / plan (summary.json; on a CPU, tiny models: a few MiB of noise)")
+outside = []
+for s_path in sorted(w.glob("*/summary.json")):
+    name = s_path.parent.name
+    s = json.loads(s_path.read_text())
+    summaries[name] = s
+    plan, peaks = s.get("memory_plan"), [p for p in s.get("memory_peak_per_rank") or [] if p]
+    if not plan or not peaks:
+        print(f"{name:18} no plan or no measured peak")
+        continue
+    over = max(peaks) / plan["peak"]
+    if not 0.75 <= over <= 1.25:
+        outside.append(name)
+    terms = {k: round(plan[k] / MiB, 1) for k in ("params", "grads", "optimizer", "buckets",
+             "gathered", "hook_state", "workspaces", "activations") if plan.get(k)}  # fmt: skip
+    print(f"{name:18} {s['memory_peak_measure']}: measured {max(peaks) / MiB:8.1f} MiB, plan "
+          f"{plan['peak'] / MiB:8.1f} MiB, measured/plan {over:.2f}  {terms}")
+(w / "summaries.json").write_text(json.dumps(summaries, indent=1))
+
+print("\n=== profiles (steps with ProfilerStep in the trace)")
+SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+for name in ("big_ddp", "big_fsdp2"):
+    trace = w / name / "profile" / "rank0.pt.trace.json"
+    if not trace.exists():
+        print(name, "no trace")
+        continue
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = len({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")}) or 1
+    calls = collections.Counter(e["name"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
+    dtoh = sum(1 for e in events if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", ""))
+    kernels = collections.Counter()
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels[e["name"][:80]] += e.get("dur", 0)
+    print(f"{name}: {steps} steps; per step: syncs "
+          f"{ {k: round(calls[k] / steps, 2) for k in SYNCS} } (the profiler's own stop syncs once), "
+          f"device-to-host copies {dtoh / steps:.2f}, GPU busy {sum(kernels.values()) / 1000 / steps:.1f} ms")
+    text = (w / f"{name}.log").read_text()
+    table = re.search(r"profile of steps.*?\n(.*?Self CPU time total[^\n]*)", text, re.S)
+    if table:
+        print("\n".join(line[:160] for line in table.group(1).splitlines()[:16]))
+
+print("\n=== sync_debug")
+for name in ("sync_ddp", "sync_fsdp2"):
+    text = (w / f"{name}.log").read_text() if (w / f"{name}.log").exists() else ""
+    line = [ln for ln in text.splitlines() if "sync check:" in ln]
+    print(f"{name}: rc={runs.get(name, {}).get('rc')} {line[-1].strip() if line else 'no sync check line'}")
+
+print(f"\ngpu_check: {len(runs)} runs, failed: {failed or 'none'}; memory outside 25 %: "
+      f"{outside or 'none'}; {total} s in all")
 PY

@@ -15,6 +15,8 @@ what those leave out (activations, DDP's buckets):
                  unsharded gradients, the next unit's all-gather buffer, the previous unit's
                  reduce-scatter input), in ddp.param_dtype
     activations  what the forward saves for the backward, at trainer.batch_size
+    hook_state   ddp=powersgd: PowerSGD's error feedback and low-rank factors (`powersgd_bytes`)
+    workspaces   CUDA: the cuBLAS workspaces torch keeps once a step has run (`workspace_bytes`)
 
 Measured, not assumed: the model and its optimizers are built on the meta device (no memory,
 any size) from the job's own config, one training step runs there through the job's step
@@ -23,9 +25,9 @@ activations are counted at two small batch sizes and extrapolated (they grow lin
 batch). A model whose forward cannot run on the meta device (it reads a tensor's value) is run
 on the CPU with a small batch instead.
 
-The peak a step reaches is `params + optimizer + buckets + gathered + max(activations, grads)`:
-the gradients are made during the backward as the activations are freed, and freed after the
-optimizer step (zero_grad(set_to_none=True)).
+The peak a step reaches is `params + optimizer + buckets + gathered + hook_state + workspaces +
+max(activations, grads)`: the gradients are made during the backward as the activations are
+freed, and freed after the optimizer step (zero_grad(set_to_none=True)).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
+from hydra_ddp.memory_rules import gathered_bytes, powersgd_bytes, workspace_bytes
 from hydra_ddp.rank_job import build_components
 from hydra_ddp.step import StepTools
 from hydra_ddp.tracking.peak import PeakMeter
@@ -76,16 +79,13 @@ class MemoryPlan:
     activations: int
     activations_per_row: float
     where: str  # where the step ran to count them: meta or cpu
+    hook_state: int = 0
+    workspaces: int = 0
 
     @property
     def peak(self) -> int:
-        return (
-            self.params
-            + self.optimizer
-            + self.buckets
-            + self.gathered
-            + max(self.activations, self.grads)
-        )
+        fixed = self.params + self.optimizer + self.buckets + self.gathered
+        return fixed + self.hook_state + self.workspaces + max(self.activations, self.grads)
 
     def at(self, batch_size: int) -> MemoryPlan:
         """The same plan at another trainer.batch_size."""
@@ -124,6 +124,7 @@ class Counted:
     units: list[int]  # each fsdp2 unit's own parameters (the root's left out)
     activations: dict[int, int]  # probe batch size -> saved bytes
     where: str
+    hook_state: int = 0  # ddp=powersgd's state (powersgd_bytes)
 
 
 def count(cfg: TrainConfig, source: DataSource) -> Counted:
@@ -142,9 +143,10 @@ def count(cfg: TrainConfig, source: DataSource) -> Counted:
 
 
 def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
-         distributed: bool | None = None) -> MemoryPlan:  # fmt: skip
-    """One rank's plan under `wrapper` on `world_size` ranks, at trainer.batch_size;
-    `distributed`: with a process group (default: more than one rank), so wrapped."""
+         distributed: bool | None = None, device: str = "cpu") -> MemoryPlan:  # fmt: skip
+    """One rank's plan under `wrapper` on `world_size` ranks, at trainer.batch_size, on
+    `device` (cpu or cuda); `distributed`: with a process group (default: more than one rank),
+    so wrapped."""
     wrapped = world_size > 1 if distributed is None else distributed
     (b1, a1), (b2, a2) = sorted(counted.activations.items())
     per_row = (a2 - a1) / (b2 - b1)
@@ -156,7 +158,8 @@ def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wr
     shard = world_size if sharded else 1
     gathered = gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0
     buckets = 0
-    if wrapper == Wrapper.ddp and wrapped and cfg.ddp.enabled:
+    ddp = wrapper == Wrapper.ddp and wrapped and cfg.ddp.enabled
+    if ddp:
         buckets = 0 if cfg.ddp.gradient_as_bucket_view else counted.trainable
     return MemoryPlan(
         wrapper=wrapper.value,
@@ -170,37 +173,9 @@ def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wr
         activations=int(a1 * scale),
         activations_per_row=per_row * scale,
         where=counted.where,
+        hook_state=counted.hook_state if ddp else 0,
+        workspaces=workspace_bytes(cfg, device, ddp),
     ).at(cfg.trainer.batch_size)
-
-
-def gathered_bytes(root: int, units: list[int], cfg: TrainConfig) -> int:
-    """The unit-sized buffers fully_shard holds at once on a rank, at the backward's peak, from
-    the whole (unsharded) bytes of the root's own parameters and of each other unit's
-    (torch/distributed/fsdp/_fully_shard/, 2.13):
-
-    - the root: gathered for the forward and kept so (reshard_after_forward=False in
-      distributed/fsdp.py), and its unsharded gradients: the root's backward comes first (the
-      head) and its reduce-scatter last, after every unit's: 2 x root;
-    - the units, with reshard_after_forward (one gathered at a time), of the largest: the
-      unit computing its backward (its gathered parameters and its unsharded gradients, until
-      its reduce-scatter copies them into a flat reduce-scatter input), the next unit's flat
-      all-gather output (prefetched during this one's backward) and the previous unit's
-      reduce-scatter input (kept until this unit's reduce-scatter): 4 x the largest unit from
-      the third unit on, 3 with two units, 2 with one;
-    - without reshard_after_forward every unit stays gathered from its forward to its
-      backward: all of them, plus the computing unit's gradients and the previous unit's
-      reduce-scatter input.
-
-    The sharded gradients (the reduce-scatter outputs) are the plan's `grads`. In
-    ddp.param_dtype (the gradients too: autograd makes them in the gathered parameters' dtype).
-    """
-    largest = max(units, default=0)
-    if cfg.ddp.reshard_after_forward:
-        held = min(len(units) + 1, 4) * largest if units else 0
-    else:
-        held = sum(units) + min(len(units), 2) * largest
-    scale = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
-    return int(scale * (2 * root + held))
 
 
 def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counted:
@@ -245,6 +220,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
         units=unit_bytes,
         activations=acts,
         where=device.type,
+        hook_state=powersgd_bytes([*model.parameters()], cfg),
     )
 
 
@@ -313,6 +289,8 @@ def of_this_run(
         activations=meter.activations,
         activations_per_row=meter.activations / max(meter.rows, 1),
         where="run",
+        hook_state=powersgd_bytes(params, cfg) if ddp else 0,
+        workspaces=workspace_bytes(cfg, env.device.type, ddp),
     )
 
 

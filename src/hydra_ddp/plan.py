@@ -25,7 +25,7 @@ from hydra.errors import HydraException
 
 from hydra_ddp import memory
 from hydra_ddp.components import build
-from hydra_ddp.config import Precision, TrainConfig, Wrapper, register_configs
+from hydra_ddp.config import Device, Precision, TrainConfig, Wrapper, register_configs
 from hydra_ddp.errors import UserError, config_error
 from hydra_ddp.launch.command import config_dir
 from hydra_ddp.launch.runner import to_typed
@@ -38,6 +38,8 @@ _ROWS = (
     ("optimizer", "optimizer state"),
     ("buckets", "DDP buckets"),
     ("gathered", "fsdp2 gathered units"),
+    ("hook_state", "comm hook state"),
+    ("workspaces", "CUDA workspaces"),
     ("activations", "activations"),
 )
 
@@ -76,10 +78,17 @@ def world_size(cfg: TrainConfig, ranks: int | None) -> int:
     return int(os.environ.get("WORLD_SIZE", cfg.dist.nproc_per_node))
 
 
+def job_device(cfg: TrainConfig) -> str:
+    """cuda where the job would train on a GPU here (dist.device, a visible GPU), else cpu."""
+    return "cuda" if torch.cuda.is_available() and cfg.dist.device != Device.cpu else "cpu"
+
+
 def plans(cfg: TrainConfig, ranks: int) -> tuple[memory.Counted, list[memory.MemoryPlan]]:
     counted = memory.count(cfg, build(cfg.data, "data"))
+    device = job_device(cfg)
     return counted, [
-        memory.plan_memory(counted, cfg, ranks, w) for w in (Wrapper.ddp, Wrapper.fsdp2)
+        memory.plan_memory(counted, cfg, ranks, w, device=device)
+        for w in (Wrapper.ddp, Wrapper.fsdp2)
     ]
 
 
@@ -98,8 +107,8 @@ def table(cfg: TrainConfig, counted: memory.Counted, rows: list[memory.MemoryPla
     lines = [
         f"memory plan per rank: {cfg.model.get('_target_')} ({params / 1e6:.2f}M parameters), "
         f"{p.world_size} rank(s), "
-        f"trainer.batch_size={p.batch_size}, precision {precision}; counted on the "
-        f"{counted.where} device",
+        f"trainer.batch_size={p.batch_size}, precision {precision}, a {job_device(cfg)} job "
+        f"(CUDA workspaces only with a GPU visible); counted on the {counted.where} device",
         f"{'':24}" + "".join(f"{r.wrapper:>14}" for r in rows),
     ]
     for key, label in _ROWS:

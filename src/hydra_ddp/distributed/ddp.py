@@ -31,11 +31,13 @@ def wrap_model(
     cfg: DDPConfig,
     also: Iterable[torch.nn.Module] = (),
     compile_units: bool = False,
+    autocast: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """Move the model to this rank's device and wrap it as the ddp/ config says: in DDP, or
-    sharded by fully_shard (ddp=fsdp2, distributed/fsdp.py; `also` are sharded the same way and
-    `compile_units` compiles each unit first). Also return the comm hook (ddp.comm_hook,
-    distributed/comm_hooks.py) when it has a checkpointable state (state_dict), else None.
+    sharded by fully_shard (ddp=fsdp2, distributed/fsdp.py; `also` are sharded the same way,
+    `compile_units` compiles each unit first, `autocast`: the forwards run under autocast).
+    Also return the comm hook (ddp.comm_hook, distributed/comm_hooks.py) when it has a
+    checkpointable state (state_dict), else None.
 
     device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
     would name a GPU that does not exist.
@@ -45,7 +47,7 @@ def wrap_model(
     if cfg.wrapper == Wrapper.fsdp2:
         from hydra_ddp.distributed import fsdp
 
-        return fsdp.wrap(model, env, cfg, also, compile_units), None
+        return fsdp.wrap(model, env, cfg, also, compile_units, autocast), None
     model = model.to(env.device)
     if not cfg.enabled:
         if env.world_size > 1:

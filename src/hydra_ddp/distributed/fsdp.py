@@ -14,6 +14,7 @@ through torch.distributed.checkpoint (dcp.py), and `state_bytes` counts what a r
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 from typing import Any, Iterable
@@ -63,9 +64,11 @@ def wrap(
     cfg: DDPConfig,
     also: Iterable[torch.nn.Module] = (),
     compile_units: bool = False,
+    autocast: bool = False,
 ) -> torch.nn.Module:
     """Shard `model` (and each of `also`, e.g. the EMA copy, the same way) over all ranks, in
-    place; return it. Without a process group (one plain process) nothing is sharded."""
+    place; return it. `autocast`: the job's forwards run under autocast (trainer.precision
+    bf16/fp16). Without a process group (one plain process) nothing is sharded."""
     units = find_units(model, cfg)
     if compile_units:
         # Per unit, before sharding: each unit's graph then ends at its all-gather and
@@ -79,14 +82,21 @@ def wrap(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if cfg.param_dtype == DType.fp32 else _DTYPES[cfg.param_dtype],
+        reduce_dtype=_DTYPES[cfg.reduce_dtype],
+    )
     options: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": cfg.reshard_after_forward,
-        "mp_policy": MixedPrecisionPolicy(
-            param_dtype=None if cfg.param_dtype == DType.fp32 else _DTYPES[cfg.param_dtype],
-            reduce_dtype=_DTYPES[cfg.reduce_dtype],
-        ),
+        "mp_policy": policy,
     }
+    # The root casts the model's floating inputs to param_dtype. Under autocast the units
+    # inside need not: autocast casts each op's inputs, and the cast FSDP2 would add walks
+    # every unit's arguments in Python on each forward, a host cost that adds up on a GPU
+    # (docs/fsdp2.md). Without autocast a unit of 16-bit parameters fed fp32 activations
+    # would fail in its first matmul, so there they keep the cast.
+    unit_policy = dataclasses.replace(policy, cast_forward_inputs=not autocast)
     if cfg.cpu_offload:
         # On a CPU job the shards are in CPU memory anyway: the policy's copies are no-ops, but
         # its path (the optimizer stepping the offloaded shards and gradients) is the one a GPU
@@ -95,7 +105,7 @@ def wrap(
     for module in (model, *also):
         mine = dict(module.named_modules())
         for name, _ in units:
-            fully_shard(mine[name], **options)
+            fully_shard(mine[name], **{**options, "mp_policy": unit_policy})
         # The root: everything no unit holds (embeddings, final norm, head). Its parameters
         # stay gathered after the forward: the backward starts with them.
         fully_shard(module, **{**options, "reshard_after_forward": False})
@@ -103,7 +113,7 @@ def wrap(
         _materialise(model, env, also)
     log.info(
         "FSDP2: %d unit(s) + root over %d rank(s) (%s), reshard_after_forward=%s "
-        "param_dtype=%s reduce_dtype=%s cpu_offload=%s",
+        "param_dtype=%s reduce_dtype=%s cpu_offload=%s units_cast_inputs=%s",
         len(units),
         env.world_size,
         ", ".join(sorted({type(u).__name__ for _, u in units})) or "root only",
@@ -111,6 +121,7 @@ def wrap(
         cfg.param_dtype.value,
         cfg.reduce_dtype.value,
         cfg.cpu_offload,
+        unit_policy.cast_forward_inputs,
     )
     return model
 

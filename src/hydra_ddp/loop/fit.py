@@ -44,6 +44,7 @@ from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.wrapping import Wrapped
+from hydra_ddp.memory_rules import window_steps
 from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for
@@ -134,7 +135,7 @@ def fit(loop: Loop) -> float:
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
-    loop.meter = PeakMeter(env.device)
+    loop.meter = PeakMeter(env.device, window_steps(job.cfg, env.device))
     held = functools.partial(held_bytes, loop.raw_model, components.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective

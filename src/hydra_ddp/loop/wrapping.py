@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hydra_ddp.checkpoint.init_from import apply
-from hydra_ddp.config import Wrapper
+from hydra_ddp.config import Precision, Wrapper
 from hydra_ddp.distributed.ddp import wrap_model
 from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.position import total_epochs
@@ -40,7 +40,7 @@ def wrap_job(job: RankJob) -> Wrapped:
     ema = EMA(components.model, tcfg.ema_decay) if tcfg.ema_decay else None
     model, hook_state = wrap_model(
         components.model, env, cfg.ddp, also=[ema.module] if ema and sharded else (),
-        compile_units=tcfg.compile and sharded,
+        compile_units=tcfg.compile and sharded, autocast=tcfg.precision != Precision.fp32,
     )  # fmt: skip
     if job.init_sharded is not None:
         apply(components.model, job.init_sharded, env.distributed)  # collective

@@ -7,9 +7,14 @@ counts. The per-interval stats reset that peak (stats.memory_stats), so they han
 CPU: there is no allocator peak to read, so the parameters and optimizer state held when the
 loop starts, plus how far the process's peak resident memory (Linux's VmHWM, reset at the start
 through /proc/self/clear_refs, after malloc_trim hands freed heap memory back) rose above its
-resident memory then. That counts everything the process touched: allocator slack, the batches,
-evaluation, and a few MiB of code and thread stacks the first step pages in; not DDP's buckets,
-allocated at the wrap, before the start. None where /proc cannot be read or reset.
+resident memory then. That counts what the process touched: the batches and a few MiB of code
+and thread stacks the first step pages in; not DDP's buckets, allocated at the wrap, before the
+start. glibc's malloc would add its own retention: once a large block is freed it serves blocks
+up to that size (up to 32 MiB) from its heaps and keeps what is freed there, 10-40 % above a
+training step's tensors (docs/memory_plan.md). So from the first step to the window's end every
+block above 128 KiB is mapped and unmapped on its own (mallopt's M_MMAP_THRESHOLD at its
+initial value) and the growth is the tensors'; after it, blocks up to 32 MiB come from the heaps
+again, where glibc's own adjustment ends up. None where /proc cannot be read or reset.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from hydra_ddp.distributed.fsdp import local
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
 _cuda_peak: dict[str, int] = {}  # device -> the run's peak before the stats reset it
 
 
@@ -46,13 +52,14 @@ def held_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimize
 class PeakMeter:
     """The peak over a window of training steps: `step()` after each step of the loop starts
     it after the first (which pages in code and makes the optimizer state) and ends it
-    `STEPS` steps later (a steady step repeats itself; evaluation and checkpoints come
+    `steps` steps later (a steady step repeats itself; evaluation and checkpoints come
     later), `peak()` reads it (a window cut short by the run's end too)."""
 
     STEPS = 4
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, steps: int = STEPS) -> None:
         self.device = device
+        self.window = steps
         self.held = 0
         self.base: int | None = None
         self.steps = 0
@@ -61,6 +68,8 @@ class PeakMeter:
         # What the window's first step saved for the backward, and its micro-batch's rows.
         self.activations: int | None = None
         self.rows = 0
+        if device.type != "cuda":  # from the first step on: its heap is the window's too
+            _map_large_blocks(True)
 
     def saving(
         self, model: torch.nn.Module, rows: int, micro_batches: int
@@ -94,8 +103,8 @@ class PeakMeter:
         self.steps += 1
         if self.steps == 1:
             self.start(held())
-        elif self.steps == 1 + self.STEPS:
-            self.frozen = self._read()
+        elif self.steps == 1 + self.window:
+            self._end()
 
     def start(self, held: int) -> None:
         if self.device.type == "cuda":
@@ -115,9 +124,14 @@ class PeakMeter:
     def peak(self) -> int | None:
         """The peak bytes of the window; None where they cannot be measured (or no step ran
         after the first)."""
-        if self.frozen is not None:
-            return self.frozen
-        return self._read() if self.steps > 1 else None
+        if self.frozen is None and self.steps > 1:
+            self._end()
+        return self.frozen
+
+    def _end(self) -> None:
+        self.frozen = self._read()
+        if self.device.type != "cuda":
+            _map_large_blocks(False)
 
     def _read(self) -> int | None:
         if self.base is None:
@@ -136,6 +150,21 @@ def _status(field: str) -> int | None:
     except OSError:
         return None
     return int(found.group(1)) * 1024 if found else None
+
+
+def _map_large_blocks(on: bool) -> None:
+    """glibc: every block above 128 KiB mapped on its own and unmapped when freed, and a heap's
+    free top above 128 KiB handed back (`on`: both glibc's initial values), else (after the
+    window) blocks up to 32 MiB served from the heaps, where glibc's own dynamic threshold
+    stops rising (its maximum on 64-bit, mallopt(3)), and the top trimmed above twice that,
+    as glibc then trims."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        threshold = 128 * 2**10 if on else 32 * 2**20
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+        libc.mallopt(_M_TRIM_THRESHOLD, threshold if on else 2 * threshold)
 
 
 def _trim() -> None:
