@@ -66,19 +66,20 @@ SYNC=(data=text model=gpt model.n_layer=2 model.n_embd=128 model.n_head=4 data.b
   +callbacks.sync._target_=sync_check.SyncDebug '+callbacks.sync.log_interval=${trainer.log_interval}'
   '+callbacks.sync.max_steps=${trainer.max_steps}')
 
-run digits          trainer.max_steps=$STEPS
-run digits_powersgd ddp=powersgd ddp.powersgd_start_iter=2 trainer.max_steps=$STEPS
+# The most telling runs first: a check cut short by its time still answers the main questions.
 run big_ddp         $(gpt $BIG) "${PROFILE[@]}"
 run big_fsdp2       $(gpt $BIG) "${F[@]}" "${PROFILE[@]}"
-run big_fsdp2_root  $(gpt $BIG) "${F[@]}" 'ddp.shard_units=[]'
 run small_ddp       $(gpt $SMALL)
 run small_fsdp2     $(gpt $SMALL) "${F[@]}"
+run sync_ddp        "${SYNC[@]}"
+run sync_fsdp2      "${SYNC[@]}" "${F[@]}"
+run digits          trainer.max_steps=$STEPS
+run digits_powersgd ddp=powersgd ddp.powersgd_start_iter=2 trainer.max_steps=$STEPS
+run big_fsdp2_root  $(gpt $BIG) "${F[@]}" 'ddp.shard_units=[]'
 plain plain_big_ddp     ddp   "$BIG"
 plain plain_big_fsdp2   fsdp2 "$BIG"
 plain plain_small_ddp   ddp   "$SMALL"
 plain plain_small_fsdp2 fsdp2 "$SMALL"
-run sync_ddp        "${SYNC[@]}"
-run sync_fsdp2      "${SYNC[@]}" "${F[@]}"
 
 $PY - "$W" "$LOG" "$SECONDS" <<'PY'
 import collections, json, pathlib, re, sys
