@@ -29,8 +29,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_model
 
 from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint.reading import load_model_state
+from hydra_ddp.checkpoint.state import load_model_state
 from hydra_ddp.components import build
+from hydra_ddp.disk import why_write_failed
 from hydra_ddp.errors import UserError, exit_code
 from hydra_ddp.eval import job_config
 from hydra_ddp.export_format import CONFIG, MARK, VOCAB, WEIGHTS
@@ -90,8 +91,7 @@ def export(
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(
-            f"could not write {out} ({checkpoint.write_error(e, out.parent)}): "
-            "give another out=<folder>"
+            f"could not write {out} ({why_write_failed(e, out.parent)}): give another out=<folder>"
         ) from e
     count = sum(p.numel() for p in model.parameters())
     log.info("%s (step %d, %s, %d parameters) -> %s%s", path, about["step"], about["weights"],
