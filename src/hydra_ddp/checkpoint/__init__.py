@@ -17,7 +17,14 @@
 """
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer, save
-from hydra_ddp.checkpoint.folder import best, check_folder, resolve_resume, set_aside_checkpoints
+from hydra_ddp.checkpoint.folder import (
+    best,
+    check_folder,
+    pick,
+    read_picked,
+    resolve_resume,
+    set_aside_checkpoints,
+)
 from hydra_ddp.checkpoint.init_from import init_weights
 from hydra_ddp.checkpoint.reader import (
     checkpoint_dir,
@@ -37,6 +44,8 @@ __all__ = [
     "latest",
     "load",
     "open_weights",
+    "pick",
+    "read_picked",
     "resolve_resume",
     "set_aside_checkpoints",
     "save",

@@ -1,14 +1,25 @@
 """A run's checkpoints/ folder: which checkpoint a run resumes from (`resolve_resume`, for
-trainer.resume) or evaluates as its best (`best`), and the folder before a run writes into it
-(`check_folder`; `set_aside_checkpoints` when it starts over). What a file or folder in it holds,
-and whether it is whole, is reader.py's."""
+trainer.resume), which one eval and export read (`pick`, `read_picked`, for ckpt=), its best
+(`best`), and the folder before a run writes into it (`check_folder`; `set_aside_checkpoints`
+when it starts over). What a file or folder in it holds, and whether it is whole, is
+reader.py's."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
-from hydra_ddp.checkpoint.reader import SUFFIX, checkpoint_dir, damage, latest, named
+from hydra_ddp.checkpoint.reader import (
+    SUFFIX,
+    checkpoint_dir,
+    damage,
+    latest,
+    load,
+    named,
+    refuse,
+    steps,
+)
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -18,14 +29,23 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
     """trainer.resume -> the checkpoint to load (None: start fresh).
 
     auto: the newest intact checkpoint in this job's output dir, or a fresh start when it has
-    none; never: a fresh start; a file or folder: that checkpoint; a run dir (or its
-    checkpoints/): the newest intact checkpoint in it.
+    none (refused when it has only damaged ones: a fresh start would rotate them away); never:
+    a fresh start; a file or folder: that checkpoint; a run dir (or its checkpoints/): the
+    newest intact checkpoint in it.
     """
     if resume == "never":
         return None
-    if resume == "auto":
-        return latest(output_dir)
-    return named(resume, "trainer.resume")
+    if resume != "auto":
+        return named(resume, "trainer.resume")
+    found, damaged = latest(output_dir), steps(checkpoint_dir(output_dir))
+    if found is None and damaged:
+        raise refuse(
+            f"trainer.resume=auto: no checkpoint in {checkpoint_dir(output_dir)} is intact "
+            f"({damaged[-1][1].name}: {damage(damaged[-1][1])}), and a fresh start would replace "
+            "them (trainer.resume=never moves them to checkpoints.before-<n>/)",
+            "trainer.resume",
+        )
+    return found
 
 
 def best(output_dir: Path) -> Path | None:
@@ -36,6 +56,38 @@ def best(output_dir: Path) -> Path | None:
         return folder / "best.pt"
     final = folder / f"best{SUFFIX}"
     return final if final.is_dir() else left_by_swap(final)
+
+
+def pick(run: Path, ckpt: str) -> Path:
+    """What eval's and export's `ckpt=` names in `run`: last (the newest intact checkpoint),
+    best, or a path."""
+    if ckpt == "last":
+        found = latest(run)
+        if found is None:
+            raise UserError(
+                f"run={run} holds no complete checkpoint (checkpoints/step_*.pt or step_*.dcp); "
+                "give ckpt=<file>"
+            )
+        return found
+    path = (best(run) or checkpoint_dir(run) / "best.pt") if ckpt == "best" else Path(ckpt)
+    if not path.exists():
+        raise UserError(f"ckpt={ckpt}: {path} does not exist; use last, best or a file")
+    return path
+
+
+def read_picked(run: Path, ckpt: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint `ckpt=` picks in `run`, and its state (reader.load). A run resuming in
+    `run` rotates its checkpoints (trainer.keep_ckpts), and may remove the newest between its
+    pick and its read: then last and best are picked again, so both jobs go on correctly."""
+    path = pick(run, ckpt)
+    while True:
+        try:
+            return path, load(path, key="ckpt")
+        except UserError:
+            newer = pick(run, ckpt) if ckpt in ("last", "best") else path
+            if newer == path:
+                raise
+            path = newer
 
 
 def left_by_swap(final: Path) -> Path | None:
