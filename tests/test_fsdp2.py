@@ -108,7 +108,7 @@ def test_sharded_checkpoints_rotate_and_fall_back_past_a_damaged_one(
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert "CRC" in checkpoint.damage(newest)
+    assert "CRC" in checkpoint.why_not_whole(newest)
     assert checkpoint.latest(job) == folder / "step_00000040.dcp"
     (folder / "step_00000040.dcp" / "manifest.json").unlink()  # its write never completed
     assert checkpoint.latest(job) == folder / "step_00000030.dcp"

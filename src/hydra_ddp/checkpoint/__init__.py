@@ -28,10 +28,10 @@ from hydra_ddp.checkpoint.folder import (
 from hydra_ddp.checkpoint.init_from import init_weights
 from hydra_ddp.checkpoint.reader import (
     checkpoint_dir,
-    damage,
     latest,
     load,
     open_weights,
+    why_not_whole,
 )
 
 __all__ = [
@@ -39,7 +39,7 @@ __all__ = [
     "best",
     "check_folder",
     "checkpoint_dir",
-    "damage",
+    "why_not_whole",
     "init_weights",
     "latest",
     "load",

@@ -13,12 +13,12 @@ from typing import Any
 from hydra_ddp.checkpoint.reader import (
     SUFFIX,
     checkpoint_dir,
-    damage,
     latest,
     load,
     named,
     refuse,
     steps,
+    why_not_whole,
 )
 from hydra_ddp.errors import UserError
 
@@ -37,11 +37,11 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
         return None
     if resume != "auto":
         return named(resume, "trainer.resume")
-    found, damaged = latest(output_dir), steps(checkpoint_dir(output_dir))
+    found, damaged = latest(output_dir), [p for _, p in steps(checkpoint_dir(output_dir))]
     if found is None and damaged:
         raise refuse(
             f"trainer.resume=auto: no checkpoint in {checkpoint_dir(output_dir)} is intact "
-            f"({damaged[-1][1].name}: {damage(damaged[-1][1])}), and a fresh start would replace "
+            f"({damaged[-1].name}: {why_not_whole(damaged[-1])}), and a fresh start would replace "
             "them (trainer.resume=never moves them to checkpoints.before-<n>/)",
             "trainer.resume",
         )
@@ -98,7 +98,7 @@ def left_by_swap(final: Path) -> Path | None:
     tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
     if final.exists() or not (old.is_dir() or final.name == f"best{SUFFIX}"):
         return None
-    return next((p for p in (tmp, old) if p.is_dir() and damage(p) is None), None)
+    return next((p for p in (tmp, old) if p.is_dir() and why_not_whole(p) is None), None)
 
 
 def check_folder(output_dir: Path) -> None:

@@ -13,7 +13,7 @@ and, as `trainer.init_from` only (`open_weights`), weights as people have them: 
 `pytorch_model.bin`), a `.safetensors` file or index, a `torch.save` file holding a state dict
 (bare, or under `model` or `state_dict`, e.g. Lightning's).
 
-A checkpoint is checked whole before it is trusted (`damage`), and read with
+A checkpoint is checked whole before it is trusted (`why_not_whole`), and read with
 `torch.load(weights_only=True)`, which runs no code; weights are opened without reading them
 (`Weights`). Every refusal is one UserError line naming the file, the setting that named it,
 and what to do.
@@ -75,7 +75,7 @@ def latest(output_dir: Path) -> Path | None:
     """The newest intact checkpoint of a run dir, if any. One that is truncated or corrupt is
     skipped with a warning, and the one before it is used."""
     for _, path in reversed(steps(checkpoint_dir(output_dir))):
-        why = damage(path)
+        why = why_not_whole(path)
         if why is None:
             return path
         log.warning("skipping %s: %s; trying the previous checkpoint", path, why)
@@ -116,7 +116,7 @@ def refuse(what: str, key: str) -> UserError:
 # ---- is it whole ----
 
 
-def damage(path: Path) -> str | None:
+def why_not_whole(path: Path) -> str | None:
     """Why a checkpoint is not whole, or None when it is: a file must be a torch.save zip
     archive whose every member passes its CRC-32 (bytes flipped anywhere are found, not only a
     missing end); a folder must hold every file its manifest lists, with its size and CRC-32.
@@ -131,7 +131,7 @@ def damage(path: Path) -> str | None:
             signature = _stat(path)
     except OSError as e:
         return f"unreadable ({first_line(e, 160)})"
-    return _damage(str(path), signature)
+    return _why_not_whole(str(path), signature)
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -140,7 +140,7 @@ def _stat(path: Path) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _damage(path: str, signature: tuple) -> str | None:
+def _why_not_whole(path: str, signature: tuple) -> str | None:
     folder = Path(path)
     try:
         if not folder.is_dir():  # the one place that asks "is this a torch.save archive"
@@ -177,10 +177,10 @@ def crc32(path: Path) -> int:
 
 
 def check_whole(path: Path, key: str) -> None:
-    """Refuse, in one line naming `key`, a checkpoint that is empty or not whole (`damage`)."""
+    """Refuse, in one line naming `key`, a checkpoint that is empty or not whole."""
     if path.is_file() and path.stat().st_size == 0:
         raise refuse(f"{path} is empty (a checkpoint whose write never completed?)", key)
-    why = damage(path)
+    why = why_not_whole(path)
     if why is not None:
         raise refuse(f"{path} is not a readable checkpoint ({why})", key)
 
