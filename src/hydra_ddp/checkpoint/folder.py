@@ -59,20 +59,15 @@ def best(output_dir: Path) -> Path | None:
 
 
 def pick(run: Path, ckpt: str) -> Path:
-    """What eval's and export's `ckpt=` names in `run`: last (the newest intact checkpoint),
-    best, or a path."""
-    if ckpt == "last":
-        found = latest(run)
-        if found is None:
-            raise UserError(
-                f"run={run} holds no complete checkpoint (checkpoints/step_*.pt or step_*.dcp); "
-                "give ckpt=<file>"
-            )
-        return found
-    path = (best(run) or checkpoint_dir(run) / "best.pt") if ckpt == "best" else Path(ckpt)
-    if not path.exists():
-        raise UserError(f"ckpt={ckpt}: {path} does not exist; use last, best or a file")
-    return path
+    """What eval's and export's `ckpt=` names in `run`: last (its newest intact checkpoint),
+    best, or a checkpoint or run dir of its own (reader.named)."""
+    found = latest(run) if ckpt == "last" else best(run) if ckpt == "best" else named(ckpt, "ckpt")
+    if found is None:
+        raise UserError(
+            f"run={run} holds no {'best' if ckpt == 'best' else 'intact'} checkpoint "
+            "(checkpoints/step_*, best.*): give ckpt=<a checkpoint or run dir>"
+        )
+    return found
 
 
 def read_picked(run: Path, ckpt: str) -> tuple[Path, dict[str, Any]]:

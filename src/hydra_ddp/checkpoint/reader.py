@@ -88,9 +88,11 @@ def is_sharded(path: Path) -> bool:
 
 
 def named(value: str, key: str) -> Path:
-    """The checkpoint `key=value` names, checked whole: a file or checkpoint folder itself, or
-    the newest intact one of a run dir (or of its checkpoints/ folder)."""
+    """The checkpoint `key=value` names, checked whole: a file, a checkpoint or export folder
+    itself, or the newest intact checkpoint of a run dir (or of its checkpoints/ folder)."""
     path = Path(value)
+    if path.is_dir() and (path / CONFIG).is_file():  # an export folder: read_config checks it
+        return path
     if path.is_dir() and not is_sharded(path):
         found = latest(path.parent if path.name == "checkpoints" else path)
         if found is None:
