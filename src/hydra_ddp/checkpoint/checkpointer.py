@@ -195,10 +195,7 @@ def save(
     final = folder / (name or f"step_{step:08d}.pt")
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            torch.save(content, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, content)
         os.replace(tmp, final)
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         too_large, failed = over_size_limit(e, tmp), write_failed(e, final, folder)
@@ -211,6 +208,17 @@ def save(
         for _, old in [s for s in steps(folder) if s[1].suffix == ".pt"][:-keep]:
             old.unlink(missing_ok=True)
     return final
+
+
+def write_synced(path: Path, content: Any) -> None:
+    """`content` (bytes, or anything torch.save writes) in `path`, on disk when this returns."""
+    with open(path, "wb") as f:
+        if isinstance(content, bytes):
+            f.write(content)
+        else:
+            torch.save(content, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fsync_dir(folder: Path) -> None:

@@ -28,7 +28,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -40,6 +39,7 @@ from hydra_ddp.checkpoint.checkpointer import (
     fsync_dir,
     gather_per_rank,
     global_state,
+    write_synced,
 )
 from hydra_ddp.checkpoint.folder import left_by_swap
 from hydra_ddp.checkpoint.reader import (
@@ -143,6 +143,11 @@ class DCPCheckpointer(Checkpointer):
             future.result(timeout=_ABANDON_WAIT_S)
         except BaseException:  # noqa: B036 - what went wrong is the job's error, said already
             pass
+        self._drop(tmp)
+
+    def _drop(self, tmp: Path) -> None:
+        """A save's partial folder removed, this rank's shards first (a full disk needs the
+        space back even when rank 0 is gone)."""
         for p in tmp.glob(f"__{self.env.rank}_*"):
             remove_quietly(p)
         if self.env.is_main:
@@ -155,10 +160,7 @@ class DCPCheckpointer(Checkpointer):
         cause. The rank's log keeps the library's message."""
         log.info("rank %d: the checkpoint write failed: %s", self.env.rank, first_line(e, 2000))
         failed = write_failed(e, final, folder=tmp)  # before the space is given back
-        for p in tmp.glob(f"__{self.env.rank}_*"):
-            remove_quietly(p)
-        if self.env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        self._drop(tmp)
         return failed
 
     def _complete(self, tmp: Path, final: Path, name: str | None) -> None:
@@ -171,7 +173,7 @@ class DCPCheckpointer(Checkpointer):
             for p in tmp.iterdir():  # .metadata, extra.pt, and shards of ranks elsewhere
                 if p.is_file() and p.name not in files and p.name != MANIFEST:
                     files[p.name] = _entry(p)
-            _write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
+            write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
             fsync_dir(tmp)
             _swap_into_place(tmp, final)
             if name is None:
@@ -210,10 +212,7 @@ class DCPCheckpointer(Checkpointer):
     def _write_extra(self, path: Path, extra: dict[str, Any]) -> None:
         """Rank 0: extra.pt, with every rank's per-rank state (`rng`, checked at the gather)."""
         try:
-            with open(path, "wb") as f:
-                torch.save(extra, f)
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(path, extra)
         except (OSError, RuntimeError) as e:
             shutil.rmtree(path.parent, ignore_errors=True)
             raise write_failed(e, path.parent) from e
@@ -261,7 +260,7 @@ def _link_as_best(folder: Path, step: int) -> None:
             os.link(p, tmp / p.name)
         except OSError:
             shutil.copy2(p, tmp / p.name)
-    _write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
+    write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
     fsync_dir(tmp)
     _swap_into_place(tmp, folder / f"best{SUFFIX}")
 
@@ -288,10 +287,3 @@ def _dcp_name(name: str | None) -> str | None:
 
 def _entry(path: Path) -> list[int]:
     return [path.stat().st_size, crc32(path)]
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
