@@ -159,7 +159,9 @@ class DCPCheckpointer(Checkpointer):
         partial folder goes, so a full disk gets its space back, and one line names the OS's
         cause. The rank's log keeps the library's message."""
         log.info("rank %d: the checkpoint write failed: %s", self.env.rank, first_line(e, 2000))
-        failed = write_failed(e, final, folder=tmp)  # before the space is given back
+        # The free space is asked before it is given back, of checkpoints/: rank 0 may have
+        # removed tmp already, and then no rank but it could tell a full disk.
+        failed = write_failed(e, final, folder=final.parent)
         self._drop(tmp)
         return failed
 
