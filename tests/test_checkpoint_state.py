@@ -16,7 +16,7 @@ from helpers import state_callbacks
 from helpers.inproc import compose, isolated, train_here, train_ranks
 from omegaconf import OmegaConf
 
-from hydra_ddp.checkpoint import safe_state
+from hydra_ddp.checkpoint import checkpointer
 from hydra_ddp.errors import UserError
 from hydra_ddp.eval import main as evaluate_main
 
@@ -71,14 +71,14 @@ def test_conversions_keep_what_is_already_plain() -> None:
         "other": (Point(1, 2), frozenset({3}), collections.defaultdict(int, a=1), Path("/x")),
         np.int64(7): 1,
     }
-    out = safe_state.loadable(value)
+    out = checkpointer.loadable(value)
     assert out["model"] is model_state  # unchanged containers are the same objects (_metadata)
     assert out["np"][:3] == [True, "a", ["a", "b"]] and type(out["np"][1]) is str
     assert out["np"][3].dtype == torch.int32 and out["np"][3].tolist() == [0, 1, 2]
     assert out["other"] == ((1, 2), {3}, {"a": 1}, "/x") and type(out["other"][0]) is tuple
     assert list(out)[-1] == 7 and type(list(out)[-1]) is int
-    with pytest.raises(safe_state.Unloadable) as caught:
-        safe_state.loadable({"a": [1, {"b": object()}]})
+    with pytest.raises(checkpointer.Unloadable) as caught:
+        checkpointer.loadable({"a": [1, {"b": object()}]})
     assert caught.value.where == "['a'][1]['b']" and caught.value.kind == "builtins.object"
 
 

@@ -13,7 +13,7 @@ from conftest import FAST
 from helpers.inproc import job, prepare_job, train_ranks, typed
 
 from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint import safe_state
+from hydra_ddp.checkpoint.checkpointer import to_cpu
 from hydra_ddp.errors import UserError
 
 POWERSGD = [*FAST, "ddp=powersgd", "ddp.powersgd_start_iter=2", "ddp.powersgd_rank=1"]
@@ -29,7 +29,7 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
     before = hook.state_dict()["iter"]
     objects = state.CheckpointedObjects(model=job_.components.model, comm_hook=hook)
     Checkpointer(run.output_dir, env, objects).restore(Path(path))
-    return {"before": before, **safe_state.to_cpu(hook.state_dict())}
+    return {"before": before, **to_cpu(hook.state_dict())}
 
 
 def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:

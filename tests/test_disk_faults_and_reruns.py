@@ -13,17 +13,21 @@ tests/test_bad_input.py, which also runs the refused resume that must keep the e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import re
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FAST, ok, python_train, user_env
+from conftest import FAST, ok, python_train, run, start_logged, user_env
 from helpers.inproc import train_here, train_ranks
 from omegaconf import OmegaConf
 
@@ -83,6 +87,87 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_previous_one_used(
         train_here(tmp_path / "other", *SHORT, f"trainer.resume={newest}")
     line = _one_line(info)
     assert "step_00000006.pt is not a readable checkpoint" in line and "CRC" in line
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_a_checkpoint_that_cannot_resume_is_refused_and_the_run_keeps_its_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """A re-run in a dir whose checkpoints cannot be resumed: one line naming trainer.resume and
+    the fix, and the checkpoints as they were (the entry exits 2 for a UserError:
+    test_bad_input.py). Previously, with every checkpoint truncated (a copy cut short), resume
+    warned twice and trained from scratch, its saves replacing and rotating away the run's
+    checkpoints, exit 0."""
+    run_dir = tmp_path / "run"
+    train_here(run_dir, *SHORT)
+    folder = run_dir / "checkpoints"
+    longer = [*SHORT[:-2], "trainer.max_steps=9", "trainer.batch_size=16"]
+    before = _digests(folder)
+    with pytest.raises(UserError) as info:  # a checkpoint of another model
+        train_here(run_dir, *longer, "model.hidden=64")
+    line = _one_line(info)
+    assert "step_00000006.pt is a checkpoint of a different model (size mismatch" in line, line
+    assert ".hydra/config.yaml" in line and "trainer.resume=never" in line
+    assert _digests(folder) == before
+
+    for path in folder.glob("step_*.pt"):  # every one truncated
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = _digests(folder)
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *longer)
+    line = _one_line(info)
+    assert "trainer.resume=auto: no checkpoint in" in line and "step_00000006.pt" in line, line
+    assert "not a torch.save archive" in line and "trainer.resume=never" in line
+    assert _digests(folder) == before
+    # Named, a truncated one is refused the same way.
+    with pytest.raises(UserError) as info:
+        train_here(run_dir, *longer, f"trainer.resume={folder / 'step_00000003.pt'}")
+    assert "step_00000003.pt is not a readable checkpoint (not a torch.save" in _one_line(info)
+    # trainer.resume=never starts over, with the damaged checkpoints set aside, not deleted.
+    assert train_here(run_dir, *longer, "trainer.resume=never")["steps_this_run"] == 9
+    assert _digests(run_dir / "checkpoints.before-1") == before
+
+
+@pytest.mark.slow  # two real commands at once, ~35 s on 2 cores
+def test_eval_while_a_resume_rotates_the_checkpoint_it_reads(tmp_path: Path) -> None:
+    """`python -m hydra_ddp.eval run=<dir>` while `python -m hydra_ddp.train` resumes in <dir>,
+    saving every step and keeping one checkpoint, so each newest one is removed a step after it
+    is written: every evaluation succeeds, and the resume goes on until it is stopped, with its
+    checkpoint. Previously eval failed in one line, saying the checkpoint it had picked "may be
+    truncated or corrupt": the resume had removed it between eval's pick and its read (eval
+    builds the data and the model in between)."""
+    run_dir = tmp_path / "run"
+    job = [*FAST, "trainer.batch_size=16", "trainer.ckpt_interval=1", "trainer.keep_ckpts=1",
+           "trainer.eval_interval=0", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    ok(python_train(tmp_path, *job, "trainer.max_steps=2"))
+    train, console = start_logged(
+        [sys.executable, "-m", "hydra_ddp.train", *job, "trainer.max_steps=100000"], tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (newest := checkpoint.latest(run_dir)) is None or newest.name < "step_00000005":
+            assert train.poll() is None and time.monotonic() < deadline, console.read_text()
+            time.sleep(0.2)
+        for _ in range(2):
+            done = run([sys.executable, "-m", "hydra_ddp.eval", f"run={run_dir}"], tmp_path)
+            assert done.returncode == 0, done.stderr[-3000:]
+            result = json.loads((run_dir / "eval_test.json").read_text())
+            assert result["step"] > 2 and math.isfinite(result["loss"]), result
+            assert train.poll() is None, console.read_text()[-3000:]
+        train.send_signal(signal.SIGTERM)
+        assert train.wait(timeout=60) == 143, console.read_text()[-3000:]
+    finally:
+        if train.poll() is None:
+            train.kill()
+    stopped = re.search(
+        r"stopped on SIGTERM at step (\d+) of 100000 with a checkpoint", console.read_text()
+    )
+    assert stopped, console.read_text()[-3000:]
+    assert checkpoint.latest(run_dir).name == f"step_{int(stopped.group(1)):08d}.pt"
+    assert checkpoint.load(checkpoint.latest(run_dir))["step"] == int(stopped.group(1))
 
 
 def test_checkpoints_that_is_a_file_fails_before_training(tmp_path: Path) -> None:
@@ -302,7 +387,7 @@ def test_read_only_output_dir_fails_in_one_line(tmp_path: Path, small_disk, caps
     assert f"cannot write to the output dir {disk / 'run'}" in line and "Read-only" in line
     assert "make it writable" in line and "free space" not in line, line  # it is not full
     with pytest.raises(SystemExit) as info:
-        overrides.check([*SHORT, f"hydra.run.dir={disk / 'new'}"], [])
+        overrides.check_command_line([*SHORT, f"hydra.run.dir={disk / 'new'}"], [])
     assert info.value.code == 2
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and f"hydra.run.dir={disk / 'new'} cannot be created" in line, line

@@ -27,7 +27,6 @@ from helpers.runs import assert_close, final_weights, global_losses, losses
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint import dcp
 from hydra_ddp.errors import UserError
 from hydra_ddp.export.writer import export
 
@@ -100,7 +99,7 @@ def test_sharded_checkpoints_rotate_and_fall_back_past_a_damaged_one(
     newest = folder / "step_00000050.dcp"
     assert checkpoint.latest(job) == newest
     # Written in the background, completed at the next save: whole, and at its own step.
-    assert dcp.load_full(folder / "step_00000040.dcp")["step"] == 40
+    assert checkpoint.load(folder / "step_00000040.dcp")["step"] == 40
     # A half-written save (killed mid-write) has no checkpoint's name: never picked.
     shutil.copytree(newest, folder / ".step_00000060.dcp.tmp")
     assert checkpoint.latest(job) == newest
@@ -109,12 +108,12 @@ def test_sharded_checkpoints_rotate_and_fall_back_past_a_damaged_one(
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert "CRC" in dcp.dcp_folder_damage(newest)
+    assert "CRC" in checkpoint.why_not_whole(newest)
     assert checkpoint.latest(job) == folder / "step_00000040.dcp"
     (folder / "step_00000040.dcp" / "manifest.json").unlink()  # its write never completed
     assert checkpoint.latest(job) == folder / "step_00000030.dcp"
     with pytest.raises(UserError, match="not a readable checkpoint.*CRC"):
-        dcp.load_full(newest)
+        checkpoint.load(newest)
 
 
 @pytest.mark.slow  # a real launch; the default suite keeps to 5 minutes

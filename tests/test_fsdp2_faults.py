@@ -19,7 +19,6 @@ from helpers.inproc import train_here, train_ranks
 from helpers.runs import assert_close, final_weights, global_losses
 
 from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint import dcp
 
 GPT = [*FAST, "data=text", "model=gpt", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
        "model.dropout=0", "data.block_size=32", "trainer.batch_size=8", "trainer.log_interval=1",
@@ -63,7 +62,7 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_continues(tmp_path: P
     assert rc == 128 + signal.SIGTERM, log[-3000:]
     newest = checkpoint.latest(job)
     assert newest is not None and newest.suffix == ".dcp", log[-3000:]
-    stopped = dcp.load_full(newest)["step"]
+    stopped = checkpoint.load(newest)["step"]
     assert newest.name == f"step_{stopped:08d}.dcp" and 2 <= stopped < 20
     for rank in (0, 1):
         assert (

@@ -14,7 +14,7 @@ What is checked, read from the source with `ast` (src/ parsed once for all the c
   of src/ takes them.
 * The duplicates folded stay folded: the config check helper is errors.check_setting alone (a second
   one fails the first check, `_require` the second); the built-in comm hooks are named in
-  config.COMM_HOOKS only; only data/sources.py loads the digits (`split_digits`); FAST is set in
+  ddp_config.COMM_HOOKS only; only data/sources.py loads the digits (`split_digits`); FAST is set in
   tests/conftest.py only.
 
 Local variables are not checked: a name inside one function is read next to its meaning.
@@ -28,7 +28,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from hydra_ddp.config import COMM_HOOKS
+from hydra_ddp.ddp_config import COMM_HOOKS
 from hydra_ddp.distributed import comm_hooks
 from hydra_ddp.protocols import PROTOCOLS
 
@@ -110,11 +110,13 @@ def test_the_built_in_comm_hooks_are_named_in_one_table() -> None:
     elsewhere = [
         f"{_where(path, node)} {node.value!r}"
         for path, tree in _trees(SRC).items()
-        if path.name != "config.py"
+        if path.name != "ddp_config.py"
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant) and node.value in names
     ]
-    assert not elsewhere, "a comm hook's name outside config.COMM_HOOKS:\n" + "\n".join(elsewhere)
+    assert not elsewhere, "a comm hook's name outside ddp_config.COMM_HOOKS:\n" + "\n".join(
+        elsewhere
+    )
     assert COMM_HOOKS["none"] is None
     for name, cls in COMM_HOOKS.items():  # the table's classes are comm_hooks.py's
         assert cls is None or issubclass(getattr(comm_hooks, cls), comm_hooks.CommHook), name

@@ -26,7 +26,7 @@ def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch
     from hydra_ddp.launch import overrides
 
     monkeypatch.chdir(tmp_path)
-    overrides.check(["hydra.run.dir='out/a b'", "trainer.max_steps=1"], [])
+    overrides.check_command_line(["hydra.run.dir='out/a b'", "trainer.max_steps=1"], [])
     assert (tmp_path / "out" / "a b").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

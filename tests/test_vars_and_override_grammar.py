@@ -68,12 +68,12 @@ ACCEPTED = [
 @pytest.mark.parametrize("override", sorted(REFUSED))
 def test_the_command_line_is_checked_before_hydra(override: str, capsys) -> None:
     with pytest.raises(SystemExit) as info:
-        overrides.check(["-m", override], [Path(config_dir())])
+        overrides.check_command_line(["-m", override], [Path(config_dir())])
     assert info.value.code == 2
     line = capsys.readouterr().err
     assert line.count("\n") == 1 and line.startswith(f"error: {REFUSED[override]}"), line
     assert "S3CRET" not in line  # a mistyped key's value may be a secret: never echoed
-    overrides.check(ACCEPTED, [Path(config_dir())])
+    overrides.check_command_line(ACCEPTED, [Path(config_dir())])
 
 
 def test_a_mistyped_secret_key_is_one_line_without_its_value(tmp_path: Path) -> None:

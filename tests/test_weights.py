@@ -190,7 +190,7 @@ def test_bad_weights_are_one_line_each(made: dict[str, Path], tmp_path: Path) ->
     empty_hf = tmp_path / "hf_no_weights"
     empty_hf.mkdir()
     (empty_hf / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(UserError, match="a Hugging Face folder with no weights.*save_pretrained"):
+    with pytest.raises(UserError, match="the folder holds no weights.*save_pretrained"):
         init_weights(other, str(empty_hf), strict=True)
     for gone in ("model.safetensors", "vocab.json", "config.json"):
         broken = tmp_path / f"no_{gone}"
@@ -198,7 +198,7 @@ def test_bad_weights_are_one_line_each(made: dict[str, Path], tmp_path: Path) ->
         (broken / gone).unlink()
         with pytest.raises(UserError, match=f"(missing|no) {gone}"):
             load(broken)
-    with pytest.raises(UserError, match="export folder has no model.safetensors"):
+    with pytest.raises(UserError, match="export folder missing model.safetensors"):
         init_weights(other, str(tmp_path / "no_model.safetensors"), strict=True)
     no_tensors = tmp_path / "notes.pt"
     torch.save({"lr": 0.1}, no_tensors)

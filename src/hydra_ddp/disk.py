@@ -5,7 +5,6 @@
   there blocks whoever opens it until a writer comes, with no timeout (the job hangs, and its
   claim keeps the dir locked); a socket or a device is no checkpoint either. Each
   is refused in one line naming the file and what to do.
-* `check_archive`: a checkpoint file that is no torch.save archive, in one line.
 * `write_advice`, `file_too_large`: what to do about a write that failed (a full disk, a
   read-only dir, the file-size limit).
 * `os_cause`: the OSError behind a library's write error. torch.save reports a full disk as
@@ -57,25 +56,6 @@ def check_regular(path: Path, what: str, fix: str) -> None:
         else "not a regular file"
     )  # fmt: skip
     raise UserError(f"{what} {path} is {kind}, not a regular file: {fix}")
-
-
-def check_archive(path: Path, key: str) -> None:
-    """Refuse, in one line naming `key` (trainer.resume, trainer.init_from), a checkpoint file
-    that is no regular file or no zip archive: torch.save writes zip archives (since torch
-    1.6), and for anything else (a text file, random bytes) the unpickler's own message is a
-    riddle, e.g. "(101)"."""
-    import zipfile
-
-    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
-    if path.is_file() and path.stat().st_size > 0 and not zipfile.is_zipfile(path):
-        otherwise = {"trainer.resume": f"{key}=never", "ckpt": "ckpt=last or ckpt=best"}.get(
-            key, f"no {key}"
-        )
-        raise UserError(
-            f"{path} is not a readable checkpoint (not a torch.save archive: a text file, "
-            f"another format, or a write cut short?): point {key} at another file from "
-            f"<run dir>/checkpoints/ (step_*.pt, best.pt) or a run dir, or {otherwise}"
-        )
 
 
 def file_size_limit() -> int | None:

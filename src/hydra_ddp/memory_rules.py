@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from hydra_ddp.config import DType, TrainConfig, Wrapper
+from hydra_ddp.config import COMM_HOOKS, DType, TrainConfig, Wrapper
 from hydra_ddp.tracking.peak import PeakMeter
 
 # torch's pool of CUDA streams a future's callbacks run on: 32 per device and priority, handed
@@ -52,7 +52,7 @@ def gathered_bytes(root: int, units: list[int], cfg: TrainConfig) -> int:
 def powersgd(cfg: TrainConfig) -> tuple[int, int] | None:
     """(rank, start_iter) where ddp.comm_hook is the template's PowerSGD, else None."""
     hook = cfg.ddp.comm_hook
-    if hook == "powersgd":
+    if isinstance(hook, str) and COMM_HOOKS.get(hook) == "PowerSGD":
         return cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter
     if isinstance(hook, dict) and str(hook.get("_target_", "")).endswith("comm_hooks.PowerSGD"):
         return int(hook["rank"]), int(hook["start_iter"])

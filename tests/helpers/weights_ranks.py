@@ -11,9 +11,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hydra_ddp.checkpoint.dcp_files import MANIFEST, _crc
 from hydra_ddp.checkpoint.init_from import apply, plan
-from hydra_ddp.checkpoint.weights import open_weights
+from hydra_ddp.checkpoint.reader import MANIFEST, crc32, open_weights
 from hydra_ddp.config import DDPConfig, Wrapper
 from hydra_ddp.distributed.fsdp import full, wrap
 from hydra_ddp.models import GPT
@@ -32,7 +31,7 @@ def write_sharded(env: Any, args: dict, reference: str, folder: str) -> None:
     dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
     torch.distributed.barrier()
     if env.is_main:
-        files = {p.name: [p.stat().st_size, _crc(p)] for p in Path(folder).iterdir()}
+        files = {p.name: [p.stat().st_size, crc32(p)] for p in Path(folder).iterdir()}
         (Path(folder) / MANIFEST).write_text(json.dumps({"files": files}))
     torch.distributed.barrier()
 

@@ -5,37 +5,48 @@
   schedules, the grad scaler, the EMA, the monitor, the callbacks, the data position with its
   resume arithmetic, every rank's RNG and comm-hook state) and the user's, which a callback's
   `checkpoint_members()` returns.
-- `checkpointer`: single-file checkpoints of a DDP run (rank 0 writes step_<step>.pt);
-  `dcp`: ddp=fsdp2's sharded folders (every rank writes its shards); both are handed the
-  job's members.
-- `files`: atomic writes, keep-K, the newest intact one, damage checks, set-aside;
-  `reading`: which checkpoint a key names, read safely (`torch.load(weights_only=True)`);
-  `weights`: what trainer.init_from may name (any format), `init_from`: loading it;
-  `safe_state`: state made plain at save so that reading it runs no code; `dcp_files`: reading
-  a sharded folder without a process group.
+- `checkpointer`: writing. A DDP run's single files (rank 0 writes step_<step>.pt, atomically,
+  the newest K kept, best.pt), and what any checkpoint may hold (state made plain, so that
+  reading it runs no code); `dcp`: ddp=fsdp2's sharded folders (every rank writes its shards).
+  Both are handed the job's members.
+- `folder`: a run's checkpoints/: which one it resumes from, its best, set aside on a new start.
+- `reader`: reading. Which checkpoint a setting names, whether it is whole, what it holds (any
+  format: a step file, a sharded folder, a run dir, an export folder; for trainer.init_from
+  also safetensors and Hugging Face folders), every refusal one line.
+- `init_from`: trainer.init_from's weights loaded into a model, whole or sharded.
 """
 
-from hydra_ddp.checkpoint.checkpointer import Checkpointer
-from hydra_ddp.checkpoint.files import (
+from hydra_ddp.checkpoint.checkpointer import Checkpointer, save
+from hydra_ddp.checkpoint.folder import (
     best,
-    checkpoint_dir,
-    latest,
-    save,
+    check_folder,
+    pick,
+    read_picked,
+    resolve_resume,
     set_aside_checkpoints,
-    write_error,
 )
 from hydra_ddp.checkpoint.init_from import init_weights
-from hydra_ddp.checkpoint.reading import load, resolve_resume
+from hydra_ddp.checkpoint.reader import (
+    checkpoint_dir,
+    latest,
+    load,
+    open_weights,
+    why_not_whole,
+)
 
 __all__ = [
     "Checkpointer",
     "best",
+    "check_folder",
     "checkpoint_dir",
+    "why_not_whole",
     "init_weights",
     "latest",
     "load",
+    "open_weights",
+    "pick",
+    "read_picked",
     "resolve_resume",
-    "save",
     "set_aside_checkpoints",
-    "write_error",
+    "save",
 ]

@@ -13,8 +13,8 @@ written, so a half-written checkpoint never has a checkpoint's name; best.dcp, r
 newer best, is swapped so that a kill at any moment leaves a whole best (`_swap_into_place`).
 Checked before resume:
 a folder whose files differ from its manifest is skipped for the newest intact one
-(checkpoint.latest). The data position is kept in rows, and DCP reshards the model and the
-optimizer state on load, so a run resumes on another number of ranks. `load_full` reads the
+(reader.latest). The data position is kept in rows, and DCP reshards the model and the
+optimizer state on load, so a run resumes on another number of ranks. reader.load reads the
 whole model back without a process group: for `hydra_ddp.eval` and `hydra_ddp.export`
 (`trainer.init_from` reads each rank's parts: checkpoint/init_from.py).
 """
@@ -28,25 +28,30 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from hydra_ddp.checkpoint import safe_state, state
-from hydra_ddp.checkpoint.checkpointer import Checkpointer
-from hydra_ddp.checkpoint.dcp_files import (  # noqa: F401  (dcp.dcp_folder_damage, dcp.load_full: the folder's readers)
+from hydra_ddp.checkpoint import state
+from hydra_ddp.checkpoint.checkpointer import (
+    Checkpointer,
+    agree,
+    checked,
+    fsync_dir,
+    gather_per_rank,
+    global_state,
+    write_synced,
+)
+from hydra_ddp.checkpoint.folder import left_by_swap
+from hydra_ddp.checkpoint.reader import (
     EXTRA,
     MANIFEST,
-    NAME,
     SUFFIX,
-    _crc,
-    _read_extra,
-    dcp_folder_damage,
-    is_checkpoint,
-    left_by_swap,
-    load_full,
+    check_whole,
+    checkpoint_dir,
+    crc32,
+    read_archive,
+    steps,
 )
-from hydra_ddp.checkpoint.files import checkpoint_dir, fsync_dir
 from hydra_ddp.disk import remove_quietly, write_failed
 from hydra_ddp.distributed import all_gather_objects, barrier
 from hydra_ddp.errors import UserError, first_line
@@ -63,6 +68,8 @@ class DCPCheckpointer(Checkpointer):
     are written in the background while training goes on (after a copy of this rank's shards
     to CPU memory), and completed before the next save; the end-of-run, best and stop-signal
     saves are written at once. Every method is collective."""
+
+    sharded = True
 
     def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -85,7 +92,7 @@ class DCPCheckpointer(Checkpointer):
     def save(self, name: str | None = None, background: bool = False) -> None:
         """Write step_<step>.dcp (or best.dcp for name=best.pt) from every rank."""
         self.wait()
-        state.agree(self.objects, self.env)  # collective
+        agree(self.objects, self.env)  # collective
         folder = checkpoint_dir(self.output_dir)
         final = folder / (_dcp_name(name) or f"step_{self.step:08d}{SUFFIX}")
         tmp = folder / f".{final.name}.tmp"
@@ -95,7 +102,7 @@ class DCPCheckpointer(Checkpointer):
                 extra = self._extra()
             except UserError as e:
                 refused = str(e)
-        ranks = state.gather_per_rank(self.members, self.env, refused)  # collective
+        ranks = gather_per_rank(self.members, self.env, refused)  # collective
         if self.env.is_main:
             self._start_folder(folder, tmp)
             self._write_extra(tmp / EXTRA, {**extra, "rng": ranks})
@@ -136,6 +143,11 @@ class DCPCheckpointer(Checkpointer):
             future.result(timeout=_ABANDON_WAIT_S)
         except BaseException:  # noqa: B036 - what went wrong is the job's error, said already
             pass
+        self._drop(tmp)
+
+    def _drop(self, tmp: Path) -> None:
+        """A save's partial folder removed, this rank's shards first (a full disk needs the
+        space back even when rank 0 is gone)."""
         for p in tmp.glob(f"__{self.env.rank}_*"):
             remove_quietly(p)
         if self.env.is_main:
@@ -147,11 +159,10 @@ class DCPCheckpointer(Checkpointer):
         partial folder goes, so a full disk gets its space back, and one line names the OS's
         cause. The rank's log keeps the library's message."""
         log.info("rank %d: the checkpoint write failed: %s", self.env.rank, first_line(e, 2000))
-        failed = write_failed(e, final, folder=tmp)  # before the space is given back
-        for p in tmp.glob(f"__{self.env.rank}_*"):
-            remove_quietly(p)
-        if self.env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # The free space is asked before it is given back, of checkpoints/: rank 0 may have
+        # removed tmp already, and then no rank but it could tell a full disk.
+        failed = write_failed(e, final, folder=final.parent)
+        self._drop(tmp)
         return failed
 
     def _complete(self, tmp: Path, final: Path, name: str | None) -> None:
@@ -164,7 +175,7 @@ class DCPCheckpointer(Checkpointer):
             for p in tmp.iterdir():  # .metadata, extra.pt, and shards of ranks elsewhere
                 if p.is_file() and p.name not in files and p.name != MANIFEST:
                     files[p.name] = _entry(p)
-            _write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
+            write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
             fsync_dir(tmp)
             _swap_into_place(tmp, final)
             if name is None:
@@ -173,8 +184,7 @@ class DCPCheckpointer(Checkpointer):
         barrier(self.env)  # nobody races ahead and dies before the folder is in place
 
     def _rotate(self, folder: Path) -> None:
-        steps = sorted(p for p in folder.iterdir() if NAME.match(p.name))
-        for old in steps[: -self.keep]:
+        for _, old in [s for s in steps(folder) if s[1].suffix == SUFFIX][: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def _start_folder(self, folder: Path, tmp: Path) -> None:
@@ -192,27 +202,22 @@ class DCPCheckpointer(Checkpointer):
                 shutil.rmtree(p, ignore_errors=True)
             tmp.mkdir()
         except OSError as e:
-            raise _write_failed(e, tmp) from e
+            raise write_failed(e, tmp) from e
 
     def _extra(self) -> dict[str, Any]:
         """Rank 0: the global members that are not shards, made loadable with weights_only as
-        DDP's checkpoints (safe_state.checked: a UserError for what cannot be)."""
-        extra = state.global_state(
-            [(m, o) for m, o in self.members if not (m.sharded or m.per_rank)]
-        )
+        DDP's checkpoints (checkpointer.checked: a UserError for what cannot be)."""
+        extra = global_state([(m, o) for m, o in self.members if not (m.sharded or m.per_rank)])
         extra.update(world_size=self.env.world_size)
-        return safe_state.checked(extra)
+        return checked(extra)
 
     def _write_extra(self, path: Path, extra: dict[str, Any]) -> None:
         """Rank 0: extra.pt, with every rank's per-rank state (`rng`, checked at the gather)."""
         try:
-            with open(path, "wb") as f:
-                torch.save(extra, f)
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(path, extra)
         except (OSError, RuntimeError) as e:
             shutil.rmtree(path.parent, ignore_errors=True)
-            raise _write_failed(e, path.parent) from e
+            raise write_failed(e, path.parent) from e
 
     def _shards(self) -> dict[str, Any]:
         """The sharded members as DCP state: each rank's DTensor shards (FQN keys, so a
@@ -226,24 +231,11 @@ class DCPCheckpointer(Checkpointer):
 
     # ---- resuming ----
 
-    def restore(self, path: Path) -> None:
-        """Load a checkpoint folder into every member of this job (model, optimizers and EMA
-        resharded to this job's ranks)."""
-        path = Path(path)
-        if not is_checkpoint(path):
-            raise UserError(
-                f"{path} is a single-file checkpoint of a DistributedDataParallel run; this "
-                "ddp=fsdp2 job resumes sharded ones (checkpoints/step_*.dcp): start from its "
-                f"weights with trainer.init_from={path} and trainer.resume=never, or resume "
-                "it with ddp=default"
-            )
-        why = dcp_folder_damage(path)
-        if why is not None:
-            raise UserError(
-                f"{path} is not a readable checkpoint ({why}): point trainer.resume at "
-                "another one, or trainer.resume=never"
-            )
-        extra = _read_extra(path)
+    def _restore(self, path: Path) -> None:
+        """Load a checkpoint folder into every member of this job: model, optimizers and EMA
+        resharded to this job's ranks."""
+        check_whole(path, "trainer.resume")
+        extra = read_archive(path / EXTRA, "trainer.resume")
         shards = self._shards()
         try:
             # collective
@@ -259,10 +251,6 @@ class DCPCheckpointer(Checkpointer):
         state.load_members(self.members, {**extra, **shards}, self.env, path)
 
 
-def _write_failed(e: BaseException, path: Path) -> UserError:
-    return write_failed(e, path)
-
-
 def _link_as_best(folder: Path, step: int) -> None:
     source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -274,7 +262,7 @@ def _link_as_best(folder: Path, step: int) -> None:
             os.link(p, tmp / p.name)
         except OSError:
             shutil.copy2(p, tmp / p.name)
-    _write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
+    write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
     fsync_dir(tmp)
     _swap_into_place(tmp, folder / f"best{SUFFIX}")
 
@@ -283,7 +271,7 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
     """Rename the complete folder `tmp` to `final` (best.dcp, being replaced). A rename
     cannot replace a folder that holds files, so the old one is moved aside first and deleted
     only once the new one is in place: a kill between the two renames leaves both whole
-    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `dcp_files.best_dcp_folder`
+    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `reader.best`
     reads, and the next save puts back, the newest whole one."""
     old = final.with_name(f".{final.name}.old")
     if final.exists():
@@ -300,11 +288,4 @@ def _dcp_name(name: str | None) -> str | None:
 
 
 def _entry(path: Path) -> list[int]:
-    return [path.stat().st_size, _crc(path)]
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    return [path.stat().st_size, crc32(path)]

@@ -1,4 +1,4 @@
-"""`trainer.init_from`: start a model from weights of any format (weights.py), with
+"""`trainer.init_from`: start a model from weights of any format (reader.open_weights), with
 `trainer.init_map`'s prefix renames, and one line saying what was loaded.
 
 In two parts, so that bad input fails before any process group and a sharded model is loaded
@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hydra_ddp.checkpoint.weights import KEY, Weights, open_weights
+from hydra_ddp.checkpoint.reader import INIT_FROM, Weights, open_weights
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Plan:
 
     def line(self) -> str:
         """The load line."""
-        return f"{KEY}: {self.weights.path} ({self.weights.kind}): {self.summary()}"
+        return f"{INIT_FROM}: {self.weights.path} ({self.weights.kind}): {self.summary()}"
 
 
 def rename(name: str, init_map: Mapping[str, str]) -> str:
@@ -93,7 +93,7 @@ def plan(
     )
     if strict and (result.missing or result.unexpected or result.reshaped):
         raise UserError(
-            f"{KEY}={weights.path} ({weights.kind}) does not fit this model: "
+            f"{INIT_FROM}={weights.path} ({weights.kind}) does not fit this model: "
             f"{result.summary()}. Give weights of "
             "this model, rename the file's keys with trainer.init_map (a prefix each, e.g. "
             "'trainer.init_map={transformer.:\"\"}'), or load what fits with "

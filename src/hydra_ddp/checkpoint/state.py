@@ -41,9 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hydra_ddp.checkpoint import safe_state
-from hydra_ddp.distributed import DistEnv, all_gather_objects
-from hydra_ddp.distributed.ddp import sync_buffers
+from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -98,9 +96,23 @@ class ModelState:
         if self.sharded:
             set_model_state_dict(self.model, state)
             return
-        from hydra_ddp.checkpoint.reading import load_model_state
-
         load_model_state(self.model, {"model": state}, loading_from())
+
+
+def load_model_state(
+    model: torch.nn.Module, state: dict[str, Any], path: Path, hint: str = "or trainer.resume=never"
+) -> None:
+    """Load weights, turning a shape mismatch (a checkpoint of another model) into one line."""
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        wrong = ("size mismatch", "Missing key", "Unexpected key")
+        lines = str(e).splitlines()
+        detail = next((ln.strip() for ln in lines if any(w in ln for w in wrong)), lines[0])
+        raise UserError(
+            f"{path} is a checkpoint of a different model ({detail[:300]}): resume with the "
+            f"model config it was trained with (its run's .hydra/config.yaml), {hint}"
+        ) from e
 
 
 class SchedulerState:
@@ -270,42 +282,6 @@ def restoring(path: Path) -> Iterator[None]:
         yield
     finally:
         _LOADING.reset(token)
-
-
-def global_state(members: list[tuple[Member, Stateful]]) -> dict[str, Any]:
-    """The state of `members` (the global ones of a checkpoint), flat ones merged in."""
-    state: dict[str, Any] = {}
-    for member, obj in members:
-        if member.flat:
-            state.update(obj.state_dict())
-        else:
-            state[member.name] = obj.state_dict()
-    return state
-
-
-def agree(objects: CheckpointedObjects, env: DistEnv) -> None:
-    """`# collective`, first in every save: what each rank holds a copy of and updates on its
-    own, the model's and the EMA's buffers (BatchNorm statistics), becomes rank 0's, so a
-    checkpoint holds one rank's state and not a mix of them (distributed/ddp.py)."""
-    sync_buffers([objects.model, *([objects.ema.module] if objects.ema is not None else [])], env)
-
-
-def gather_per_rank(
-    members: list[tuple[Member, Stateful]], env: DistEnv, refused: str | None = None
-) -> list[Any]:
-    """Collective: every rank's per-rank state, checked loadable, as the list `rng` holds;
-    a state one rank cannot save (or `refused`: why this rank cannot save) is refused on every
-    rank alike."""
-    mine = global_state([(m, obj) for m, obj in members if m.per_rank])
-    try:
-        mine = safe_state.checked(safe_state.to_cpu(mine))
-    except UserError as e:
-        refused = str(e)
-    ranks = all_gather_objects((mine, refused), env)
-    refused = next((why for _, why in ranks if why), None)
-    if refused is not None:
-        raise UserError(refused)
-    return [state for state, _ in ranks]
 
 
 def load_members(

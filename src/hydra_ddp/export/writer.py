@@ -29,12 +29,12 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_model
 
 from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint.reading import load_model_state
+from hydra_ddp.checkpoint.state import load_model_state
 from hydra_ddp.components import build
+from hydra_ddp.disk import why_write_failed
 from hydra_ddp.errors import UserError, exit_code
 from hydra_ddp.eval import job_config
 from hydra_ddp.export_format import CONFIG, MARK, VOCAB, WEIGHTS
-from hydra_ddp.loop.evaluation import Request, checkpoint_file
 
 log = logging.getLogger("hydra_ddp.export")
 
@@ -56,12 +56,11 @@ def export(
     run = Path(run)
     if not run.is_dir():
         raise UserError(f"run={run}: no such directory; give a training run's output dir")
-    path = checkpoint_file(Request(run=run, ckpt=ckpt))
+    path, state = checkpoint.read_picked(run, ckpt)
     cfg = job_config(run, [])
     source = build(cfg.data, "data")
     with torch.device("cpu"):
         model = build(cfg.model, "model", **source.spec)
-    state = checkpoint.load(path, key="ckpt")
     use_ema = "ema" in state and weights == "ema"
     if use_ema:  # what the run evaluated, and what eval loads
         state = {"model": {k[len("module.") :]: v for k, v in state["ema"].items()
@@ -90,8 +89,7 @@ def export(
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(
-            f"could not write {out} ({checkpoint.write_error(e, out.parent)}): "
-            "give another out=<folder>"
+            f"could not write {out} ({why_write_failed(e, out.parent)}): give another out=<folder>"
         ) from e
     count = sum(p.numel() for p in model.parameters())
     log.info("%s (step %d, %s, %d parameters) -> %s%s", path, about["step"], about["weights"],

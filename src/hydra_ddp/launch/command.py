@@ -56,7 +56,9 @@ def run_command(
     # The project's config dir and the engine's (a thin project's config extends it); a
     # `pkg://` one cannot be listed, so its groups' choices are left to Hydra.
     dirs = [Path(d) for d in dict.fromkeys([conf, config_dir()])]
-    overrides.check(sys.argv[1:], [d for d in dirs if d.is_dir()], all(d.is_dir() for d in dirs))
+    overrides.check_command_line(
+        sys.argv[1:], [d for d in dirs if d.is_dir()], all(d.is_dir() for d in dirs)
+    )
     train_fn = _importable(train_fn)
     task = functools.partial(hydra_entry, train_fn=train_fn)
     # Hydra names the job (hydra.job.name: train.log) after the task function's module.

@@ -35,7 +35,7 @@ from hydra_ddp.rundir.paths import override_value
 _TYPED = ("trainer", "dist", "ddp", "logger")
 
 
-def check(argv: list[str], conf_dirs: list[Path], choices: bool = True) -> None:
+def check_command_line(argv: list[str], conf_dirs: list[Path], choices: bool = True) -> None:
     """Every check below, on the command line's overrides; exits 2 with one line at the first
     refusal. `conf_dirs`: the config dirs the job composes from (the project's and the
     engine's); `choices`: they are all there is (no `pkg://` one), so a group's choices can be

@@ -12,9 +12,14 @@ from typing import Any
 import torch
 
 from hydra_ddp import tracking
-from hydra_ddp.checkpoint import Checkpointer, resolve_resume, set_aside_checkpoints, state
+from hydra_ddp.checkpoint import (
+    Checkpointer,
+    check_folder,
+    resolve_resume,
+    set_aside_checkpoints,
+    state,
+)
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer
-from hydra_ddp.checkpoint.files import check_folder
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
 from hydra_ddp.distributed import DistEnv, all_gather_objects
@@ -34,7 +39,7 @@ def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console)
     """The checkpoint trainer.resume names in the output dir (None: a fresh run); under
     trainer.resume=never, rank 0 first sets the earlier run's checkpoints and stats aside."""
     check_folder(run.output_dir)
-    with console.said_by_main("hydra_ddp.checkpoint.files"):  # "skipping <damaged>": once
+    with console.said_by_main("hydra_ddp.checkpoint.reader"):  # "skipping <damaged>": once
         found = resolve_resume(cfg.trainer.resume, run.output_dir)
     if cfg.trainer.resume == "never" and env.is_main:
         set_aside_checkpoints(run.output_dir)

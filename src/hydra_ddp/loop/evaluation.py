@@ -25,7 +25,6 @@ from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv, process_group, use_device
 from hydra_ddp.distributed.ddp import sync_buffers
 from hydra_ddp.distributed.failures import translated_evaluation
-from hydra_ddp.errors import UserError
 from hydra_ddp.loop.monitor import Monitor
 from hydra_ddp.loop.predict import predict
 from hydra_ddp.loop.pruning import Pruning
@@ -150,33 +149,14 @@ class Request:
     predict_pad: float | None = None  # pad entries of varying shape with this (default: a list)
 
 
-def checkpoint_file(request: Request) -> Path:
-    if request.ckpt == "last":
-        found = checkpoint.latest(request.run)
-        if found is None:
-            raise UserError(
-                f"run={request.run} holds no complete checkpoint (checkpoints/step_*.pt); "
-                "give ckpt=<file>"
-            )
-        return found
-    path = None
-    if request.ckpt == "best":  # best.pt, or best.dcp: a ddp=fsdp2 run's (sharded) one
-        path = checkpoint.best(request.run) or checkpoint.checkpoint_dir(request.run) / "best.pt"
-    path = path or Path(request.ckpt)
-    if not path.exists():
-        raise UserError(f"ckpt={request.ckpt}: {path} does not exist; use last, best or a file")
-    return path
-
-
 def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request) -> dict:
     """One rank's share: rebuild the model and the split, load the checkpoint, evaluate (and
     predict). Returns the metrics (the same on every rank)."""
     use_device(env)
-    path = checkpoint_file(request)
+    path, state = checkpoint.read_picked(request.run, request.ckpt)
     source = build(cfg.data, "data")
     split = EvalData(source, request.split, cfg.sampler, env, cfg.trainer.batch_size)
     model = build(cfg.model, "model", **source.spec)
-    state = checkpoint.load(path, key="ckpt")
     weights = state["model"]
     if "ema" in state:  # the run evaluated its average: so do we
         weights = {k[len("module.") :]: v for k, v in state["ema"].items() if k != "n_averaged"}

@@ -43,7 +43,7 @@ def summarise(
     report = {"monitor": monitor, "mode": mode, "seed_keys": seed_keys, "groups": entries,
               "comparison": comparison, "jobs": jobs}  # fmt: skip
     lines = [f"seed groups ({','.join(seed_keys)}), ranked by their mean {monitor} ({mode}):"]
-    lines += table(entries, monitor, mode)
+    lines += group_table(entries, monitor, mode)
     lines += [comparison_line(comparison)] if comparison is not None else []
     said = f"best group {best['group']}: mean {best['mean']:.6g} of {best['n']} seed(s)"
     return report, said if best is not None else "no job has one", lines
@@ -185,7 +185,7 @@ def comparison_line(comparison: dict[str, Any]) -> str:
     )
 
 
-def table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
+def group_table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
     """The groups as aligned text: a header line, then one line per group (`*`: the best)."""
     names = sorted({n for g in entries for n in g["metrics"]})
     header = ["", "rank", "n", f"{monitor} ({mode}) mean", "std", f"{LEVEL:.0%} interval"]

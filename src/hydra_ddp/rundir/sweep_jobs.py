@@ -199,7 +199,7 @@ def counts(jobs: list[dict[str, Any]]) -> str:
     return ", ".join([f"{len(jobs)} job(s)", *shown])
 
 
-def table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
+def job_table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
     """The report as aligned text: a header line, then one line per job (`*`: the best)."""
     names = [n for n in ("val_loss",) if any(n in j["metrics"] for j in jobs)]
     names += sorted({n for j in jobs for n in j["metrics"]} - {"val_loss"})

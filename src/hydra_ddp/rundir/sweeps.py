@@ -182,7 +182,7 @@ class SweepReport(Callback):
             best,
             sweep_dir / _REPORT,
         )
-        header, *lines = sweep_jobs.table(jobs, monitor, mode)
+        header, *lines = sweep_jobs.job_table(jobs, monitor, mode)
         log.info(header)
         for job, line in zip(jobs, lines):
             (log.error if job["status"] not in sweep_jobs.FINE else log.info)(line)
