@@ -66,6 +66,7 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
             raise needs_package(f"{key} ({target})", cause.name) from None
         if not isinstance(cause, (ValueError, TypeError, AssertionError)):
             raise
+        _text_for_a_number(key, target, cfg, obj)
         message = _name_keys(
             str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
             key,
@@ -105,7 +106,6 @@ def _arguments(
             + _merged_hint(key, unknown, names)
         )
     passed = {k: v for k, v in runtime.items() if k in names and k not in given}
-    _check_numbers(key, target, cfg, params)
     missing = [
         p.name
         for p in params
@@ -139,12 +139,11 @@ def _merged_hint(key: str, unknown: list[str], names: list[str]) -> str:
     )
 
 
-def _check_numbers(
-    key: str, target: str, cfg: Mapping[str, Any], params: list[inspect.Parameter]
-) -> None:
-    """A text given for an argument whose default is a number (`optim.lr=abc`, a typo in a
-    sweep): the library's own error would name neither the key nor the value."""
-    for p in params:
+def _text_for_a_number(key: str, target: str, cfg: Mapping[str, Any], obj: Any) -> None:
+    """After the call failed: a text given for an argument whose default is a number
+    (`optim.lr=abc`, a typo in a sweep), which the library's own error names neither by key
+    nor by value. Only then: a component may take a text there on purpose."""
+    for p in _parameters(obj) or []:
         value = cfg.get(p.name)
         number = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
         if number and isinstance(value, str) and "${" not in value:
