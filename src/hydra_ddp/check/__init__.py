@@ -37,7 +37,7 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     --config-name on the command line win). Exits 0, 1 (a check failed) or 2 (bad input)."""
     from hydra_ddp.errors import first_line
 
-    args = _parser().parse_args()
+    args = _parser().parse_intermixed_args()
     try:
         wanted = _wanted(args.only, args.skip)
         plan = _plan(args, args.config_path or config_path, args.config_name or config_name)

@@ -129,9 +129,11 @@ def _run(plan: Plan, module: str, args: list[str], name: str) -> tuple[int, str 
         )
         try:
             code = proc.wait(timeout=plan.timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException as e:  # the time is up, or Ctrl-C: the run's ranks go too
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
             return -9, f"did not finish in {plan.timeout_s:g} s (a rank waiting for another?)"
     return code, _error_line(log.read_text(errors="replace")) if code else None
 
