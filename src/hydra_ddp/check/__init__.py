@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from hydra_ddp.check import checks, runs
 from hydra_ddp.check.checks import Result
 from hydra_ddp.check.runs import Plan, Run
@@ -115,28 +117,28 @@ def _other_world(plan: Plan, b: Run) -> Run | str:
     or skip as the sampler counts them."""
     from hydra_ddp import checkpoint
     from hydra_ddp.components import build
-    from hydra_ddp.data import epoch_rows
+    from hydra_ddp.data import check_sampling, epoch_rows
 
     cfg = plan.cfg
     world, rows = (1 if plan.world > 1 else 2), cfg.trainer.batch_size * plan.world
-    if rows % world:
-        return f"a global batch of {rows} rows does not divide over {world} ranks"
-    settings = epoch_rows.settings(cfg.sampler, cfg.sampler_seed)
+    if rows % world or checks.on_gpu(plan) and world > torch.cuda.device_count():
+        return f"{world} rank(s) cannot take a global batch of {rows} rows here"
+    source, settings = build(cfg.data, "data"), epoch_rows.settings(cfg.sampler, cfg.sampler_seed)
+    try:
+        check_sampling(source, cfg.sampler, world, rows // world)
+    except Exception as e:  # a data set too small for that many ranks
+        return f"not on {world} rank(s): {e}"
     if not epoch_rows.reading_order_changed(settings, settings, plan.world, world):
         resume_from = runs.quoted(checkpoint.latest(b.dir))
         return runs.train(plan, "other_world", f"trainer.batch_size={rows // world}",
                           f"trainer.resume={resume_from}", world=world)  # fmt: skip
-    try:
-        source = build(cfg.data, "data")
-        n = source.num_rows("train")
-        files = source.file_rows("train") if hasattr(source, "file_rows") else [n]
-        old = epoch_rows.Setup(settings, plan.world, cfg.trainer.batch_size)
-        new = epoch_rows.Setup(settings, world, rows // world)
-        per_epoch = epoch_rows.batches_per_epoch(old, n, files, 0)
-        epoch, done = divmod(plan.stop_step * cfg.trainer.grad_accum, per_epoch)
-        twice, skipped = epoch_rows.twice_and_skipped(old, new, n, files, epoch, done, done)
-    except Exception as e:  # a policy that cannot serve that many ranks
-        return f"{world} rank(s) read another order and cannot be counted ({e})"
+    n = source.num_rows("train")
+    files = source.file_rows("train") if hasattr(source, "file_rows") else [n]
+    old = epoch_rows.Setup(settings, plan.world, cfg.trainer.batch_size)
+    new = epoch_rows.Setup(settings, world, rows // world)
+    epoch, done = divmod(plan.stop_step * cfg.trainer.grad_accum,
+                         epoch_rows.batches_per_epoch(old, n, files, 0))  # fmt: skip
+    twice, skipped = epoch_rows.twice_and_skipped(old, new, n, files, epoch, done, done)
     return f"{world} rank(s) read another order: {twice} rows twice, {skipped} skipped"
 
 
@@ -178,8 +180,11 @@ def _wanted(only: str | None, skip: str | None) -> list[str]:
 def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> Plan:
     """The user's config, composed, typed and checked as training would, and where the runs go:
     hydra.run.dir if given (new or empty), else a temporary dir."""
-    from hydra_ddp.api import compose
+    from hydra import compose, initialize_config_dir
+
     from hydra_ddp.errors import UserError
+    from hydra_ddp.launch.command import config_dir
+    from hydra_ddp.launch.runner import to_typed
     from hydra_ddp.launcher_env import under_launcher
 
     if under_launcher():
@@ -188,7 +193,10 @@ def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name:
         raise UserError(f"--steps {args.steps}: at least 2 (the resume check stops at half)")
     given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("hydra.run.dir=")]
     kept = [o for o in args.overrides if not o.startswith("hydra.run.dir=")]
-    cfg = compose(config_path, config_name, [o for o in kept if not o.startswith("hydra.")])
+    conf = str(Path(config_path).resolve()) if config_path is not None else config_dir()
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):  # as api.compose does
+        composed = compose(config_name, [o for o in kept if not o.startswith("hydra.")])
+    cfg = to_typed(composed)
     root = Path(given[-1].strip("'\"")).expanduser().resolve() if given else None
     if root is not None and root.exists() and any(root.iterdir()):
         raise UserError(f"hydra.run.dir={root} is not empty: give a new dir for the check's runs")

@@ -110,9 +110,9 @@ def train(
 
 
 def evaluate(plan: Plan, run: Run) -> Run:
-    """`python -m hydra_ddp.eval run=<dir> predict=true split=val` in a fresh process, on the
-    run's ranks: the last checkpoint's predictions of the validation split."""
-    args = [f"run={run.dir}", "predict=true", "split=val", f"dist.nproc_per_node={plan.world}"]
+    """`python -m hydra_ddp.eval run=<dir> predict=true split=val` in a fresh process (one:
+    a process is the cost that counts here): the last checkpoint's validation outputs."""
+    args = [f"run={run.dir}", "predict=true", "split=val", "dist.nproc_per_node=1"]
     return _finished("eval", run.dir, run.dir, *_run(plan, "hydra_ddp.eval", args, "eval"))
 
 
