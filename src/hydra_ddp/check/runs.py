@@ -157,8 +157,7 @@ def _finished(name: str, run_dir: Path, rec: Path, code: int, error: str | None)
 
 
 def stopped_at(run: Run) -> int | None:
-    """The step a run stopped at on SIGTERM with a checkpoint (None: it did not)."""
+    """The step a run stopped at on SIGTERM with a checkpoint (its last record), else None."""
     if run.code != 128 + signal.SIGTERM:
         return None
-    found = re.search(r"stopped on SIGTERM at step (\d+)", run.log.read_text(errors="replace"))
-    return int(found.group(1)) if found else None
+    return max(run.records.get(0, {}), default=0) or None
