@@ -37,7 +37,7 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     """`python -m hydra_ddp.check`, `hydra-ddp-check` and a thin project's `api.check`:
     `config_path` and `config_name` as `hydra_ddp.api.main` takes them (--config-path and
     --config-name on the command line win). Exits 0, 1 (a check failed) or 2 (bad input)."""
-    from hydra_ddp.errors import first_line
+    from hydra_ddp.errors import UserError, first_line
 
     args = _parser().parse_intermixed_args()
     try:
@@ -47,7 +47,14 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
         sys.stderr.write(f"error: {first_line(e, 400)}\n")
         sys.exit(2)
     started = time.monotonic()
-    results = run_checks(plan, wanted)
+    try:
+        results = run_checks(plan, wanted)
+    except UserError as e:  # the data or a component cannot be built: as training says it
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"stopped on SIGINT: the runs so far are in {plan.root}\n")
+        sys.exit(130)
     seconds = time.monotonic() - started
     failed = any(r.status == "FAIL" for r in results.values())
     report = plan.root / "check.json"
@@ -58,7 +65,10 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     print(table(results))
     if not failed and plan.root.name.startswith(_TEMPORARY):  # runs worth keeping only to look
         for path in plan.root.iterdir():
-            shutil.rmtree(path) if path.is_dir() else path != report and path.unlink()
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path != report:
+                path.unlink()
     print(f"{seconds:.0f} s, {plan.world} rank(s), {plan.steps} steps: {report}")
     sys.exit(1 if failed else 0)
 
@@ -105,9 +115,9 @@ def _stop_and_resume(plan: Plan, wanted: list[str], a: Run, done: dict[str, Resu
                                 f"trainer.max_steps={plan.stop_step}")  # fmt: skip
         done["determinism"] = checks.determinism(plan, a, b, strict)
     if "resume" in wanted:
-        k = runs.stopped_at(b)
-        other = _other_world(plan, b) if k else "the stopped run has no checkpoint"
-        c = runs.train(plan, "resumed", run_dir="stopped") if k else None
+        stopped = runs.stopped_at(b) is not None
+        other = _other_world(plan, b) if stopped else ""
+        c = runs.train(plan, "resumed", run_dir="stopped") if stopped else None
         done["resume"] = checks.resume(plan, a, b, c, other)
 
 

@@ -113,8 +113,9 @@ def resume(plan: Plan, a: Run, b: Run, c: Run | None, other: Run | str) -> Resul
     note, other_problem = _other_world(plan, a, k, other)
     problem = attribute or callback or rows_moved or rest or loss or other_problem
     exact = "bitwise" if tol == 0 else f"within {tol:g} relative"
+    losses = f"the loss differs from step {first_loss}" if first_loss else "losses equal"
     measured = f"{plan.steps} steps = {k} + SIGTERM + {plan.steps - k} resumed: " + (
-        f"loss from step {first_loss or '-'} and {len(members)} checkpoint entries differ"
+        f"{losses}, {len(members)} checkpoint entries differ"
         if problem
         else f"{exact} (parameters, optimizer, rows, callbacks, RNG); {note}"
     )
@@ -132,16 +133,19 @@ def _other_world(plan: Plan, a: Run, k: int, other: Run | str) -> tuple[str, str
     padding, padded = max(plan.world, world) - 1, 0
     epochs = {step: r["epoch"] for step, r in a.records[0].items()}
     for step in range(k + 1, plan.steps + 1):
-        ref, got = (
-            Counter(d for ranks in run.records.values() for b in ranks[step]["rows"] for d in b)
-            for run in (a, other)
-        )
+        ref, got = _global_rows(a, step), _global_rows(other, step)
         apart = sum(((ref - got) + (got - ref)).values())
         epoch_end = epochs.get(step + 1, -1) != epochs[step]
         if apart > (padding if epoch_end else 0):
             return "", f"resumed on {world} rank(s), step {step} reads {apart} other rows"
         padded += apart
     return f"on {world} rank(s) the same rows at every step ({padded} padding)", None
+
+
+def _global_rows(run: Run, step: int) -> Counter:
+    """The rows a step read on all the ranks together, by digest (a row read twice: 2)."""
+    batches = [b for rank in run.records.values() for b in rank.get(step, {}).get("rows", [])]
+    return Counter(digest for batch in batches for digest in batch)
 
 
 def rows(plan: Plan, a: Run | None) -> Result:

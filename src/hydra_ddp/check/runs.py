@@ -34,7 +34,8 @@ class Plan:
     world: int
     steps: int
     root: Path
-    timeout_s: float = 900.0
+    # A last resort: a rank that waits for another fails by itself after dist.timeout_s.
+    timeout_s: float = 3600.0
 
     @property
     def stop_step(self) -> int:
@@ -121,6 +122,7 @@ def _run(plan: Plan, module: str, args: list[str], name: str) -> tuple[int, str 
     own = plan.config_args if module == "hydra_ddp.train" else []
     command = [sys.executable, "-m", module, *own, *args]
     log = plan.root / f"{name}.log"
+    sys.stderr.write(f"running {name}: {log}\n")
     with open(log, "w") as out:
         out.write(" ".join(command) + "\n")
         out.flush()
