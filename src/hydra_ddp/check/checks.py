@@ -80,6 +80,9 @@ def resume(plan: Plan, a: Run, b: Run, c: Run | None, other: Run | str) -> Resul
         return broken(b) if b.failed() else skip("the stop came after the run's last step")
     if c is None or c.failed():
         return broken(c or b)
+    if (first := min(c.records.get(0, {}), default=0)) != k + 1:
+        return verdict(f"stopped at step {k}", f"the resumed run started at step {first}, not "
+                       f"from the stop's checkpoint ({c.log})")  # fmt: skip
     tol = tolerance(plan)
     first_loss = rows_moved = attribute = None
     for rank, straight in a.records.items():

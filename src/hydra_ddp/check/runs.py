@@ -3,8 +3,8 @@ config and overrides) as a subprocess, with the probe added and its output under
 dir, and what each run recorded read back.
 
 Each run gets the overrides the check needs on top of the user's (the last value of a key wins
-on Hydra's command line): its own `hydra.run.dir`, `trainer.max_steps`, `dist.nproc_per_node`,
-`logger=none` (no W&B run for a check), and the probe."""
+on Hydra's command line): its own `hydra.run.dir`, `trainer.max_steps`, `trainer.resume`,
+`dist.nproc_per_node`, `logger=none` (no W&B run for a check), and the probe."""
 
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def train(
         f"dist.nproc_per_node={world or plan.world}",
         f"hydra.run.dir={quoted(run_dir)}",
         f"trainer.max_steps={plan.steps}",
+        "trainer.resume=auto",  # each run its own: fresh, or the stopped run's checkpoint
         "logger=none",
         "trainer.progress=false",
         f"+callbacks.{PROBE}._target_=hydra_ddp.check.probe.Probe",
