@@ -17,6 +17,10 @@ Running:
 * `compose(config_path, config_name, overrides)`: the same composition without training, typed
   and checked (`TrainConfig`), for tests; `build(node, key, **runtime)` builds one component of
   it (`build(cfg.data, "data")`) with the engine's one-line errors for a bad argument.
+* `check(config_path, config_name)`: `python -m hydra_ddp.check` with the project's configs:
+  short real runs of its training with the command line's overrides, checked for rank
+  agreement, exact resume, rows, determinism, gradient sync and the checkpoint's round trip
+  (docs/check.md); exits 0 only if every check that ran passed.
 
 What a project implements (every contract, method by method and with its rank rules, is a
 class of `protocols`, the engine's `hydra_ddp.protocols`):
@@ -46,6 +50,7 @@ from hydra import compose as _compose
 from hydra import initialize_config_dir
 
 from hydra_ddp import __version__, protocols
+from hydra_ddp import check as _check
 from hydra_ddp import train as _train
 from hydra_ddp.callbacks import HOOKS, Context
 from hydra_ddp.checkpoint.state import Member
@@ -63,8 +68,8 @@ from hydra_ddp.step import StepTools, default_step
 __all__ = [
     "HOOKS", "Accuracy", "Context", "CrossEntropy", "DataSource", "DistEnv", "InMemoryArrays",
     "Member", "Metric", "ModelOutput", "Rows", "StepTools", "TokenWindows", "TorchDatasets",
-    "TrainConfig", "UserError", "__version__", "all_gather_with_grad", "build", "compose",
-    "default_step", "gather_for_metrics", "main", "protocols",
+    "TrainConfig", "UserError", "__version__", "all_gather_with_grad", "build", "check",
+    "compose", "default_step", "gather_for_metrics", "main", "protocols",
 ]  # fmt: skip
 
 
@@ -75,6 +80,13 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     _train.main(
         config_path=None if config_path is None else str(config_path), config_name=config_name
     )
+
+
+def check(config_path: str | Path | None = None, config_name: str = "train") -> None:
+    """Check the training `main` would run, with the command line's overrides (`--only`,
+    `--skip`, `--steps` too): `python -m hydra_ddp.check` composing `config_name` from
+    `config_path`. A thin project's `myproj-check` calls it with its packaged conf dir."""
+    _check.main(config_path=config_path, config_name=config_name)
 
 
 def compose(
