@@ -22,7 +22,7 @@ from conftest import REPO, TESTS, run, user_env
 from helpers.inproc import typed
 
 from hydra_ddp.check import checks, main
-from hydra_ddp.check.runs import Plan
+from hydra_ddp.check.runs import CheckPlan
 
 DEFAULT_TITLES = (
     "rank agreement", "resume equivalence", "rows", "determinism", "gradient sync",
@@ -30,25 +30,24 @@ DEFAULT_TITLES = (
 )  # fmt: skip
 
 
-def plan(*overrides: str, world: int = 2) -> Plan:
-    return Plan(typed(*overrides), list(overrides), [], world, 8, Path("/nonexistent"))
+def plan(*overrides: str, world: int = 2) -> CheckPlan:
+    return CheckPlan(typed(*overrides), list(overrides), [], world, 8, Path("/nonexistent"))
 
 
 def test_rows_pass_for_the_built_in_policies_and_fail_for_one_that_repeats_rows() -> None:
     for overrides in ([], ["sampler.drop_last=true"], ["sampler=sharded"]):
-        result = checks.rows(plan(*overrides), None)
+        result = checks.row_coverage(plan(*overrides), None)
         assert result.status == "PASS", (overrides, result)
         assert "1257 rows, each once per epoch" in result.measured
         assert "0 val/test rows trained on (by origin(split))" in result.measured
-    padding = checks.rows(plan(), None).measured
+    padding = checks.row_coverage(plan(), None).measured
     assert "(1 padding, 0 dropped)" in padding  # 1257 rows on 2 ranks: one row read twice
-    repeating = checks.rows(plan("sampler._target_=helpers.repeating_policy.SameRowsEverywhere"),
-                            None)  # fmt: skip
+    same_rows = "sampler._target_=helpers.repeating_policy.SameRowsEverywhere"
+    repeating = checks.row_coverage(plan(same_rows), None)
     assert repeating.status == "FAIL"
     assert "629 rows read again, 628 of 1257 never" in repeating.measured
     assert "SameRowsEverywhere (sampler._target_) does not split the rows" in repeating.why
-    one_rank = checks.rows(plan("sampler._target_=helpers.repeating_policy.SameRowsEverywhere",
-                                world=1), None)  # fmt: skip
+    one_rank = checks.row_coverage(plan(same_rows, world=1), None)
     assert one_rank.status == "PASS"  # on one rank, rank 0's rows are all the rows
 
 

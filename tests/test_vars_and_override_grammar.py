@@ -135,3 +135,15 @@ def test_eval_reads_a_run_saved_when_the_sink_was_logger_backend(tmp_path: Path)
     OmegaConf.save(OmegaConf.create(saved), tmp_path / ".hydra" / "config.yaml")
     cfg = job_config(tmp_path, ["trainer.batch_size=8"])
     assert cfg.trainer.batch_size == 8 and cfg.logger.sink is None
+
+
+def test_a_config_dir_given_on_the_command_line_counts_for_the_choices(tmp_path: Path) -> None:
+    """`--config-path`/`-cp` and `--config-dir`/`-cd` (the checker starts its runs with them
+    for a thin project) add their groups' choices: `model=mine` there is no refusal."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text("_target_: my.Model\n")
+    for flags in (["--config-dir", str(tmp_path)], [f"-cp={tmp_path}"]):
+        given = [Path(d) for d in overrides.config_dirs_given(flags)]
+        assert given == [tmp_path]
+        overrides.check_command_line([*flags, "model=mine"], [Path(config_dir()), *given])
+    assert overrides.config_dirs_given(["-cd", "pkg://myproj.conf"]) == ["pkg://myproj.conf"]

@@ -17,7 +17,7 @@ Running:
 * `compose(config_path, config_name, overrides)`: the same composition without training, typed
   and checked (`TrainConfig`), for tests; `build(node, key, **runtime)` builds one component of
   it (`build(cfg.data, "data")`) with the engine's one-line errors for a bad argument.
-* `check(config_path, config_name)`: `python -m hydra_ddp.check` with the project's configs:
+* `run_checks(config_path, config_name)`: `python -m hydra_ddp.check` with the project's configs:
   short real runs of its training with the command line's overrides, checked for rank
   agreement, exact resume, rows, determinism, gradient sync and the checkpoint's round trip
   (docs/check.md); exits 0 only if every check that ran passed.
@@ -68,7 +68,7 @@ from hydra_ddp.step import StepTools, default_step
 __all__ = [
     "HOOKS", "Accuracy", "Context", "CrossEntropy", "DataSource", "DistEnv", "InMemoryArrays",
     "Member", "Metric", "ModelOutput", "Rows", "StepTools", "TokenWindows", "TorchDatasets",
-    "TrainConfig", "UserError", "__version__", "all_gather_with_grad", "build", "check",
+    "TrainConfig", "UserError", "__version__", "all_gather_with_grad", "build", "run_checks",
     "compose", "default_step", "gather_for_metrics", "main", "protocols",
 ]  # fmt: skip
 
@@ -82,7 +82,7 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     )
 
 
-def check(config_path: str | Path | None = None, config_name: str = "train") -> None:
+def run_checks(config_path: str | Path | None = None, config_name: str = "train") -> None:
     """Check the training `main` would run, with the command line's overrides (`--only`,
     `--skip`, `--steps` too): `python -m hydra_ddp.check` composing `config_name` from
     `config_path`. A thin project's `myproj-check` calls it with its packaged conf dir."""

@@ -15,7 +15,7 @@ import torch
 
 from hydra_ddp.batches import BatchLoss
 from hydra_ddp.callbacks import Callbacks
-from hydra_ddp.checkpoint.init_from import Plan
+from hydra_ddp.checkpoint.init_from import LoadPlan
 from hydra_ddp.components import build
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, EvalData, TrainData
@@ -83,4 +83,4 @@ class RankJob:
     callbacks: Callbacks
     resume_from: Path | None
     # ddp=fsdp2: trainer.init_from's planned tensors, loaded into the shards after the wrap.
-    init_sharded: Plan | None = None
+    init_sharded: LoadPlan | None = None

@@ -22,7 +22,7 @@ import torch
 
 from hydra_ddp.check import checks, runs
 from hydra_ddp.check.checks import Result
-from hydra_ddp.check.runs import Plan, Run
+from hydra_ddp.check.runs import CheckPlan, Run
 
 # The checks in the table's order: the name --only and --skip take -> the row's title.
 CHECKS = {
@@ -34,7 +34,7 @@ _TEMPORARY = "hydra-ddp-check-"
 
 
 def main(config_path: str | Path | None = None, config_name: str = "train") -> None:
-    """`python -m hydra_ddp.check`, `hydra-ddp-check` and a thin project's `api.check`:
+    """`python -m hydra_ddp.check`, `hydra-ddp-check` and a thin project's `api.run_checks`:
     `config_path` and `config_name` as `hydra_ddp.api.main` takes them (--config-path and
     --config-name on the command line win). Exits 0, 1 (a check failed) or 2 (bad input)."""
     from hydra_ddp.errors import UserError, first_line
@@ -48,7 +48,7 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
         sys.exit(2)
     started = time.monotonic()
     try:
-        results = run_checks(plan, wanted)
+        results = run_wanted(plan, wanted)
     except UserError as e:  # the data or a component cannot be built: as training says it
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
@@ -62,7 +62,7 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
         "passed": not failed, "seconds": round(seconds, 1), "world_size": plan.world,
         "steps": plan.steps, "checks": {name: asdict(r) for name, r in results.items()},
     }, indent=2))  # fmt: skip
-    print(table(results))
+    print(result_table(results))
     if not failed and plan.root.name.startswith(_TEMPORARY):  # runs worth keeping only to look
         for path in plan.root.iterdir():
             if path.is_dir():
@@ -73,33 +73,33 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     sys.exit(1 if failed else 0)
 
 
-def run_checks(plan: Plan, wanted: list[str]) -> dict[str, Result]:
+def run_wanted(plan: CheckPlan, wanted: list[str]) -> dict[str, Result]:
     """Run what the `wanted` checks need, then judge each: one run straight through first (A),
     which every check but rows reads."""
     done: dict[str, Result] = {}
     if "rows" in wanted:
-        done["rows"] = checks.rows(plan, None)
+        done["rows"] = checks.row_coverage(plan, None)
     if set(wanted) - {"rows"}:
         if "rows" in done and "batches per rank" in done["rows"].measured:  # it would hang
             return {n: done.get(n) or checks.skip("the ranks take different steps (rows)")
                     for n in wanted}  # fmt: skip
-        a = runs.train(plan, "straight", grads_at=int("gradient_sync" in wanted),
+        a = runs.train_run(plan, "straight", grads_at=int("gradient_sync" in wanted),
                        predict="checkpoint" in wanted)  # fmt: skip
         if "rows" in wanted:
-            done["rows"] = checks.rows(plan, a)
+            done["rows"] = checks.row_coverage(plan, a)
         if "rank_agreement" in wanted:
             done["rank_agreement"] = checks.rank_agreement(plan, a)
         if "gradient_sync" in wanted:
             done["gradient_sync"] = checks.gradient_sync(plan, a)
         if "checkpoint" in wanted:
-            e = None if a.failed() else runs.evaluate(plan, a)
+            e = None if a.failed() else runs.eval_run(plan, a)
             done["checkpoint"] = checks.checkpoint_round_trip(plan, a, e)
         if {"resume", "determinism"} & set(wanted):
             _stop_and_resume(plan, wanted, a, done)
     return {name: done[name] for name in CHECKS if name in done}
 
 
-def _stop_and_resume(plan: Plan, wanted: list[str], a: Run, done: dict[str, Result]) -> None:
+def _stop_and_resume(plan: CheckPlan, wanted: list[str], a: Run, done: dict[str, Result]) -> None:
     """B: the run again, stopped after half its steps as SIGTERM would (also the second run
     with the same seed that determinism compares); C: B resumed to the end in its dir; and B
     resumed on another rank count."""
@@ -107,21 +107,21 @@ def _stop_and_resume(plan: Plan, wanted: list[str], a: Run, done: dict[str, Resu
         for name in {"resume", "determinism"} & set(wanted):
             done[name] = checks.broken(a)
         return
-    b = runs.train(plan, "stopped", stop_at=plan.stop_step)
+    b = runs.train_run(plan, "stopped", stop_at=plan.stop_step)
     if "determinism" in wanted:
         strict = None
         if checks.first_difference(a, b, plan.stop_step):  # can torch name the op?
-            strict = runs.train(plan, "deterministic", "trainer.deterministic=true",
+            strict = runs.train_run(plan, "deterministic", "trainer.deterministic=true",
                                 f"trainer.max_steps={plan.stop_step}")  # fmt: skip
         done["determinism"] = checks.determinism(plan, a, b, strict)
     if "resume" in wanted:
         stopped = runs.stopped_at(b) is not None
         other = _other_world(plan, b) if stopped else ""
-        c = runs.train(plan, "resumed", run_dir="stopped") if stopped else None
-        done["resume"] = checks.resume(plan, a, b, c, other)
+        c = runs.train_run(plan, "resumed", run_dir="stopped") if stopped else None
+        done["resume"] = checks.resume_equivalence(plan, a, b, c, other)
 
 
-def _other_world(plan: Plan, b: Run) -> Run | str:
+def _other_world(plan: CheckPlan, b: Run) -> Run | str:
     """B resumed on 1 rank (2 if the job has 1) with the same global batch where the sampler
     policy then continues the epoch exactly; else why not, with the rows it would read twice
     or skip as the sampler counts them."""
@@ -140,7 +140,7 @@ def _other_world(plan: Plan, b: Run) -> Run | str:
         return f"not on {world} rank(s): {e}"
     if not epoch_rows.reading_order_changed(settings, settings, plan.world, world):
         resume_from = runs.quoted(checkpoint.latest(b.dir))
-        return runs.train(plan, "other_world", f"trainer.batch_size={rows // world}",
+        return runs.train_run(plan, "other_world", f"trainer.batch_size={rows // world}",
                           f"trainer.resume={resume_from}", world=world)  # fmt: skip
     n = source.num_rows("train")
     files = source.file_rows("train") if hasattr(source, "file_rows") else [n]
@@ -152,7 +152,7 @@ def _other_world(plan: Plan, b: Run) -> Run | str:
     return f"{world} rank(s) read another order: {twice} rows twice, {skipped} skipped"
 
 
-def table(results: dict[str, Result]) -> str:
+def result_table(results: dict[str, Result]) -> str:
     """One row per check; under a FAIL or SKIP, what is wrong (or why not) and where to look."""
     width = max(len(CHECKS[name]) for name in results) if results else 5
     lines = [f"{'check':<{width}}  result  measured"]
@@ -187,7 +187,7 @@ def _wanted(only: str | None, skip: str | None) -> list[str]:
     return [n for n in CHECKS if (not only or n in lists[0]) and n not in lists[1]]
 
 
-def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> Plan:
+def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> CheckPlan:
     """The user's config, composed, typed and checked as training would, and where the runs go:
     hydra.run.dir if given (new or empty), else a temporary dir."""
     from hydra import compose, initialize_config_dir
@@ -217,4 +217,4 @@ def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name:
     world = cfg.dist.nproc_per_node if nproc_given or cfg.dist.nproc_per_node > 1 else 2
     where = [f"--config-path={Path(config_path).resolve()}"] if config_path is not None else []
     where += [f"--config-name={config_name}"] if where or config_name != "train" else []
-    return Plan(cfg, kept, where, world, args.steps, root)
+    return CheckPlan(cfg, kept, where, world, args.steps, root)

@@ -31,7 +31,7 @@ from hydra_ddp.distributed import DistEnv
 
 # Steps at least this long (rank 0's) make the ranks look for a stop signal at every step
 # boundary, so that the stop lands on the step asked for.
-from hydra_ddp.distributed.preemption import _CHECK_EVERY_S
+from hydra_ddp.distributed.preemption import CHECK_EVERY_S
 from hydra_ddp.loop.predict import predict
 from hydra_ddp.step import autocast_for
 
@@ -74,7 +74,7 @@ class Probe:
             batch = [to_device(b, torch.device("cpu")) for b in ctx.batch or []]
             torch.save(batch, self.out / f"batch_rank{ctx.rank}.pt")
         if ctx.step < self.stop_at:
-            time.sleep(_CHECK_EVERY_S)
+            time.sleep(CHECK_EVERY_S)
         elif ctx.step == self.stop_at:
             os.kill(os.getpid(), signal.SIGTERM)
 

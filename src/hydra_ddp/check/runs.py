@@ -24,7 +24,7 @@ PROBE = "hydra_ddp_check"  # the probe's name under `callbacks`
 
 
 @dataclass
-class Plan:
+class CheckPlan:
     """What the check runs: the user's config (typed) and command line, on `world` ranks,
     for `steps` steps, everything under `root`."""
 
@@ -77,8 +77,8 @@ def quoted(value: Any) -> str:
     return f"'{text}'" if re.search(r"[=,:'\"()\[\]{}\s\\$]", text) else text
 
 
-def train(
-    plan: Plan,
+def train_run(
+    plan: CheckPlan,
     name: str,
     *extra: str,
     world: int | None = None,
@@ -111,14 +111,14 @@ def train(
     return _finished(name, run_dir, rec, *_run(plan, "hydra_ddp.train", args, name))
 
 
-def evaluate(plan: Plan, run: Run) -> Run:
+def eval_run(plan: CheckPlan, run: Run) -> Run:
     """`python -m hydra_ddp.eval run=<dir> predict=true split=val` in a fresh process (one:
     a process is the cost that counts here): the last checkpoint's validation outputs."""
     args = [f"run={run.dir}", "predict=true", "split=val", "dist.nproc_per_node=1"]
     return _finished("eval", run.dir, run.dir, *_run(plan, "hydra_ddp.eval", args, "eval"))
 
 
-def _run(plan: Plan, module: str, args: list[str], name: str) -> tuple[int, str | None]:
+def _run(plan: CheckPlan, module: str, args: list[str], name: str) -> tuple[int, str | None]:
     """The command's exit status and its error line; its output goes to <root>/<name>.log."""
     own = plan.config_args if module == "hydra_ddp.train" else []
     command = [sys.executable, "-m", module, *own, *args]

@@ -32,7 +32,7 @@ SHOWN = 3  # names shown per kind of mismatch in the load line
 
 
 @dataclass
-class Plan:
+class LoadPlan:
     """Which tensor of the file goes into which of the model, and what did not fit."""
 
     weights: Weights
@@ -67,7 +67,7 @@ def plan(
     weights: Weights,
     init_map: Mapping[str, str] | None = None,
     strict: bool = True,
-) -> Plan:
+) -> LoadPlan:
     """Match the file's tensors to the model's by name (after `init_map`) and shape. `strict`:
     anything missing, unexpected or reshaped is refused in one line naming the first ones."""
     mine = {k: v.shape for k, v in model.state_dict().items()}
@@ -84,7 +84,7 @@ def plan(
     for names in _tied(model):
         if loaded & set(names):
             loaded.update(names)
-    result = Plan(
+    result = LoadPlan(
         weights=weights,
         pairs=pairs,
         missing=[k for k in mine if k not in loaded and k not in theirs],
@@ -110,7 +110,7 @@ def for_fresh_run(
     init_map: Mapping[str, str] | None = None,
     strict: bool = True,
     sharded: bool = False,
-) -> Plan | None:
+) -> LoadPlan | None:
     """trainer.init_from, before any process group: its names and shapes checked against
     `model`, then loaded into it now, or (`sharded`: ddp=fsdp2) returned to be loaded into each
     rank's shards after the wrap. Nothing when a checkpoint is resumed (`resume_from`)."""
@@ -126,7 +126,7 @@ def for_fresh_run(
     return None
 
 
-def apply(model: torch.nn.Module, planned: Plan, distributed: bool = False) -> None:
+def apply(model: torch.nn.Module, planned: LoadPlan, distributed: bool = False) -> None:
     """Copy the planned tensors into `model`: whole, or (ddp=fsdp2, after the wrap) each rank
     its own shards. Collective for a sharded model and a sharded checkpoint folder (every rank
     calls it). Logs the load line."""

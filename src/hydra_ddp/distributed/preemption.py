@@ -39,7 +39,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 _REPEAT_WINDOW_S = 1.0
 # Ranks check for a stop request about this often (in steps of rank 0's step time), at most
 # every _MAX_INTERVAL steps: well inside the 30 s a launcher gives before it kills.
-_CHECK_EVERY_S = 0.1
+CHECK_EVERY_S = 0.1
 _MAX_INTERVAL = 100
 
 
@@ -92,7 +92,7 @@ class StopOnSignal:
     agreement, read one check later, would stop long steps too late for that grace). It is not
     run every step: rank
     0 sends, in the same all-reduce, how many steps to wait before the next one (about
-    `_CHECK_EVERY_S` of steps, from its step time), so every rank checks at the same steps and
+    `CHECK_EVERY_S` of steps, from its step time), so every rank checks at the same steps and
     a 2 ms step does not pay for a collective each time. Under NCCL it runs on a gloo group of
     its own: reading a CUDA tensor would sync the GPU.
     """
@@ -158,7 +158,7 @@ class StopOnSignal:
         # The first boundary follows no step: its "step time" says nothing.
         proposal = 1
         if self._checked:
-            proposal = min(max(int(_CHECK_EVERY_S / max(step_s, 1e-6)), 1), _MAX_INTERVAL)
+            proposal = min(max(int(CHECK_EVERY_S / max(step_s, 1e-6)), 1), _MAX_INTERVAL)
         self._checked = True
         self._flag[0] = self.received
         self._flag[1] = proposal if self.env.is_main else 0

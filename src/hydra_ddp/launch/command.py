@@ -53,9 +53,11 @@ def run_command(
     conf = config_dir() if config_path is None else config_path
     if "://" not in conf:
         conf = os.path.abspath(conf)
-    # The project's config dir and the engine's (a thin project's config extends it); a
-    # `pkg://` one cannot be listed, so its groups' choices are left to Hydra.
-    dirs = [Path(d) for d in dict.fromkeys([conf, config_dir()])]
+    # The project's config dir and the engine's (a thin project's config extends it), and any
+    # a --config-path or --config-dir on the command line adds; a `pkg://` one cannot be
+    # listed, so its groups' choices are left to Hydra.
+    given = overrides.config_dirs_given(sys.argv[1:])
+    dirs = [Path(d) for d in dict.fromkeys([conf, config_dir(), *given])]
     overrides.check_command_line(
         sys.argv[1:], [d for d in dirs if d.is_dir()], all(d.is_dir() for d in dirs)
     )

@@ -54,6 +54,18 @@ def check_command_line(argv: list[str], conf_dirs: list[Path], choices: bool = T
         sys.exit(2)
 
 
+def config_dirs_given(argv: list[str]) -> list[str]:
+    """The config dirs Hydra's own flags name (--config-path/-cp, --config-dir/-cd), as given:
+    a path from the working dir, or `pkg://...`."""
+    found = []
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in ("--config-path", "-cp", "--config-dir", "-cd"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            found.append(value if "://" in value else os.path.abspath(value))
+    return found
+
+
 def _parse(items: list[str]) -> list[Any]:
     """Hydra's parse of each override; one it cannot read (`model.hidden=choice()`) is refused
     in one line, its value blanked when the key is a secret's."""

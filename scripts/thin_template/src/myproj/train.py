@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra_ddp.api import check, main
+from hydra_ddp.api import main, run_checks
 
 # conf/ ships inside the package (pyproject.toml's package-data), so this works once installed.
 CONF = Path(__file__).resolve().parent / "conf"
@@ -25,7 +25,7 @@ def run_check() -> None:
     """`myproj-check <the overrides you train with>`: short real runs of this training, checked
     for rank agreement, exact resume, rows, determinism, gradient sync and the checkpoint's
     round trip (the engine's docs/check.md)."""
-    check(config_path=CONF, config_name="myproj")
+    run_checks(config_path=CONF, config_name="myproj")
 
 
 if __name__ == "__main__":
