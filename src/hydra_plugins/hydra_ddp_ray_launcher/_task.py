@@ -14,6 +14,7 @@ becomes SIGTERM to the job, which then saves a checkpoint and stops, as under a 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -30,7 +31,7 @@ STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.rundir.sweeps.STARTED_ENV
 # What Ray sets for its own workers only; a job's process is not one (a `breakpoint()` in it
 # would call Ray's worker debugger).
 _RAY_WORKER_ENV = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS")
-# How often a task looks at the sweep's stop request (a job's end wakes it at once).
+# How often a task looks at the sweep's stop request.
 _POLL_S = 0.5
 # What a task returns when the sweep stopped before its job started.
 NOT_STARTED = "not started: the sweep was stopped"
@@ -70,8 +71,11 @@ def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: s
     result: list[bytes] = []
     pipes = threading.Thread(target=_exchange, args=(proc, spec, result_read, result), daemon=True)
     pipes.start()
+    # Woken by the job's end at once; otherwise a look at the stop request twice a second.
+    ended = threading.Event()
+    threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
     try:
-        while not _ended(proc, _POLL_S):
+        while not ended.wait(_POLL_S):
             if os.path.exists(stop_file):
                 _stop(proc, grace_s)
     except KeyboardInterrupt:  # Ray's cancel, where it reaches a running task
@@ -93,15 +97,6 @@ def _exchange(proc: subprocess.Popen, spec: bytes, result_read: int, result: lis
         proc.stdin.close()
     with open(result_read, "rb") as f:
         result.append(f.read())
-
-
-def _ended(proc: subprocess.Popen, timeout: float) -> bool:
-    """Whether the job ended, waiting up to `timeout` seconds for it."""
-    try:
-        proc.wait(timeout=timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:
@@ -158,6 +153,10 @@ def job_process(result_fd: int) -> int:
         claim.release_all()
     with open(result_fd, "wb") as f:
         f.write(cloudpickle.dumps(returned))
+    # As `python -m hydra_ddp.train` ends (distributed/entry.py): the interpreter's last garbage
+    # collections would walk every object torch and the job made, a second or more that the
+    # next job, waiting for this one's CPU, would lose.
+    gc.freeze()
     return 0
 
 
