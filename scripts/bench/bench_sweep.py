@@ -12,7 +12,9 @@
 
 For each job length the three variants run in turn, the order rotating each repeat, so a
 change in the machine's load hits all three. Each run waits first for the CPUs to be quiet
-(below 20 % over a second, at most 60 s) and records the load average before and after. Every
+(below 20 % over a second, at most `--quiet-wait` s) and records the load average before and
+after, and how many cores other processes used while it ran (the machine's busy CPU time less
+the run's own). Every
 job has W&B off, `trainer.progress=false` and OMP_NUM_THREADS=1 (what torchrun and the Ray
 launcher give a one-CPU rank). Printed: each run's wall time and its jobs' mean samples/s
 (summary.json), for the two sweeps when the first job's process started and how long the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -81,8 +84,9 @@ def run_once(variant: str, args: argparse.Namespace, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench_sweep_{variant}_") as tmp:
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", WANDB_MODE="disabled")
         env["OMP_NUM_THREADS"] = "1"
-        cpu = wait_quiet()
+        cpu = wait_quiet(limit_s=args.quiet_wait)
         load = os.getloadavg()[0]
+        busy, ours = _busy_cpu_s(), _children_cpu_s()
         start, started_at = time.monotonic(), time.time()
         if variant == "by_hand":
             by_hand(args.jobs, steps, args.parallel, Path(tmp), env)
@@ -93,6 +97,9 @@ def run_once(variant: str, args: argparse.Namespace, steps: int) -> dict:
                 sys.exit(f"{variant} sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         wall = time.monotonic() - start
         ended_at = time.time()
+        # What other processes on the machine used meanwhile, in cores: all the CPUs' busy
+        # time less this run's (its processes are all reaped children of this one).
+        others = (_busy_cpu_s() - busy - (_children_cpu_s() - ours)) / wall
         found = [p for p in Path(tmp).rglob("summary.json") if p.parent.name != "stats"]
         summaries = [json.loads(p.read_text()) for p in found]
         if len(summaries) != args.jobs:
@@ -107,8 +114,21 @@ def run_once(variant: str, args: argparse.Namespace, steps: int) -> dict:
             "samples_per_s": statistics.mean(s["samples_per_s"] for s in summaries),
             "load_before": load,
             "load_after": os.getloadavg()[0],
+            "others_cores": others,
             "cpu_percent_before": cpu,
         }
+
+
+def _busy_cpu_s() -> float:
+    """Seconds the machine's CPUs were busy since boot (all processes)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children (and theirs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _lead_and_tail(root: Path, started_at: float, ended_at: float) -> tuple[float, float]:
@@ -145,6 +165,9 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2, help="by hand: jobs at a time")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs at most"
+    )
     args = parser.parse_args()
     print(f"{args.jobs} one-rank jobs; {os.cpu_count()} CPUs; by hand {args.parallel} at a time")
     runs = []
@@ -158,9 +181,8 @@ def main() -> None:
                     f"repeat {repeat}, {steps} steps: {variant:8s} {r['wall_s']:6.1f} s, "
                     f"{r['samples_per_s']:7.0f} samples/s per job, first job's start at "
                     f"{r['lead_s']:.1f} s, exit {r['tail_s']:.1f} s after the last job's end, "
-                    f"load {r['load_before']:.1f} "
-                    f"before, {r['load_after']:.1f} after, CPUs {r['cpu_percent_before']:.0f} % "
-                    "before",
+                    f"load {r['load_before']:.1f} before, {r['load_after']:.1f} after, other "
+                    f"processes {r['others_cores']:.2f} cores meanwhile",
                     flush=True,
                 )
     for steps in args.steps:
