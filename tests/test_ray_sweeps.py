@@ -242,7 +242,8 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 @needs_ray
 @pytest.mark.timeout(600)
 def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) -> None:
-    """... and the sweep's own process, which runs no job, never imports torch."""
+    """Two at a time, each with one thread; the sweep's own process, which runs no job, never
+    imports torch."""
     address, _ = head
     # A callback of the sweep's process, importable from its working dir.
     shutil.copy(TESTS / "helpers" / "driver_probe.py", tmp_path / "driver_probe.py")
