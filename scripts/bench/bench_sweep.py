@@ -14,7 +14,7 @@ For each job length the three variants run in turn, the order rotating each repe
 change in the machine's load hits all three. Each run waits first for the CPUs to be quiet
 (below 20 % over a second, at most `--quiet-wait` s) and records the load average before and
 after, and how many cores other processes used while it ran (the machine's busy CPU time less
-the run's own). Every
+the run's own, sampled). Every
 job has W&B off, `trainer.progress=false` and OMP_NUM_THREADS=1 (what torchrun and the Ray
 launcher give a one-CPU rank). Printed: each run's wall time and its jobs' mean samples/s
 (summary.json), for the two sweeps when the first job's process started and how long the
@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +40,11 @@ from pathlib import Path
 import psutil
 
 VARIANTS = ("basic", "ray", "by_hand")
+# Each sweep and each job by hand in a session of its own, as a command typed in a terminal
+# of its own, and as each Ray job runs: Linux's scheduler shares the CPUs between sessions
+# first (autogroups), so on a machine that others use too, jobs started in this script's one
+# session would get one share between them where Ray's get one each.
+_SESSION = {"start_new_session": True}
 
 
 def job_overrides(steps: int) -> list[str]:
@@ -62,7 +67,8 @@ def by_hand(jobs: int, steps: int, parallel: int, cwd: Path, env: dict[str, str]
     def one(lr: str) -> int:
         cmd = [sys.executable, "-m", "hydra_ddp.train", f"optim.lr={lr}", *job_overrides(steps)]
         cmd += [f"hydra.run.dir=by_hand/lr{lr}"]
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True).returncode
+        # In a session of its own, as each Ray job is (`_SESSION`).
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, **_SESSION).returncode
 
     with ThreadPoolExecutor(parallel) as pool:
         codes = list(pool.map(one, rates(jobs)))
@@ -86,20 +92,20 @@ def run_once(variant: str, args: argparse.Namespace, steps: int) -> dict:
         env["OMP_NUM_THREADS"] = "1"
         cpu = wait_quiet(limit_s=args.quiet_wait)
         load = os.getloadavg()[0]
-        busy, ours = _busy_cpu_s(), _children_cpu_s()
+        busy, ours = _busy_cpu_s(), _OwnCpu()
         start, started_at = time.monotonic(), time.time()
         if variant == "by_hand":
             by_hand(args.jobs, steps, args.parallel, Path(tmp), env)
         else:
             cmd = sweep_command(variant, args.jobs, steps)
-            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, **_SESSION)
             if proc.returncode != 0:
                 sys.exit(f"{variant} sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         wall = time.monotonic() - start
         ended_at = time.time()
         # What other processes on the machine used meanwhile, in cores: all the CPUs' busy
         # time less this run's (its processes are all reaped children of this one).
-        others = (_busy_cpu_s() - busy - (_children_cpu_s() - ours)) / wall
+        others = (_busy_cpu_s() - busy - ours.stop()) / wall
         found = [p for p in Path(tmp).rglob("summary.json") if p.parent.name != "stats"]
         summaries = [json.loads(p.read_text()) for p in found]
         if len(summaries) != args.jobs:
@@ -120,15 +126,43 @@ def run_once(variant: str, args: argparse.Namespace, steps: int) -> dict:
 
 
 def _busy_cpu_s() -> float:
-    """Seconds the machine's CPUs were busy since boot (all processes)."""
+    """Seconds the machine's CPUs were busy since boot (all processes; not the time a
+    hypervisor gave other machines)."""
     t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's reaped children (and theirs)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+class _OwnCpu:
+    """The CPU seconds this script's processes (a run's: a sweep, Ray's, the jobs', all
+    descendants) use from now to `stop`, sampled twice a second: Ray reaps some of its own
+    without the kernel adding their time to any parent's."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._sample_once()  # what this script used already is not the run's
+        self._before = sum(self.seen.values())
+        self._thread.start()
+
+    def _sample_once(self) -> None:
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            self.seen[p.pid] = max(self.seen.get(p.pid, 0.0), t.user + t.system)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.5):
+            self._sample_once()
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        self._sample_once()
+        return sum(self.seen.values()) - self._before
 
 
 def _lead_and_tail(root: Path, started_at: float, ended_at: float) -> tuple[float, float]:
