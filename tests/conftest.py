@@ -26,6 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
+# Hydra scans for plugins once per process, at the first composition: the checkout's
+# src/hydra_plugins (hydra/launcher=ray, hydra/sweeper=optuna) must be on its path before
+# any test composes, whatever the order the tests run in.
+from hydra_ddp.launch.command import find_own_plugins  # noqa: E402
+
+find_own_plugins()
+
 # The overrides test jobs start from, run on the command line or in process (helpers/inproc.py)
 # alike: no W&B, no progress bar.
 FAST = ["logger=none", "trainer.progress=false"]

@@ -1,12 +1,14 @@
 """hydra/launcher=ray: the jobs of a sweep side by side, scheduled by Ray.
 
-In process (default suite): the preset composes, each job's resources follow its config, and a
-job bigger than every node is refused before any starts.
+In process (default suite): the preset composes, each job's resources follow its config, a
+job bigger than every node is refused before any starts, and the sweep's process takes every
+stop signal (real signals, sent to the test's own process).
 
 Slow (real sweeps of the command a user types, on 2 cores): one Ray head started here with
 `ray start --head` (the cluster path, `hydra.launcher.address=...`) is shared by the sweeps that
-finish; the Ctrl-C test lets its sweep start and stop a Ray of its own, and checks that nothing
-of either is left.
+finish; the stop tests (Ctrl-C, SIGUSR1) let their sweeps start and stop a Ray of their own,
+and check that nothing of either is left. tests/test_ray_isolation.py checks that each job starts
+as a fresh interpreter would.
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 SHORT = [*FAST, "trainer.max_steps=30", "trainer.log_interval=10"]
 # Jobs long enough (a few seconds) that two started side by side overlap whatever the jitter of
-# their starts: a warm job starts in well under a second, and a worker's parent imports what its
-# first job loaded before it forks the next.
+# their starts (each job's process imports torch and the template).
 PAIRED = [*FAST, "trainer.max_steps=800", "trainer.log_interval=100"]
 
 
@@ -60,7 +61,7 @@ def _compose(*overrides: str):
 
 
 def test_ray_preset_composes_and_sizes_each_job() -> None:
-    from hydra_plugins.hydra_ddp_ray_launcher._sweep import Job, fit_to_nodes, job_resources
+    from hydra_plugins.hydra_ddp_ray_launcher._sweep import RayJob, fit_to_nodes, job_resources
 
     cfg = _compose()
     assert cfg.hydra.launcher._target_.endswith("hydra_ddp_ray_launcher.ray_launcher.RayLauncher")
@@ -76,7 +77,7 @@ def test_ray_preset_composes_and_sizes_each_job() -> None:
     assert job_resources(_compose("hydra.launcher.gpus_per_job=1"))[2] == 1.0
 
     def jobs(*configs):
-        return [Job(n, [], c, *job_resources(c)) for n, c in enumerate(configs)]
+        return [RayJob(n, [], c, *job_resources(c)) for n, c in enumerate(configs)]
 
     # A CPU machine: null GPUs become 0 and two-rank jobs fit a 2-CPU node.
     two = jobs(cfg, _compose("dist.nproc_per_node=2"))
@@ -96,6 +97,54 @@ def test_ray_preset_composes_and_sizes_each_job() -> None:
         message = str(e.value)
         assert "\n" not in message and words in message and "job #1" in message, message
         assert "hydra.launcher." in message and "dist.nproc_per_node" in message, message
+
+
+def test_an_old_warm_start_override_still_runs_with_one_warning() -> None:
+    from hydra_plugins.hydra_ddp_ray_launcher._sweep import ignored_keys
+
+    launcher = _compose("hydra.launcher.warm_start=false").hydra.launcher
+    assert ignored_keys(_compose().hydra.launcher) == []
+    assert ignored_keys(launcher) == [
+        "hydra.launcher.warm_start is ignored (every job starts as a fresh interpreter): drop it"
+    ]
+    both = _compose("hydra.launcher.warm_start=true", "hydra.launcher.warm_idle_s=60")
+    assert [line.split()[0] for line in ignored_keys(both.hydra.launcher)] == [
+        "hydra.launcher.warm_start",
+        "hydra.launcher.warm_idle_s",
+    ]
+
+
+STOPS = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2]
+
+
+def test_the_sweeps_process_takes_every_stop_signal() -> None:
+    """Real signals to this process: during a launch each becomes a stop request (the jobs save
+    a checkpoint); outside one (Ray starting, between two batches) it ends the sweep with
+    128 + the signal, SIGINT as Ctrl-C does everywhere."""
+    from hydra_plugins.hydra_ddp_ray_launcher._sweep import StopRequests
+
+    before = {sig: signal.getsignal(sig) for sig in STOPS}
+    try:
+        stop = StopRequests()
+        for sig in STOPS:
+            with stop.launching():
+                signal.raise_signal(sig)
+                assert stop.signum == sig
+            stop.signum = None
+        for sig in STOPS[1:]:
+            with pytest.raises(SystemExit) as e:
+                signal.raise_signal(sig)
+            assert e.value.code == 128 + sig
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        # One that came as the last launch ended stops the next batch before it starts.
+        stop.signum = signal.SIGUSR2
+        with pytest.raises(SystemExit) as e, stop.launching():
+            pass
+        assert e.value.code == 128 + signal.SIGUSR2
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,6 +230,8 @@ def _journal(sweep: Path) -> dict[int, dict[str, float]]:
     times: dict[int, dict[str, float]] = {}
     for line in (sweep / "sweep_jobs.jsonl").read_text().splitlines():
         record = json.loads(line)
+        if "num" not in record:  # the sweep's own start
+            continue
         times.setdefault(record["num"], {})[record["event"]] = record["time"]
     return times
 
@@ -193,8 +244,13 @@ def _overlap(a: dict[str, float], b: dict[str, float]) -> bool:
 @needs_ray
 @pytest.mark.timeout(600)
 def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) -> None:
+    """Two at a time, each with one thread; the sweep's own process, which runs no job, never
+    imports torch."""
     address, _ = head
-    proc = _sweep(tmp_path, address, *PAIRED, "optim.lr=0.01,0.02,0.03,0.04")
+    # A callback of the sweep's process, importable from its working dir.
+    shutil.copy(TESTS / "helpers" / "driver_probe.py", tmp_path / "driver_probe.py")
+    driver = "+hydra.callbacks.driver._target_=driver_probe.DriverModules"
+    proc = _sweep(tmp_path, address, *PAIRED, driver, "optim.lr=0.01,0.02,0.03,0.04")
     assert proc.returncode == 0, proc.stderr[-6000:]
     sweep = _sweep_dir(tmp_path)
     dirs = job_dirs(sweep)
@@ -217,39 +273,8 @@ def test_four_one_cpu_jobs_run_two_at_a_time_on_two_cores(tmp_path: Path, head) 
     # Each rank ran with its CPU share of OpenMP threads (one CPU: one thread).
     out = proc.stdout + proc.stderr
     assert "1 CPU(s) (1 thread(s) per rank)" in out, out[-3000:]
-
-
-@pytest.mark.slow
-@needs_ray
-@pytest.mark.timeout(600)
-def test_the_next_sweep_on_a_joined_cluster_starts_warm(tmp_path: Path, head) -> None:
-    """The node's warm server outlives a sweep on a joined cluster: the next sweep's jobs are
-    forked from the same server, so even its first job pays no imports; and the sweep's own
-    process, which runs no job, never imports torch."""
-    address, _ = head
-    parents = []
-    for name in ("first", "second"):
-        sweep_cwd = tmp_path / name
-        sweep_cwd.mkdir()
-        # The job's callback, importable from the sweep's working dir as in a fresh process.
-        shutil.copy(TESTS / "helpers" / "warm_probe.py", sweep_cwd / "warm_probe.py")
-        shutil.copy(TESTS / "helpers" / "driver_probe.py", sweep_cwd / "driver_probe.py")
-        probe = "+callbacks.probe._target_=warm_probe.Probe"
-        driver = "+hydra.callbacks.driver._target_=driver_probe.DriverModules"
-        proc = _sweep(sweep_cwd, address, *SHORT, probe, driver, "optim.lr=0.01,0.02")
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        driver_modules = json.loads(
-            _sweep_dir(sweep_cwd).joinpath("driver_modules.json").read_text()
-        )
-        assert driver_modules == {"torch": []}, driver_modules
-        probes = [json.loads(p.read_text()) for p in sweep_cwd.rglob("probe.json")]
-        assert len(probes) == 2, probes
-        for p in probes:
-            assert "hydra_ddp_ray_launcher._warm" in p["parent_cmdline"], p
-            assert p["left_behind"] is None and p["sys_path0"] == str(sweep_cwd), p
-        parents.append({p["ppid"] for p in probes})
-    assert len(parents[0]) == 1 and parents[1] == parents[0], parents
-    assert psutil.pid_exists(next(iter(parents[0])))  # still there for the sweep after
+    driver_modules = json.loads((sweep / "driver_modules.json").read_text())
+    assert driver_modules == {"torch": []}, driver_modules
 
 
 @pytest.mark.slow
@@ -356,11 +381,20 @@ def test_optuna_keeps_n_jobs_trials_in_flight(tmp_path: Path, head) -> None:
 @pytest.mark.slow
 @needs_ray
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_every_job_with_a_checkpoint_and_leaves_no_process(tmp_path: Path) -> None:
-    """The sweep starts its own Ray here (no address), and must stop it too."""
+@pytest.mark.parametrize(
+    "sig, to_group", [(signal.SIGINT, True), (signal.SIGUSR1, False)], ids=["ctrl_c", "sigusr1"]
+)
+def test_a_stop_signal_stops_every_job_with_a_checkpoint_and_leaves_no_process(
+    tmp_path: Path, sig: int, to_group: bool
+) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) or a scheduler's SIGUSR1 to the sweep's
+    process: the running jobs save a checkpoint, the queued ones never start, the report is
+    written, the sweep's claim given back, and the sweep exits 128 + the signal. The sweep
+    starts its own Ray here (no address, `warm_start` of an older command line ignored), and
+    must stop it too."""
     cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", "hydra/launcher=ray"]
-    cmd += ["hydra.launcher.num_cpus=2", *FAST, "trainer.max_steps=100000"]
-    cmd += ["trainer.log_interval=20", "optim.lr=0.01,0.02,0.03,0.04"]
+    cmd += ["hydra.launcher.num_cpus=2", "hydra.launcher.warm_start=false", *FAST]
+    cmd += ["trainer.max_steps=100000", "trainer.log_interval=20", "optim.lr=0.01,0.02,0.03,0.04"]
     log = (tmp_path / "sweep.log").open("w")
     proc = subprocess.Popen(
         cmd,
@@ -382,7 +416,10 @@ def test_ctrl_c_stops_every_job_with_a_checkpoint_and_leaves_no_process(tmp_path
             assert time.monotonic() < deadline, "two jobs did not train within 200 s"
             time.sleep(0.5)
         family.update({p.pid: p for p in _tree(proc.pid)})
-        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        if to_group:
+            os.killpg(proc.pid, sig)  # what the terminal does on Ctrl-C
+        else:
+            os.kill(proc.pid, sig)
         stopped_at = time.monotonic()
         rc = proc.wait(timeout=30)
         _, alive = psutil.wait_procs(
@@ -401,8 +438,12 @@ def test_ctrl_c_stops_every_job_with_a_checkpoint_and_leaves_no_process(tmp_path
                 pass
         log.close()
     out = (tmp_path / "sweep.log").read_text()
-    assert rc == 128 + signal.SIGINT, out[-4000:]
+    assert rc == 128 + sig, out[-4000:]
+    assert f"stopping the sweep on {signal.Signals(sig).name}: " in out, out[-4000:]
+    assert f"sweep stopped on {signal.Signals(sig).name}: re-run" in out, out[-4000:]
+    assert "hydra.launcher.warm_start is ignored" in out, out[-4000:]
     sweep = _sweep_dir(tmp_path)
+    assert not (sweep / ".claim").exists(), "the sweep's claim is left"
     report = json.loads((sweep / "sweep_report.json").read_text())
     assert len(report) == 4 and all(j["status"] == "PREEMPTED" for j in report), report
     started = [j for j in report if j["dir"] and Path(j["dir"]).is_dir()]

@@ -19,6 +19,7 @@ import os
 import stat
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -607,6 +608,27 @@ def test_optuna_search_composes() -> None:
     assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "maximize"
     assert sweeper.sampler.seed is not None
     assert set(sweeper.params) == {"optim.lr", "model.hidden"}
+
+
+def test_api_compose_finds_the_sweep_plugins_in_a_fresh_process(tmp_path: Path) -> None:
+    """Hydra scans for plugins once, at a process's first composition; under an editable install
+    that scan cannot list src/hydra_plugins unless the engine put it on the path first (here
+    the install alone finds the package, no PYTHONPATH)."""
+    code = (
+        "from hydra_ddp.api import compose\n"
+        "cfg = compose(overrides=['hparams_search=digits_optuna', 'hydra/launcher=ray'])\n"
+        "print(cfg.trainer.monitor)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=user_env(tmp_path, PYTHONPATH=None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "val/acc"
 
 
 @pytest.mark.parametrize("choice", ["hparams_search=digits_optuna", "hydra/sweeper=optuna_pruned"])

@@ -1,85 +1,79 @@
-"""Wall time of one sweep of N jobs: Hydra's basic launcher (one job after another) against
-hydra/launcher=ray (as many at once as the machine's CPUs hold), the same jobs, the commands a
-user types. Variants alternate, so a change in the machine's load hits both.
+"""Wall time of the same N one-rank jobs run three ways, the commands a user types:
 
-    python scripts/bench/bench_sweep.py                        # 8 jobs x 1 rank, 2 repeats
-    python scripts/bench/bench_sweep.py --jobs 8 --steps 400 --repeats 3 --out sweep.json
-    python scripts/bench/bench_sweep.py --cold                 # + Ray without warm starts
-    python scripts/bench/bench_sweep.py --joined               # + Ray already running
+* basic: `python -m hydra_ddp.train -m optim.lr=...` (Hydra's basic launcher: one job after
+  another, in the sweep's process);
+* ray: the same with `hydra/launcher=ray` (a Ray started by the sweep, as many jobs at once as
+  the machine's CPUs hold, each a fresh interpreter);
+* by hand: one `python -m hydra_ddp.train optim.lr=X` per job, at most `--parallel` at a time
+  (as `xargs -P 2` would start them): what the machine allows, with nothing in between.
 
-Each variant runs in a scratch dir under /tmp with W&B off and OMP_NUM_THREADS=1; the Ray
-variant starts and stops its own Ray inside the timed command (its start-up is part of what a
-user waits for). Each run waits first for the CPUs to be quiet (below 20 % over a second, at
-most 60 s): a Ray that the run before is still shutting down would otherwise slow the next.
-Besides the wall time it reports each job's start-up: from when its process
-started (Ray: the task's fork or Popen; basic: the job's start in the sweep's process) to the
-end of its first step (`trainer.log_interval=1`, the same for every variant). Results go in
-docs/benchmarks.md with the exact command and the machine's load.
+    python scripts/bench/bench_sweep.py                              # 4 jobs x 12000 steps
+    python scripts/bench/bench_sweep.py --steps 12000 3000 800 --repeats 2 --out sweep.json
+
+For each job length the three variants run in turn, the order rotating each repeat, so a
+change in the machine's load hits all three. Each run waits first for the CPUs to be quiet
+(below 20 % over a second, at most `--quiet-wait` s) and records the load average before and
+after, and how many cores other processes used while it ran (the machine's busy CPU time less
+the run's own, sampled). Every
+job has W&B off, `trainer.progress=false` and OMP_NUM_THREADS=1 (what torchrun and the Ray
+launcher give a one-CPU rank). Printed: each run's wall time and its jobs' mean samples/s
+(summary.json), for the two sweeps when the first job's process started and how long the
+sweep took to exit after its last job ended (from its journal), then per job length the ratios
+ray/by hand, basic/by hand and ray/basic. Results go in docs/benchmarks.md with the exact
+command, the machine and its load.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 
-
-def sweep_command(
-    launcher: str, jobs: int, steps: int, nproc: int, address: str | None = None
-) -> list[str]:
-    rates = ",".join(f"{0.001 * (i + 1):g}" for i in range(jobs))
-    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", f"optim.lr={rates}"]
-    cmd += ["logger=none", "trainer.progress=false", f"trainer.max_steps={steps}"]
-    cmd += [f"dist.nproc_per_node={nproc}", "trainer.log_interval=1"]
-    if launcher.startswith("ray"):
-        cmd += ["hydra/launcher=ray"]
-    if launcher == "ray-cold":
-        cmd += ["hydra.launcher.warm_start=false"]
-    if launcher == "ray-joined":  # a Ray already running on this machine: its start not timed
-        cmd += [f"hydra.launcher.address={address}"]
-    return cmd
+VARIANTS = ("basic", "ray", "by_hand")
+# Each sweep and each job by hand in a session of its own, as a command typed in a terminal
+# of its own, and as each Ray job runs: Linux's scheduler shares the CPUs between sessions
+# first (autogroups), so on a machine that others use too, jobs started in this script's one
+# session would get one share between them where Ray's get one each.
+_SESSION = {"start_new_session": True}
 
 
-@contextlib.contextmanager
-def ray_head(tmp: Path) -> Iterator[str]:
-    """`ray start --head` on this machine (its CPUs, no dashboard), stopped at the end."""
-    port = 6390
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0")
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-           f"--num-cpus={os.cpu_count()}", "--num-gpus=0", "--include-dashboard=false",
-           "--disable-usage-stats"]  # fmt: skip
-    subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop = [sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"]
-        subprocess.run(stop, cwd=tmp, env=env, capture_output=True)
+def job_overrides(steps: int) -> list[str]:
+    return ["logger=none", "trainer.progress=false", f"trainer.max_steps={steps}"]
 
 
-def startups(sweep_dir: Path) -> list[float]:
-    """Each job's seconds from its process start (or its start in the sweep's process) to the
-    end of its first step."""
-    starts = {}
-    for line in (sweep_dir / "sweep_jobs.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["event"] == "start":
-            starts[record["dir"]] = record.get("process_start", record["time"])
-    out = []
-    for job_dir, start in starts.items():
-        with open(Path(job_dir) / "stats" / "rank0.jsonl") as f:
-            first = json.loads(f.readline())
-        out.append(first["time"] - start)
-    return out
+def rates(jobs: int) -> list[str]:
+    return [f"{0.001 * (i + 1):g}" for i in range(jobs)]
+
+
+def sweep_command(launcher: str, jobs: int, steps: int) -> list[str]:
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", f"optim.lr={','.join(rates(jobs))}"]
+    cmd += job_overrides(steps)
+    return cmd + (["hydra/launcher=ray"] if launcher == "ray" else [])
+
+
+def by_hand(jobs: int, steps: int, parallel: int, cwd: Path, env: dict[str, str]) -> None:
+    """Each job its own `python -m hydra_ddp.train`, `parallel` at a time."""
+
+    def one(lr: str) -> int:
+        cmd = [sys.executable, "-m", "hydra_ddp.train", f"optim.lr={lr}", *job_overrides(steps)]
+        cmd += [f"hydra.run.dir=by_hand/lr{lr}"]
+        # In a session of its own, as each Ray job is (`_SESSION`).
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, **_SESSION).returncode
+
+    with ThreadPoolExecutor(parallel) as pool:
+        codes = list(pool.map(one, rates(jobs)))
+    if any(codes):
+        sys.exit(f"by-hand jobs failed: exit codes {codes}")
 
 
 def wait_quiet(busy_percent: float = 20.0, limit_s: float = 60.0) -> float:
@@ -92,77 +86,142 @@ def wait_quiet(busy_percent: float = 20.0, limit_s: float = 60.0) -> float:
     return used
 
 
-def run_once(launcher: str, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"bench_sweep_{launcher}_") as tmp:
-        cmd = sweep_command(launcher, args.jobs, args.steps, args.nproc, args.address)
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-        if launcher == "ray-joined":
-            env["RAY_AUTH_MODE"] = "disabled"
-        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun and the basic sweep's ranks get
-        cpu = wait_quiet()
+def run_once(variant: str, args: argparse.Namespace, steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench_sweep_{variant}_") as tmp:
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", WANDB_MODE="disabled")
+        env["OMP_NUM_THREADS"] = "1"
+        cpu = wait_quiet(limit_s=args.quiet_wait)
         load = os.getloadavg()[0]
-        start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        busy, ours = _busy_cpu_s(), _OwnCpu()
+        start, started_at = time.monotonic(), time.time()
+        if variant == "by_hand":
+            by_hand(args.jobs, steps, args.parallel, Path(tmp), env)
+        else:
+            cmd = sweep_command(variant, args.jobs, steps)
+            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, **_SESSION)
+            if proc.returncode != 0:
+                sys.exit(f"{variant} sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         wall = time.monotonic() - start
-        if proc.returncode != 0:
-            sys.exit(f"{launcher} sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        report_path = next(Path(tmp).rglob("sweep_report.json"))
-        report = json.loads(report_path.read_text())
-        ok = sum(j["status"] == "ok" for j in report)
-        ups = startups(report_path.parent)
+        ended_at = time.time()
+        # What other processes on the machine used meanwhile, in cores: all the CPUs' busy
+        # time less this run's (its processes are all reaped children of this one).
+        others = (_busy_cpu_s() - busy - ours.stop()) / wall
+        found = [p for p in Path(tmp).rglob("summary.json") if p.parent.name != "stats"]
+        summaries = [json.loads(p.read_text()) for p in found]
+        if len(summaries) != args.jobs:
+            sys.exit(f"{variant}: {len(summaries)} of {args.jobs} jobs wrote a summary")
+        lead, tail = _lead_and_tail(Path(tmp), started_at, ended_at)
         return {
-            "launcher": launcher,
+            "variant": variant,
+            "steps": steps,
             "wall_s": wall,
-            "ok": ok,
+            "lead_s": lead,
+            "tail_s": tail,
+            "samples_per_s": statistics.mean(s["samples_per_s"] for s in summaries),
             "load_before": load,
+            "load_after": os.getloadavg()[0],
+            "others_cores": others,
             "cpu_percent_before": cpu,
-            "startup_s": statistics.median(ups),
-            "startups_s": ups,
         }
+
+
+def _busy_cpu_s() -> float:
+    """Seconds the machine's CPUs were busy since boot (all processes; not the time a
+    hypervisor gave other machines)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+class _OwnCpu:
+    """The CPU seconds this script's processes (a run's: a sweep, Ray's, the jobs', all
+    descendants) use from now to `stop`, sampled twice a second: Ray reaps some of its own
+    without the kernel adding their time to any parent's."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._sample_once()  # what this script used already is not the run's
+        self._before = sum(self.seen.values())
+        self._thread.start()
+
+    def _sample_once(self) -> None:
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            self.seen[p.pid] = max(self.seen.get(p.pid, 0.0), t.user + t.system)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.5):
+            self._sample_once()
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        self._sample_once()
+        return sum(self.seen.values()) - self._before
+
+
+def _lead_and_tail(root: Path, started_at: float, ended_at: float) -> tuple[float, float]:
+    """A sweep's seconds from its command's start to its first job's process start (or the
+    job's start in the sweep's process), and from its last job's end to the command's exit,
+    from its journal; NaN for the jobs by hand (no journal)."""
+    journals = list(root.rglob("sweep_jobs.jsonl"))
+    if not journals:
+        return float("nan"), float("nan")
+    records = [json.loads(line) for line in journals[0].read_text().splitlines()]
+    starts = [r.get("process_start", r["time"]) for r in records if r["event"] == "start"]
+    ends = [r["time"] for r in records if r["event"] == "end"]
+    return min(starts) - started_at, ended_at - max(ends)
+
+
+_RATIOS = [("ray", "by_hand"), ("basic", "by_hand"), ("ray", "basic")]
+
+
+def _ratio(runs: list[dict], steps: int, a: str, b: str) -> str:
+    """The wall time of `a` over `b`'s in each repeat: their median, then each."""
+    walls = {
+        v: [r["wall_s"] for r in runs if r["variant"] == v and r["steps"] == steps] for v in (a, b)
+    }
+    per = [x / y for x, y in zip(walls[a], walls[b])]
+    return f"{statistics.median(per):.2f} ({', '.join(f'{x:.2f}' for x in per)})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=400, help="trainer.max_steps of each job")
-    parser.add_argument("--nproc", type=int, default=1, help="dist.nproc_per_node of each job")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--cold", action="store_true", help="also Ray with warm_start=false")
+    parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument(
-        "--joined", action="store_true", help="also Ray joined: a `ray start --head` made first"
+        "--steps", type=int, nargs="+", default=[12000], help="trainer.max_steps of each job"
+    )
+    parser.add_argument("--parallel", type=int, default=2, help="by hand: jobs at a time")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--quiet-wait", type=float, default=60.0, help="seconds to wait for idle CPUs at most"
     )
     args = parser.parse_args()
-    variants = ["basic", "ray"] + (["ray-cold"] if args.cold else [])
-    variants += ["ray-joined"] if args.joined else []
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        args.address = stack.enter_context(ray_head(Path(tmp))) if args.joined else None
-        _repeats(args, variants)
-
-
-def _repeats(args: argparse.Namespace, variants: list[str]) -> None:
-    print(f"{args.jobs} jobs x {args.nproc} rank(s), {args.steps} steps; {os.cpu_count()} CPUs")
+    print(f"{args.jobs} one-rank jobs; {os.cpu_count()} CPUs; by hand {args.parallel} at a time")
     runs = []
     for repeat in range(args.repeats):
-        shift = repeat % len(variants)  # each variant first in turn
-        for launcher in variants[shift:] + variants[:shift]:
-            result = run_once(launcher, args)
-            runs.append(result)
-            print(
-                f"repeat {repeat}: {launcher:8s} {result['wall_s']:7.1f} s, "
-                f"{result['ok']}/{args.jobs} ok, job start-up {result['startup_s']:.2f} s "
-                f"(median), load {result['load_before']:.1f}, "
-                f"CPUs {result['cpu_percent_before']:.0f} % before"
-            )
-    by = {k: [r for r in runs if r["launcher"] == k] for k in variants}
-    for name in variants[1:]:
-        ratios = [r["wall_s"] / b["wall_s"] for b, r in zip(by["basic"], by[name])]
-        extra = [r["startup_s"] - b["startup_s"] for b, r in zip(by["basic"], by[name])]
-        print(
-            f"{name}/basic wall per repeat {', '.join(f'{x:.2f}' for x in ratios)} "
-            f"(median {statistics.median(ratios):.2f}); job start-up over basic's per repeat "
-            f"{', '.join(f'{x:+.2f}' for x in extra)} s (median {statistics.median(extra):+.2f} s)"
-        )
+        for steps in args.steps:
+            shift = repeat % len(VARIANTS)  # each variant first in turn
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                r = run_once(variant, args, steps)
+                runs.append(r | {"repeat": repeat})
+                print(
+                    f"repeat {repeat}, {steps} steps: {variant:8s} {r['wall_s']:6.1f} s, "
+                    f"{r['samples_per_s']:7.0f} samples/s per job, first job's start at "
+                    f"{r['lead_s']:.1f} s, exit {r['tail_s']:.1f} s after the last job's end, "
+                    f"load {r['load_before']:.1f} before, {r['load_after']:.1f} after, other "
+                    f"processes {r['others_cores']:.2f} cores meanwhile",
+                    flush=True,
+                )
+    for steps in args.steps:
+        ratios = [f"{a}/{b} {_ratio(runs, steps, a, b)}" for a, b in _RATIOS]
+        print(f"{steps} steps: {'; '.join(ratios)}")
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}))
 

@@ -59,7 +59,7 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, InMemoryArrays, Rows, TokenWindows, TorchDatasets
 from hydra_ddp.distributed import DistEnv, all_gather_with_grad, gather_for_metrics
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch.command import config_dir
+from hydra_ddp.launch.command import config_dir, find_own_plugins
 from hydra_ddp.launch.runner import to_typed
 from hydra_ddp.losses import CrossEntropy, ModelOutput
 from hydra_ddp.metrics import Accuracy, Metric
@@ -97,5 +97,6 @@ def compose(
     """The config `main` would train with, typed and checked, without training: for tests of a
     project's configs (`compose(conf, "myproj", ["trainer.max_steps=3"])`)."""
     conf = str(Path(config_path).resolve()) if config_path is not None else config_dir()
+    find_own_plugins()  # before Hydra's one plugin scan per process: hydra/launcher=ray, ...
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return to_typed(_compose(config_name, overrides=list(overrides)))

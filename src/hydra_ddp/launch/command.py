@@ -70,6 +70,7 @@ def run_command(
         code = 1 if sweeps.sweep_failed() else 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        sweeps.report_stopped()  # a sweep whose job in this process stopped on a signal
     except KeyboardInterrupt:
         # Outside hydra_entry: while Hydra composes the config (not a torchrun worker's: held),
         # or a sweep's launching process (its jobs are stopped by their own launcher).

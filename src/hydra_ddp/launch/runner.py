@@ -86,12 +86,12 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
             # for the sweep, so the others are still collected and reported.
             sweeps.record_failure(output_dir, str(e))
             return float("nan")
-        if multirun and RAY_JOB_ENV in os.environ:
-            # A job of a Ray sweep that is being stopped: the report lists it as preempted.
+        if multirun:  # the report lists it as preempted
             sweeps.record_failure(output_dir, str(e), status="PREEMPTED")
+        if multirun and RAY_JOB_ENV in os.environ:  # its sweep collects the others
             return float("nan")
-        # In one process, a sweep ends here too: the jobs after this one would be stopped the
-        # same way.
+        # In one process, a sweep ends here too (launch/command.py writes its report): the jobs
+        # after this one would be stopped the same way.
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         # Ctrl-C before the loop handles signals (start-up), or a second one that stops at

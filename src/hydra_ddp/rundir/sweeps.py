@@ -34,6 +34,8 @@ from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE, swept_keys
 log = logging.getLogger(__name__)
 
 _sweep_failed = False
+# The sweep this process runs, from its start to its report: (the report callback, its config).
+_running: tuple[SweepReport, DictConfig] | None = None
 
 _REPORT = "sweep_report.json"
 _SWEEPER_RESULTS = "optimization_results.yaml"  # the Optuna sweeper's
@@ -59,6 +61,14 @@ def record_not_started(config: DictConfig, job_dir: Path, overrides: list[str]) 
     the report lists it as PREEMPTED rather than as a job that left no trace."""
     record = {"dir": os.path.abspath(job_dir), "event": "not_started", "overrides": overrides}
     _journal(config, **record)
+
+
+def report_stopped() -> None:
+    """The report of a sweep that a stop ended in its own process (the basic launcher: a job
+    stopped on a signal ends its sweep with it), as at a sweep's end."""
+    if _running is not None:
+        callback, config = _running
+        callback.on_multirun_end(config)
 
 
 def sweep_failed() -> bool:
@@ -101,6 +111,8 @@ class SweepReport(Callback):
         # job dirs found there that no job of this sweep has written since are another run's.
         start = {"event": "sweep_start", "time": round(time.time(), 3)}
         (sweep_dir / sweep_jobs.JOURNAL).write_text(json.dumps(start) + "\n")
+        global _running
+        _running = (self, config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_multirun(config) or launcher_rank() != 0:
@@ -146,6 +158,8 @@ class SweepReport(Callback):
             _journal(config, event="end", **returned)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _running
+        _running = None
         try:
             _blank_sweeper_results(Path(config.hydra.sweep.dir))
             self._report(config)

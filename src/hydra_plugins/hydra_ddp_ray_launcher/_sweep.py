@@ -1,6 +1,6 @@
 """The sweep's side of `hydra/launcher=ray`: start (or join) Ray, check that every job fits a
-node, hand each job to Ray as a task, collect what the jobs return, and stop them all on
-Ctrl-C / SIGTERM.
+node, hand each job to Ray as a task, collect what the jobs return, and stop them all on a stop
+signal (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2: what schedulers send before they kill).
 
 Ray does the scheduling: a task asks for the job's CPUs and GPUs and waits in Ray's queue until
 a node has them free. What runs inside a task is _task.py's.
@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import cloudpickle
 from hydra.core.singleton import Singleton
@@ -26,6 +26,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp.errors import UserError, too_big_for_cluster
+from hydra_ddp.launcher_env import RAY_JOB_ENV
 from hydra_ddp.rundir import sweeps
 from hydra_plugins.hydra_ddp_ray_launcher import _task
 
@@ -33,10 +34,12 @@ log = logging.getLogger(__name__)
 
 # How often the sweep looks at its jobs (and at a stop request).
 _POLL_S = 0.5
+# What stops the sweep, as they stop a job (hydra_ddp.distributed.preemption.STOP_SIGNALS).
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
 
 
 @dataclass
-class Job:
+class RayJob:
     """One job of the sweep as the launcher sees it."""
 
     num: int
@@ -63,14 +66,17 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
     log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), session.where, sweep_dir)
     nodes = session.nodes()
-    jobs: list[Job] = []
+    jobs: list[RayJob] = []
     returns: dict[int, JobReturn] = {}
-    with _StopRequests() as stop:
+    stop = launcher.stop
+    with stop.launching():
         # Each job is composed (a tenth of a second or so), checked and handed to Ray in turn:
         # the first ones run while the later ones are composed.
         for i, overrides in enumerate(job_overrides):
             job = _job(launcher, list(overrides), first + i, sweep_dir)
             jobs.append(job)
+            if stop.signum is not None:
+                continue  # not handed out: `_stopped` records it as never started
             swept = " ".join(filter_overrides(job.overrides))
             try:
                 fit_to_nodes([job], nodes, session.where)
@@ -78,8 +84,6 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
                 log.error("error: %s", e)
                 returns[job.num] = _not_run(job, str(e))
                 continue
-            if launcher.params.get("warm_start", True):
-                session.keep_warm_servers(job.threads)
             log.info("\t#%d : %s (%s)", job.num, swept, _resources(job))
             job.ref = session.submit(job, _spec(launcher, job))
         returns.update(session.wait([j for j in jobs if j.ref is not None], stop))
@@ -88,25 +92,40 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     return [returns[j.num] for j in jobs]
 
 
+# Keys that do nothing, kept so that a command line that sets them still runs (with a warning:
+# config.py).
+_IGNORED_KEYS = {
+    "warm_start": "every job starts as a fresh interpreter",
+    "warm_idle_s": "no process outlives the sweep",
+}
+
+
 def prepare(launcher: Any) -> None:
-    """Start or join Ray, and start the node's warm server and a Ray worker per job that fits
-    on this node at once, for jobs shaped as the primary config's: they start while Hydra
-    composes and checks the batch, so its first jobs start at once. Jobs of another shape get
-    theirs when they are handed out."""
+    """Take the stop signals for the sweep's whole life, then start or join Ray."""
+    for line in ignored_keys(launcher.params):
+        log.warning("%s", line)
+    launcher.stop = StopRequests()
     launcher.session = Session.start(launcher.params)
-    _, cpus, _, threads = job_resources(launcher.config)
-    if launcher.params.get("warm_start", True):
-        launcher.session.keep_warm_servers(threads)
-    launcher.session.start_workers(cpus)
+    # Ray's driver puts its own handler of SIGTERM (a crash report, then exit 1) in ours' place.
+    launcher.stop.take_signals()
 
 
-def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> Job:
+def ignored_keys(params: dict[str, Any]) -> list[str]:
+    """A line for each key of `_IGNORED_KEYS` that is set."""
+    return [
+        f"hydra.launcher.{key} is ignored ({why}): drop it"
+        for key, why in _IGNORED_KEYS.items()
+        if params.get(key) is not None
+    ]
+
+
+def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> RayJob:
     config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
     with open_dict(config):
         config.hydra.job.id = f"ray_{num}"
         config.hydra.job.num = num
         config.hydra.sweep.dir = sweep_dir
-    return Job(num, overrides, config, *job_resources(config))
+    return RayJob(num, overrides, config, *job_resources(config))
 
 
 def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
@@ -125,7 +144,7 @@ def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
     return nproc, cpus, float(gpus), threads
 
 
-def fit_to_nodes(jobs: list[Job], nodes: list[dict[str, float]], where: str) -> None:
+def fit_to_nodes(jobs: list[RayJob], nodes: list[dict[str, float]], where: str) -> None:
     """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs) and check that
     every job fits on one node (`nodes`: each live node's resources, as ray.nodes() gives
     them); else a UserError, where Ray would queue the job forever."""
@@ -142,12 +161,12 @@ def fit_to_nodes(jobs: list[Job], nodes: list[dict[str, float]], where: str) -> 
             raise too_big_for_cluster(kind, need_of(job), most[kind], job.num, job.nproc, where)
 
 
-def _resources(job: Job) -> str:
+def _resources(job: RayJob) -> str:
     gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
     return f"{job.cpus:g} CPU(s){gpus} ({job.threads} thread(s) per rank)"
 
 
-def _spec(launcher: Any, job: Job) -> bytes:
+def _spec(launcher: Any, job: RayJob) -> bytes:
     """What the job's process needs to run it as Hydra's own launchers do (run_job)."""
     return cloudpickle.dumps(
         {
@@ -163,13 +182,11 @@ class Session:
     """The Ray this sweep runs on: started here (and stopped at the end), or a running cluster
     it joined (left running)."""
 
-    def __init__(self, params: dict[str, Any], where: str, owned: bool) -> None:
+    def __init__(self, params: dict[str, Any], where: str) -> None:
         self.params = params
         self.where = where
-        self.owned = owned
-        # Created on a stop request; every job's task looks for it (_task.run_job).
+        # Created on a stop request; every job's task looks for it (_task.run).
         self.stop_file = ""
-        self.warm_threads: set[int] = set()  # the thread counts whose warm servers are made
 
     @classmethod
     def start(cls, params: dict[str, Any]) -> Session:
@@ -209,7 +226,7 @@ class Session:
                 **extra,
             )
             where = "a Ray started for this sweep"
-        session = cls(params, where, owned=not address)
+        session = cls(params, where)
         # Also on an exit through an error: no Ray process outlives the sweep.
         atexit.register(session.stop)
         return session
@@ -226,67 +243,11 @@ class Session:
 
         return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
 
-    def start_workers(self, cpus: float) -> None:
-        """A Ray worker for each job of `cpus` CPUs this node runs at once, started with an
-        empty task. Ray's workers serve one driver, so each sweep would otherwise wait for its
-        own to start (Python and Ray's imports: a second or more here) as its first jobs are
-        handed out. `ray start` prestarts one per CPU the same way, for its first driver."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        here = ray.get_runtime_context().get_node_id()
-        node = next((n for n in ray.nodes() if n["NodeID"] == here), {})
-        lanes = int(node.get("Resources", {}).get("CPU", 0) // cpus) if cpus > 0 else 0
-        started = ray.remote(_task.started).options(
-            num_cpus=cpus, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)
-        )
-        for _ in range(lanes):
-            started.remote()
-
-    def keep_warm_servers(self, threads: int) -> None:
-        """A warm server on every node for jobs of `threads` OpenMP threads (_warm.py), held by
-        a detached actor that the next sweep on this cluster finds again by name. Waits only
-        until each keeper runs (its server may still import: the first jobs wait for it)."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        if threads in self.warm_threads:
-            return
-        self.warm_threads.add(threads)
-        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")]
-        for _ in range(20):  # a keeper that is ending (idle) frees its name in a moment
-            ready = {node: self._keeper(node, threads).ready.remote() for node in nodes}
-            for node, ref in ready.items():
-                with contextlib.suppress(RayActorError):
-                    if ray.get(ref):
-                        nodes.remove(node)
-            if not nodes:
-                return
-            time.sleep(0.25)
-        log.warning("no warm server on %d node(s): jobs there start cold", len(nodes))
-
-    def _keeper(self, node: str, threads: int) -> Any:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from hydra_plugins.hydra_ddp_ray_launcher._warm import Keeper
-
-        options = dict(
-            name=f"warm-{node}-{threads}",
-            namespace="hydra_ddp",
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )
-        idle_s = float(self.params.get("warm_idle_s", 1800.0))
-        return ray.remote(Keeper).options(**options).remote(node, threads, idle_s)
-
-    def submit(self, job: Job, spec: bytes) -> Any:
+    def submit(self, job: RayJob, spec: bytes) -> Any:
         import ray
 
-        env = {"OMP_NUM_THREADS": str(job.threads), _task.JOB_ENV: str(job.num)}
-        remote = ray.remote(_task.run_job).options(
+        env = {"OMP_NUM_THREADS": str(job.threads), RAY_JOB_ENV: str(job.num)}
+        remote = ray.remote(_task.run).options(
             num_cpus=job.cpus,
             num_gpus=job.gpus,
             max_retries=0,  # a failed job is reported, not run again behind the user's back
@@ -294,10 +255,9 @@ class Session:
         )
         grace = float(self.params.get("stop_grace_s", 60.0))
         stop_file = os.path.abspath(self.stop_file)
-        warm = bool(self.params.get("warm_start", True))
-        return remote.remote(spec, env, os.getcwd(), grace, stop_file, warm)
+        return remote.remote(spec, env, os.getcwd(), grace, stop_file)
 
-    def wait(self, jobs: list[Job], stop: _StopRequests) -> dict[int, JobReturn]:
+    def wait(self, jobs: list[RayJob], stop: StopRequests) -> dict[int, JobReturn]:
         """Each job's result as it ends; on a stop request, ask the running ones to stop (they
         save a checkpoint), drop the queued ones, and wait for them."""
         import ray
@@ -332,7 +292,7 @@ class Session:
         return returns
 
 
-def _result(ref: Any, job: Job) -> JobReturn:
+def _result(ref: Any, job: RayJob) -> JobReturn:
     import ray
     from ray.exceptions import RayError, TaskCancelledError
 
@@ -353,7 +313,7 @@ def _result(ref: Any, job: Job) -> JobReturn:
     return returned
 
 
-def _not_run(job: Job, why: str) -> JobReturn:
+def _not_run(job: RayJob, why: str) -> JobReturn:
     """A job Ray cannot run anywhere: recorded as failed (the report lists it with `why`)."""
     job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
     sweeps.record_failure(job_dir, why)
@@ -361,7 +321,7 @@ def _not_run(job: Job, why: str) -> JobReturn:
     return _no_result(job)
 
 
-def _no_result(job: Job) -> JobReturn:
+def _no_result(job: RayJob) -> JobReturn:
     """A job that gave no result: NaN to the sweeper, as a job that failed (the sweep goes on;
     the report finds its dir without summary.json, or none)."""
     ret = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED)
@@ -370,7 +330,7 @@ def _no_result(job: Job) -> JobReturn:
 
 
 def _stopped(
-    launcher: Any, jobs: list[Job], returns: dict[int, JobReturn], session: Session, signum: int
+    launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], session: Session, signum: int
 ) -> None:
     """After a stop request: every job is over. Record those that never started, write the
     report, stop Ray and end the sweep (a sweeper must not go on to its next batch)."""
@@ -393,25 +353,40 @@ def _stopped(
     sys.exit(128 + signum)
 
 
-class _StopRequests:
-    """SIGINT / SIGTERM to the sweep become a request the wait loop acts on (the jobs run in
-    their own sessions: the terminal's Ctrl-C does not reach them by itself)."""
+class StopRequests:
+    """The stop signals to the sweep's process, from the launcher's setup on: during a launch
+    (`launching`) each becomes a request the wait loop acts on (the jobs run in their own
+    sessions: a terminal's Ctrl-C does not reach them by itself); outside one (Ray starting,
+    a sweeper between two batches) it ends the sweep at once, Ray stopped at the exit."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
+        self._active = False
+        self.take_signals()
+
+    def take_signals(self) -> None:
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
+        if self._active:
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the command's one line (launch/command.py)
+        log.warning("sweep stopped on %s", signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
 
-    def __enter__(self) -> _StopRequests:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """Around a launch: a stop signal becomes a request (`signum`)."""
+        if self.signum is not None:  # one came as the last launch ended: stop now
+            self._handle(self.signum, None)
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
 
 
 def _have_token() -> bool:

@@ -1,131 +1,175 @@
-"""One job of a Ray sweep: the Ray task (`run_job`), which runs the job in a process of its
-own (_job.py).
+"""One job of a Ray sweep on its node: the Ray task (`run`), which starts the job as a fresh
+interpreter (`python -m` of this module, `job_process`) and watches it.
 
-That process has its own session: Ray reuses its worker processes from task to task, and a job
-changes process-wide state (signal handlers of torch's elastic agent, OpenMP threads, caches of
-the resolved job dir). By default it is forked from its node's warm server, which imported
-torch, Hydra and the template once (_warm.py), so a job starts in well under a second instead
-of paying the imports; `hydra.launcher.warm_start=false` starts a fresh interpreter per job. A stop
-(Ray's cancel of the task, on Ctrl-C / SIGTERM of the sweep) becomes SIGTERM to the job, which
-then saves a checkpoint and stops, as under SIGTERM from a scheduler.
+A fresh process per job, not the Ray worker itself: Ray reuses its workers from task to task,
+and a job changes process-wide state (what its modules do at import, such as a library setting
+torch's default dtype; signal handlers of torch's elastic agent; OpenMP threads; seeds), none of
+which may reach the next job. The job's process has its own session: its ranks are in its
+process group, which the task clears at the end. The composed config (secrets included) reaches
+it through a pipe, and its result comes back through another: nothing of it is written to disk
+outside the job's own dir, so a task that dies leaves nothing behind. A stop of the sweep
+becomes SIGTERM to the job, which then saves a checkpoint and stops, as under a scheduler's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from hydra_plugins.hydra_ddp_ray_launcher import _job
+from hydra_ddp.launcher_env import JOB_STARTED_ENV
 
-# Set in a job's process: the number of the job in its Ray sweep (train.py records a stop as
-# a preemption, so the report lists it).
-JOB_ENV = "HYDRA_DDP_RAY_JOB"  # hydra_ddp.launch.runner.RAY_JOB_ENV
-# Set in a job's process: when its task started that process (time.time()).
-STARTED_ENV = "HYDRA_DDP_JOB_STARTED"  # hydra_ddp.rundir.sweeps.STARTED_ENV
-# How often a task looks at its job and at the sweep's stop request.
+# What Ray sets for its own workers only; a job's process is not one (a `breakpoint()` in it
+# would call Ray's worker debugger).
+_RAY_WORKER_ENV = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS")
+# How often a task looks at the sweep's stop request.
 _POLL_S = 0.5
-# How long a job waits for its node's warm server while that still imports (its first sweep).
-_WARM_WAIT_S = 120.0
 # What a task returns when the sweep stopped before its job started.
 NOT_STARTED = "not started: the sweep was stopped"
 
 
-def run_job(
-    spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: str, warm: bool = True
-) -> Any:
-    """The Ray task: run one job in its own process; return its pickled JobReturn, or why there
+def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: str) -> Any:
+    """The Ray task: run one job in a fresh process; return its pickled JobReturn, or why there
     is none.
 
     The sweep asks its jobs to stop by creating `stop_file` (in the sweep dir, which every node
-    sees): ray.cancel did not interrupt a running task (Ray 2.60), and a task that waits on a Ray
-    call gives its CPUs back to Ray meanwhile, so a job that asked a Ray actor would let more
-    jobs start than the machine holds."""
+    sees): Ray's cancel does not interrupt a running task, and a task that waited on a Ray call
+    instead would give its CPUs back to Ray meanwhile, letting more jobs start than fit."""
     import ray
 
     if os.path.exists(stop_file):
         return NOT_STARTED
-    job_env = dict(os.environ, **env)
+    job_env = {k: v for k, v in os.environ.items() if k not in _RAY_WORKER_ENV}
+    if job_env.get("PYTHONBREAKPOINT", "").startswith("ray."):
+        del job_env["PYTHONBREAKPOINT"]
+    job_env.update(env)
     gpus = ray.get_gpu_ids()
     if gpus:  # what Ray assigned: the job sees these GPUs only
         job_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    with tempfile.TemporaryDirectory(prefix="hydra_ddp_ray_") as tmp:
-        spec_path, result_path = Path(tmp) / "spec.pkl", Path(tmp) / "return.pkl"
-        spec_path.write_bytes(spec)
-        # When the job's process started, for the sweep's journal (a job's start-up is what
-        # warm starts save: bench_sweep.py reads it).
-        job_env[STARTED_ENV] = repr(time.time())
-        request = {"spec": str(spec_path), "result": str(result_path), "env": job_env, "cwd": cwd}
-        proc = _warm_start(request) if warm else None
-        if proc is None:
-            cmd = [sys.executable, "-m", _job.__name__, str(spec_path), str(result_path)]
-            # Its own session: its ranks are in its process group, which `_end` clears.
-            proc = subprocess.Popen(cmd, env=job_env, cwd=cwd, start_new_session=True)
-        try:
-            while not _ended(proc, _POLL_S):
-                if os.path.exists(stop_file):
-                    _stop(proc, grace_s)
-        except KeyboardInterrupt:  # ray.cancel, where it reaches a running task
-            _stop(proc, grace_s)
-            raise
-        finally:
-            _end(proc)
-        if result_path.is_file():
-            return result_path.read_bytes()
-        return f"the job's process exited with status {proc.returncode} and no result"
-
-
-def started() -> None:
-    """An empty task: its worker process, once started, runs the sweep's jobs next
-    (Session.start_workers)."""
-
-
-def _warm_start(request: dict[str, Any]) -> Any:
-    """The job forked from this node's warm server (for its thread count), waiting for one
-    that is still importing; None when there is none (the sweep made its keeper: _sweep.py)."""
-    import ray
-
-    from hydra_plugins.hydra_ddp_ray_launcher import _warm
-
-    threads = int(request["env"].get("OMP_NUM_THREADS", "1"))
-    path = _warm.socket_path(ray.get_runtime_context().get_node_id(), threads)
-    child = _warm.start(path, request, _WARM_WAIT_S) if path else None
-    if child is None:
-        print("no warm server on this node: the job starts a fresh interpreter", file=sys.stderr)
-    return child
-
-
-def _ended(proc: Any, timeout: float) -> bool:
-    """Whether the job ended, waiting up to `timeout` seconds for it (its end wakes this at
-    once, so the next job starts without waiting out a poll)."""
+    job_env[JOB_STARTED_ENV] = repr(time.time())
+    result_read, result_write = os.pipe()
     try:
-        proc.wait(timeout=timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(result_write)],
+            stdin=subprocess.PIPE,
+            env=job_env,
+            cwd=cwd,
+            start_new_session=True,  # its ranks join its process group, which `_end` clears
+            pass_fds=(result_write,),
+        )
+    finally:
+        os.close(result_write)
+    result: list[bytes] = []
+    pipes = threading.Thread(target=_exchange, args=(proc, spec, result_read, result), daemon=True)
+    pipes.start()
+    # Woken by the job's end at once; otherwise a look at the stop request twice a second.
+    ended = threading.Event()
+    threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
+    try:
+        while not ended.wait(_POLL_S):
+            if os.path.exists(stop_file):
+                _stop(proc, grace_s)
+    except KeyboardInterrupt:  # Ray's cancel, where it reaches a running task
+        _stop(proc, grace_s)
+        raise
+    finally:
+        _end(proc)
+    pipes.join(timeout=30.0)
+    if result and result[0]:
+        return result[0]
+    return f"the job's process exited with status {proc.returncode} and no result"
 
 
-def _stop(proc: Any, grace_s: float) -> None:
-    """SIGTERM to the job (its launcher passes it to its ranks, which save a checkpoint), then
-    SIGKILL to whatever of it is left after `grace_s`."""
+def _exchange(proc: subprocess.Popen, spec: bytes, result_read: int, result: list[bytes]) -> None:
+    """The spec into the job's stdin, then its result out of the result pipe (until the job's
+    process ends): in a thread, since either may wait on the other side."""
+    with contextlib.suppress(OSError):  # it ended before it read: it leaves no result
+        proc.stdin.write(spec)
+        proc.stdin.close()
+    with open(result_read, "rb") as f:
+        result.append(f.read())
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the job (its launcher passes it to its ranks, which save a checkpoint); `_end`
+    kills what is left after `grace_s`."""
     proc.send_signal(signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
 
 
-def _end(proc: Any) -> None:
+def _end(proc: subprocess.Popen) -> None:
     """Leave no process of the job behind (a rank its launcher lost track of)."""
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+
+
+def job_process(result_fd: int) -> int:
+    """The job's process: run the job as Hydra's launchers do (the spec from stdin), write what
+    it returned to `result_fd`."""
+    # A shell starts a process with no signal blocked; a Ray worker blocks SIGINT, and a mask
+    # survives exec: a job's ranks must see Ctrl-C like any job's (preemption.py).
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    spec = sys.stdin.buffer.read()
+    with open(os.devnull, "rb") as devnull:
+        os.dup2(devnull.fileno(), sys.stdin.fileno())
+    _stop_with_parent()
+
+    import cloudpickle
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import run_job, setup_globals
+
+    # The template's resolvers (job dir names, log files) and config schema, registered at its
+    # import: the job's config names them.
+    import hydra_ddp.launch.command  # noqa: F401
+    from hydra_ddp.rundir import claim
+
+    spec = cloudpickle.loads(spec)
+    setup_globals()
+    Singleton.set_state(spec["singleton_state"])
+    HydraConfig.instance().set_config(spec["config"])
+    try:
+        returned = run_job(
+            hydra_context=spec["hydra_context"],
+            task_function=spec["task_function"],
+            config=spec["config"],
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
+    finally:
+        claim.release_all()
+    with open(result_fd, "wb") as f:
+        f.write(cloudpickle.dumps(returned))
+    # As `python -m hydra_ddp.train` ends (launch/command.py): the interpreter's last garbage
+    # collections would walk every object torch and the job made, a second or more that the
+    # next job, waiting for this one's CPU, would lose.
+    gc.freeze()
+    return 0
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM to this job when the Ray worker that started it dies (Ray stopped, the node
+    lost, the worker killed): the job saves a checkpoint and stops instead of training on
+    unsupervised."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="stop-with-parent").start()
+
+
+if __name__ == "__main__":
+    sys.exit(job_process(int(sys.argv[1])))

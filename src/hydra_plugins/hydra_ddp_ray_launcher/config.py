@@ -25,19 +25,15 @@ class RayLauncherConf:
     # A sweep-started Ray: the CPUs and GPUs it may hand out (null: all of this machine's).
     num_cpus: Optional[int] = None
     num_gpus: Optional[int] = None
-    # Start each job in a process forked from one that already imported torch, Hydra and the
-    # template (kept per node, replaced when the template's code changes), instead of a
-    # fresh interpreter that pays those imports (10-15 s on a small machine) for every job.
-    warm_start: bool = True
-    # A node's warm server (one per OpenMP thread count, ~0.5 GB with its keeper) outlives the
-    # sweep, so the next sweep on a joined cluster starts warm too: it ends after this many
-    # seconds without a job, or with the cluster (`ray stop`; a sweep-started Ray: at its end).
-    warm_idle_s: float = 1800.0
-    # After Ctrl-C / SIGTERM of the sweep: seconds each running job gets to save its checkpoint
-    # and stop before it is killed.
+    # After a stop signal to the sweep (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2): seconds each running
+    # job gets to save its checkpoint and stop before it is killed.
     stop_grace_s: float = 60.0
     # More keyword arguments of ray.init (a sweep-started Ray), e.g. {object_store_memory: ...}.
     init: Dict[str, Any] = field(default_factory=dict)
+    # Accepted so that a command line that sets them still runs, and ignored with a warning:
+    # every job starts as a fresh interpreter, and no process outlives the sweep.
+    warm_start: Optional[bool] = None
+    warm_idle_s: Optional[float] = None
 
 
 ConfigStore.instance().store(

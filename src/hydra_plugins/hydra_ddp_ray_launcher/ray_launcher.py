@@ -20,6 +20,7 @@ class RayLauncher(Launcher):
         self.hydra_context: Optional[HydraContext] = None
         self.task_function: Optional[TaskFunction] = None
         self.session: Any = None  # _sweep.Session: Ray, started at setup (_sweep.prepare)
+        self.stop: Any = None  # _sweep.StopRequests, from setup on
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -27,8 +28,7 @@ class RayLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
-        # Before Hydra composes and checks every job of the batch (a second or more): Ray, the
-        # node's warm server and Ray's workers start meanwhile.
+        # Before Hydra composes and checks every job of the batch.
         from hydra_plugins.hydra_ddp_ray_launcher import _sweep
 
         _sweep.prepare(self)

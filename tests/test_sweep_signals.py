@@ -1,0 +1,59 @@
+"""A stop signal to a sweep's process under the basic launcher, whose jobs run in that process:
+SIGUSR1 and SIGUSR2 (submitit's and many SLURM sites' preemption signals) stop it as SIGTERM
+does. The Ray launcher's sweep: tests/test_ray_sweeps.py (its stop tests, and the in-process
+check of every stop signal).
+
+Slow: a real sweep of the command a user types, signalled as its first job trains.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, start_logged
+
+from hydra_ddp import checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2], ids=lambda s: signal.Signals(s).name
+)
+def test_a_basic_sweep_stops_alike_on_every_stop_signal(tmp_path: Path, sig: int) -> None:
+    """The running job saves a checkpoint and stops, the next never starts, the report lists
+    the stopped job with the line that resumes it, the sweep's claim is given back, and the
+    sweep exits 128 + the signal."""
+    cmd = [sys.executable, "-m", "hydra_ddp.train", "-m", *FAST, "trainer.max_steps=100000"]
+    proc, console = start_logged([*cmd, "trainer.log_interval=20", "optim.lr=0.01,0.02"], tmp_path)
+    try:
+        deadline = time.monotonic() + 200
+        while not any("step 40/" in p.read_text() for p in tmp_path.rglob("train.log")):
+            assert proc.poll() is None, console.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the first job did not train within 200 s"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = console.read_text()
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    reports = list(tmp_path.rglob("sweep_report.json"))
+    assert len(reports) == 1, f"no sweep report: {out[-3000:]}"
+    sweep = reports[0].parent
+    report = json.loads((sweep / "sweep_report.json").read_text())
+    assert [j["status"] for j in report] == ["PREEMPTED"], report
+    job = Path(report[0]["dir"])
+    step = checkpoint.load(checkpoint.latest(job))["step"]
+    assert f"stopped on {name} at step {step} of 100000 with a checkpoint" in report[0]["detail"]
+    assert "hydra.run.dir=" in report[0]["detail"], report[0]
+    assert not list(sweep.glob("1_*")), "the second job started"
+    assert not (sweep / ".claim").exists(), "the sweep's claim is left"
