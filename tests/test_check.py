@@ -2,11 +2,11 @@
 
 In process: the rows check against the sampler policies (the built-in ones pass, a policy that
 hands every rank the same rows fails, naming it), the command line's refusals, and the table of
-a failed check from `main`. Real: the default digits config passes every check (one command,
-its runs in a temporary dir that is cleared but for check.json). Slow: each planted mistake
-(tests/helpers/) fails the check made for it with a line naming it, another rank count under
-sampler=sharded is not checked and says why with the rows counted, and a thin project's
-configs (scripts/thin_template) are checked through --config-path.
+a failed check from `main`. Slow (each a real command of several launches): the default
+digits config passes every check (its runs in a temporary dir that is cleared but for
+check.json); each planted mistake (tests/helpers/) fails the check made for it with a line
+naming it, another rank count under sampler=sharded is not checked and says why with the rows
+counted, and a thin project's configs (scripts/thin_template) are checked through --config-path.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def _check(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[object, di
     return proc, json.loads(report.read_text()) if report.is_file() else {}, report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_default_config_passes_every_check(tmp_path: Path) -> None:
     proc, report, path = _check(tmp_path, "--steps", "8")
