@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from enum import Enum
@@ -65,10 +66,32 @@ def record_not_started(config: DictConfig, job_dir: Path, overrides: list[str]) 
 
 def report_stopped() -> None:
     """The report of a sweep that a stop ended in its own process (the basic launcher: a job
-    stopped on a signal ends its sweep with it), as at a sweep's end."""
+    stopped on a signal ends its sweep with it; submitit's: `_stop_on_signals`), as at a
+    sweep's end."""
     if _running is not None:
         callback, config = _running
         callback.on_multirun_end(config)
+
+
+# What a scheduler or a user sends to stop: as for a job (distributed/preemption.py).
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+
+
+def _stop_on_signals() -> None:
+    """A submitit sweep's process only submits its jobs and waits: SIGTERM, SIGUSR1 or SIGUSR2
+    would kill it without a word, its report unwritten and its claim held. Each now ends it as
+    a stopped sweep (one line, the report, exit 128 + the signal). Its jobs are the
+    scheduler's and run on; they stop on their own signals (scancel, or a kill of a local one)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        log.warning(
+            "sweep stopped on %s: its submitted jobs run on under submitit (SLURM: scancel)", name
+        )
+        raise SystemExit(128 + signum)
+
+    for name in _STOP_SIGNALS:
+        signal.signal(getattr(signal, name), stop)
 
 
 def sweep_failed() -> bool:
@@ -113,6 +136,8 @@ class SweepReport(Callback):
         (sweep_dir / sweep_jobs.JOURNAL).write_text(json.dumps(start) + "\n")
         global _running
         _running = (self, config)
+        if "submitit" in str(OmegaConf.select(config, "hydra.launcher._target_", default="")):
+            _stop_on_signals()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_multirun(config) or launcher_rank() != 0:
