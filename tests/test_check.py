@@ -6,7 +6,9 @@ a failed check from `main`. Slow (each a real command of several launches): the 
 digits config passes every check (its runs in a temporary dir that is cleared but for
 check.json); each planted mistake (tests/helpers/) fails the check made for it with a line
 naming it, another rank count under sampler=sharded is not checked and says why with the rows
-counted, and a thin project's configs (scripts/thin_template) are checked through --config-path.
+counted, a thin project's configs (scripts/thin_template) are checked through --config-path, and
+ddp=fsdp2 passes rank agreement (the drifting model too: its change does not reach the shards),
+resume and the checkpoint round trip.
 """
 
 from __future__ import annotations
@@ -167,6 +169,24 @@ def test_each_planted_mistake_fails_its_check_naming_it(tmp_path: Path, mistake:
             "trainer.deterministic=true" in (tmp_path / "check" / "deterministic.log").read_text()
         )
     assert (tmp_path / "check" / "check.json").is_file()  # kept with the runs, to look at
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_fsdp2_runs_pass_rank_agreement_resume_and_the_round_trip(tmp_path: Path) -> None:
+    """ddp=fsdp2: each rank's shards gathered whole agree, the resume from a distributed
+    checkpoint is bitwise, and hydra_ddp.eval reads it back to the same outputs."""
+    only = "rank_agreement,resume,checkpoint"
+    proc, report, _ = _check(tmp_path, "--only", only, "ddp=fsdp2", "--steps=8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    measured = {name: c["measured"] for name, c in report["checks"].items()}
+    assert measured["rank_agreement"].startswith("max |diff| 0 over 6 tensors, 2 ranks")
+    assert measured["resume"].startswith("8 steps = 4 + SIGTERM + 4 resumed: bitwise")
+    assert "max |diff| 0 (hydra_ddp.eval, new process)" in measured["checkpoint"]
+    # A forward's in-place change lands in the gathered copy FSDP2 frees: the shards agree.
+    drifting = "model._target_=helpers.drifting_model.DriftingMLP"
+    proc, report, _ = _check(tmp_path, "--only", "rank_agreement", "ddp=fsdp2", drifting)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
 
 
 @pytest.mark.slow
