@@ -436,7 +436,8 @@ def test_two_sweeps_into_one_sweep_dir_at_once(tmp_path: Path) -> None:
         ("1_optim.lr=0.003", "ok"),
     ]  # fmt: skip
     lines = (sweep / "sweep_jobs.jsonl").read_text().splitlines()
-    assert [json.loads(ln)["event"] for ln in lines] == ["start", "end", "start", "end"]
+    events = [json.loads(ln)["event"] for ln in lines]
+    assert events == ["sweep_start", "start", "end", "start", "end"]
     assert not any(p.name == claim.NAME for p in sweep.rglob("*"))
     infos = []
     for job, lr in (("0_optim.lr=0.001", 1e-3), ("1_optim.lr=0.003", 3e-3)):

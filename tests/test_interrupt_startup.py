@@ -111,6 +111,15 @@ def _spawned_workers(proc: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
+def _importing_torch(workers: list[psutil.Process]) -> bool:
+    """Two workers, each with torch's library mapped: each is importing torch (or past it)."""
+    try:
+        maps = [[m.path for m in w.memory_maps()] for w in workers]
+    except psutil.Error:
+        return False
+    return len(maps) == 2 and all(any("libtorch" in path for path in m) for m in maps)
+
+
 def _workers_started(tmp_path: Path) -> bool:
     """Both self-launched workers are past their imports: their log files exist."""
     return len(list((tmp_path / "job").glob("train_rank*.log"))) == 2
@@ -126,8 +135,11 @@ def test_ctrl_c_while_self_launched_workers_start_is_one_line(tmp_path: Path, wh
     proc, out = start_logged(cmd, tmp_path)
     _wait(proc, out, lambda: "starting 2 workers" in out.read_text(), "started the workers")
     if when == "importing":
-        # At once when both workers' interpreters exist: they are starting up or importing.
-        _wait(proc, out, lambda: len(_spawned_workers(proc)) == 2, "spawned two workers")
+        # As soon as both workers import torch: past multiprocessing's start-up, whose data
+        # the agent is still writing into a worker's pipe for a few milliseconds after its
+        # interpreter exists (a Ctrl-C then leaves that worker's EOFError traceback: torch's
+        # spawn, before any code of ours runs there).
+        _wait(proc, out, lambda: _importing_torch(_spawned_workers(proc)), "imported torch")
         assert not _workers_started(tmp_path), "the workers started too fast to test this"
     else:
         _wait(proc, out, lambda: _workers_started(tmp_path), "started both workers")

@@ -132,8 +132,12 @@ class SweepReport(Callback):
         jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, keys, indent=None)
         # A sweep rerun into the same dir starts its journal afresh, with the time it started:
         # job dirs found there that no job of this sweep has written since are another run's.
-        start = {"event": "sweep_start", "time": round(time.time(), 3)}
-        (sweep_dir / sweep_jobs.JOURNAL).write_text(json.dumps(start) + "\n")
+        # Not an Optuna sweep run again: it continues its study, whose trials those jobs are.
+        journal = sweep_dir / sweep_jobs.JOURNAL
+        optuna = "hydra_ddp_optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_"))
+        if not (optuna and sweep_jobs.read_journal(journal)[1] is not None):
+            start = {"event": "sweep_start", "time": round(time.time(), 3)}
+            journal.write_text(json.dumps(start) + "\n")
         global _running
         _running = (self, config)
         if "submitit" in str(OmegaConf.select(config, "hydra.launcher._target_", default="")):
