@@ -33,7 +33,7 @@ from hydra_ddp.config import TrainConfig, register_configs
 from hydra_ddp.distributed import DistEnv, env_from_environ
 from hydra_ddp.launch.command import config_dir
 from hydra_ddp.launch.runner import preflight, to_typed
-from hydra_ddp.launcher_env import under_launcher
+from hydra_ddp.launcher_env import STOP_SIGNALS, under_launcher
 from hydra_ddp.loop import prepare as rank_job
 from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir.paths import register_resolvers
@@ -59,8 +59,6 @@ __all__ = [
 
 register_configs()
 register_resolvers()
-
-_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 def compose(
@@ -153,7 +151,7 @@ def isolated() -> Iterator[None]:
     main = threading.current_thread() is threading.main_thread()
     signals = {
         sig: signal.getsignal(sig)
-        for name in _STOP_SIGNALS
+        for name in STOP_SIGNALS
         if main and (sig := getattr(signal, name, None)) is not None
     }
     try:

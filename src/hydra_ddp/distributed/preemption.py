@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import Stopped
+from hydra_ddp.launcher_env import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 _REPEAT_WINDOW_S = 1.0
 # Ranks check for a stop request about this often (in steps of rank 0's step time), at most
 # every _MAX_INTERVAL steps: well inside the 30 s a launcher gives before it kills.

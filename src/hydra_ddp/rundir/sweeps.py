@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from hydra_ddp import redact
 from hydra_ddp.disk import check_regular, open_regular
 from hydra_ddp.errors import UserError
-from hydra_ddp.launcher_env import JOB_STARTED_ENV, launcher_rank
+from hydra_ddp.launcher_env import JOB_STARTED_ENV, STOP_SIGNALS, launcher_rank
 from hydra_ddp.rundir import claim, jsonfile, seed_groups, sweep_jobs
 from hydra_ddp.rundir.paths import SWEPT_KEYS_FILE, swept_keys
 
@@ -73,10 +73,6 @@ def report_stopped() -> None:
         callback.on_multirun_end(config)
 
 
-# What a scheduler or a user sends to stop: as for a job (distributed/preemption.py).
-_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
-
-
 def _stop_on_signals() -> None:
     """A submitit sweep's process only submits its jobs and waits: SIGTERM, SIGUSR1 or SIGUSR2
     would kill it without a word, its report unwritten and its claim held. Each now ends it as
@@ -90,7 +86,7 @@ def _stop_on_signals() -> None:
         )
         raise SystemExit(128 + signum)
 
-    for name in _STOP_SIGNALS:
+    for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), stop)
 
 

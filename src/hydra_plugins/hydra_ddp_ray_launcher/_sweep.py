@@ -26,7 +26,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_ddp.errors import UserError, too_big_for_cluster
-from hydra_ddp.launcher_env import RAY_JOB_ENV
+from hydra_ddp.launcher_env import RAY_JOB_ENV, STOP_SIGNALS
 from hydra_ddp.rundir import sweeps
 from hydra_plugins.hydra_ddp_ray_launcher import _task
 
@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 
 # How often the sweep looks at its jobs (and at a stop request).
 _POLL_S = 0.5
-# What stops the sweep, as they stop a job (hydra_ddp.distributed.preemption.STOP_SIGNALS).
-STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
 
 
 @dataclass
