@@ -12,14 +12,8 @@ from helpers import ranks
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from hydra_ddp.data import sampling
-from hydra_ddp.data.sampling import (
-    FeistelPermutation,
-    ShardedSampler,
-    StridedSampler,
-    partition_files,
-    partition_rows,
-    samples_per_epoch,
-)
+from hydra_ddp.data.policies import partition_files, partition_rows, samples_per_epoch
+from hydra_ddp.data.sampling import FeistelPermutation, ShardedSampler, StridedSampler
 
 WORLD_SIZES = [1, 2, 3, 4, 5]
 SIZES = [1, 2, 3, 4, 7, 10, 17, 64, 101]

@@ -3,10 +3,9 @@
 
 A checkpoint records the sampler settings it was trained with (`settings`). On resume the rows
 already read in the epoch in progress, under the old settings on the old ranks, are compared
-with the rows the new settings still read in it on the new ranks: the log then says exactly how
-many rows of the epoch are read twice and how many are skipped, or that there are none. The
-rows are global row numbers of the training split (a sharded rank's local row i is the i-th
-row of its row ranges, in order, as DataSource.load reads them).
+with the rows the new settings still read in it: the log says how many rows of the epoch are
+read twice and how many skipped, or that there are none. Rows are global row numbers of the
+training split (a sharded rank's local row i is the i-th row of its row ranges).
 """
 
 from __future__ import annotations
@@ -18,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from hydra_ddp.data.policies import BUILT_IN, SamplerPolicy, build_policy, from_settings
+from hydra_ddp.data.policies import (
+    BUILT_IN,
+    SamplerPolicy,
+    build_policy,
+    from_settings,
+    rows_in,
+    train_file_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,21 +33,15 @@ MAX_ROWS_COUNTED = 200_000_000
 
 
 def settings(sampler: Any, seed: int) -> dict[str, Any]:
-    """What a checkpoint records of the sampler: the settings that decide an epoch's order.
-    `sampler`: the policy or its config. A policy that declares none is recorded by its class
-    name and `undeclared` (a resume mid-epoch then says it cannot count)."""
+    """What a checkpoint records of the sampler (the policy or its config): the settings that
+    decide an epoch's order. A policy that declares none is recorded by its class name and
+    `undeclared` (a resume mid-epoch then says it cannot count)."""
     policy = build_policy(sampler, seed)
     declared = policy.settings()
     if declared is None:
         kind = type(policy)
         return {"policy": f"{kind.__module__}.{kind.__qualname__}", "undeclared": True}
     return declared
-
-
-def _named(settings: dict[str, Any]) -> str:
-    """The policy recorded settings describe: a built-in's name, or the `_target_` a policy of
-    yours records (the documented format of `settings()`)."""
-    return str(settings.get("policy") or settings.get("_target_") or "custom")
 
 
 def _relevant(saved: dict[str, Any]) -> dict[str, Any]:
@@ -102,8 +102,7 @@ def _sampler(
     rank_ranges = policy.rank_ranges(num_rows, file_rows, world, epoch)
     if rank_ranges is None:
         return policy.sampler(num_rows, None, rank, world, setup.batch_size), None
-    mine = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in rank_ranges[rank]] or [[]])
-    mine = mine.astype(np.int64)
+    mine = rows_in(rank_ranges[rank])
     return policy.sampler(len(mine), rank_ranges, rank, world, setup.batch_size), mine
 
 
@@ -138,9 +137,7 @@ def say_reordered(
     """One log line for a resume from `path` (`done` batches of `epoch` read under `old`) that
     reads the rest of the epoch under `new` from its batch `start`: how many of its rows are
     read twice and skipped, or that each is read once. Nothing when the epoch was over."""
-    num_rows = source.num_rows("train")
-    # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
-    file_rows = source.file_rows("train") if hasattr(source, "file_rows") else [num_rows]
+    num_rows, file_rows = source.num_rows("train"), train_file_rows(source)
     undeclared = [s["policy"] for s in (old.settings, new.settings) if s.get("undeclared")]
     if undeclared and done:
         log.warning(
@@ -157,9 +154,11 @@ def say_reordered(
         for k, v in old.settings.items()
         if new.settings.get(k) != v
     )
+    # A policy of yours records the `_target_` it is built from (settings()'s documented form).
+    named = new.settings.get("policy") or new.settings.get("_target_") or "custom"
     head = (
         f"{path} was trained on {old.world_size} rank(s) with {was or 'these sampler settings'}"
-        f", this job has {new.world_size} rank(s) and sampler={_named(new.settings)}: the "
+        f", this job has {new.world_size} rank(s) and sampler={named}: the "
         f"rest of epoch {epoch} (from its batch {start}) is read in another order"
     )
     if num_rows > MAX_ROWS_COUNTED:

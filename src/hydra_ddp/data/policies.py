@@ -1,26 +1,17 @@
-"""Sampler policies: which rows each rank reads, and in which order. Chosen by `sampler._target_`
-like a model or a loss (`sampler=strided`, `sampler=sharded`, or a YAML of yours).
-
-A policy decides, once per epoch and for every rank at once, which global rows each rank loads
-(`rank_ranges`) and in which batches it reads them (`sampler`, an `EpochSampler` of
-sampling.py). The contract, method by method: `hydra_ddp.protocols.SamplerPolicy`;
-`SamplerPolicy` below is a base with its defaults. The settings a checkpoint records let a
-resume that changes the policy count the rows read twice or skipped (epoch_rows.py).
+"""Sampler policies: which rows each rank loads (`rank_ranges`) and in which batches it reads
+them (`sampler`), decided once per epoch for every rank at once. Chosen by `sampler._target_`
+(`sampler=strided`, `sampler=sharded`, or a YAML of yours); the contract, method by method:
+`hydra_ddp.protocols.SamplerPolicy`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from hydra_ddp.components import build, check
-from hydra_ddp.data.sampling import (
-    EpochSampler,
-    ShardedSampler,
-    StridedSampler,
-    partition_files,
-    partition_rows,
-    samples_per_epoch,
-)
+from hydra_ddp.data.sampling import EpochSampler, ShardedSampler, StridedSampler, _check_int
 from hydra_ddp.errors import UserError
 from hydra_ddp.protocols import Ranges
 
@@ -43,7 +34,7 @@ class SamplerPolicy:
     def rank_ranges(
         self, num_rows: int, file_rows: list[int], world: int, epoch: int
     ) -> list[Ranges] | None:
-        return None
+        return None  # every rank loads the whole split
 
     def sampler(
         self,
@@ -56,12 +47,9 @@ class SamplerPolicy:
         raise NotImplementedError(f"{type(self).__qualname__} must define sampler()")
 
     def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None:
-        """The rows each rank evaluates, every row exactly once over the ranks (None: every
-        rank loads the split and takes positions rank, rank + world, ...)."""
         return partition_rows(num_rows, world)
 
     def rows_per_rank(self, rows_held: int, world: int) -> int:
-        """About how many rows a rank trains on per epoch (for the plan's warning)."""
         return rows_held
 
     def settings(self) -> dict[str, Any] | None:
@@ -105,7 +93,7 @@ class Strided(SamplerPolicy):
         return rows_held // world
 
     def settings(self) -> dict[str, Any] | None:
-        # The layout checkpoints have always recorded (shard_by and rotate unused here).
+        # Sharded's keys too (unused here), so that checkpoints of either compare key by key.
         return {
             "policy": "strided", "shuffle": self.shuffle, "seed": self.seed,
             "drop_last": self.drop_last, "shard_by": "rows", "rotate": False,
@@ -214,3 +202,65 @@ def from_settings(settings: dict[str, Any]) -> SamplerPolicy:
         )
         return kind(**{k: settings[k] for k in keys})
     return build(settings, "sampler")
+
+
+def partition_rows(
+    num_rows: int, world_size: int, epoch: int = 0, rotate: bool = False
+) -> list[Ranges]:
+    """Contiguous parts of ``range(num_rows)``, one per rank: part j is ``[j*n//W, (j+1)*n//W)``
+    and rank r holds part r, or part ``(r + epoch) % W`` when ``rotate`` (an empty list when
+    ``num_rows < world_size`` leaves it none)."""
+    n = _check_int("num_rows", num_rows, 1)
+    w = _check_int("world_size", world_size, 1)
+    epoch = _check_int("epoch", epoch, 0)
+    result: list[Ranges] = []
+    for rank in range(w):
+        part = (rank + epoch) % w if rotate else rank
+        start, stop = part * n // w, (part + 1) * n // w
+        result.append([(start, stop)] if stop > start else [])
+    return result
+
+
+def partition_files(
+    file_rows: list[int], world_size: int, epoch: int = 0, rotate: bool = False
+) -> list[Ranges]:
+    """Whole shard files per rank, round-robin, as global row ranges in file order: file f goes
+    to rank ``f % W``, or ``(f - epoch) % W`` when ``rotate`` (every rank's set then changes
+    every epoch, and each file is held by exactly one rank per epoch)."""
+    w = _check_int("world_size", world_size, 1)
+    epoch = _check_int("epoch", epoch, 0)
+    rows = [_check_int(f"file_rows[{i}]", r, 0) for i, r in enumerate(file_rows)]
+    if len(rows) < w:
+        raise ValueError(
+            f"partition_files needs at least one file per rank: got {len(rows)} files for "
+            f"world_size={w}; write more (smaller) shard files or use partition_rows"
+        )
+    result: list[Ranges] = [[] for _ in range(w)]
+    offset = 0
+    for f, count in enumerate(rows):
+        rank = (f - epoch) % w if rotate else f % w
+        if count:
+            result[rank].append((offset, offset + count))
+        offset += count
+    return result
+
+
+def samples_per_epoch(rank_ranges: list[Ranges]) -> int:
+    """Min over ranks of the rows each holds: the number every rank uses per epoch."""
+    if not rank_ranges:
+        raise ValueError("rank_ranges must hold one list of ranges per rank, got an empty list")
+    return min(sum(stop - start for start, stop in ranges) for ranges in rank_ranges)
+
+
+def rows_in(ranges: Ranges) -> np.ndarray:
+    """The row numbers of half-open `ranges`, in order (int64)."""
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges] or [[]]).astype(
+        np.int64
+    )
+
+
+def train_file_rows(source: Any) -> list[int]:
+    # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
+    if hasattr(source, "file_rows"):
+        return source.file_rows("train")
+    return [source.num_rows("train")]

@@ -16,13 +16,11 @@ from hydra_ddp.protocols import Ranges
 
 
 class DataSource:
-    """One data set, with the optional parts' defaults (the contract:
+    """One data set, with the optional parts' defaults (the contract, method by method:
     `hydra_ddp.protocols.DataSource`). Subclass it, or write any class with the same methods,
     and point `data._target_` at it."""
 
-    # What the model's constructor receives by name, e.g. {"in_features": 64, "out_features": 10}.
     spec: dict[str, Any] = {}
-    # Throughput is reported as <unit>_per_s, counting items_per_row items per row.
     unit: str = "samples"
     items_per_row: int = 1
 
@@ -30,19 +28,13 @@ class DataSource:
         raise NotImplementedError
 
     def file_rows(self, split: str) -> list[int]:
-        """Rows per file of a split, in order; one 'file' for sources held in one piece."""
-        return [self.num_rows(split)]
+        return [self.num_rows(split)]  # one 'file' for sources held in one piece
 
     def load(self, split: str, ranges: Ranges | None) -> Dataset:
-        """Read only the rows in `ranges` (half-open, in order); None: the whole split."""
         raise NotImplementedError
 
     def origin(self, split: str) -> Ranges | None:
-        """Optional: the split's rows as half-open ranges of the original data set's rows, for
-        a split cut from one data set by settings (data.split_seed, ...): a checkpoint records
-        which rows were training rows, and a resume that changes them says so
-        (split_record.py). None: not known."""
-        return None
+        return None  # not known: a resume that changes the split cannot say so
 
 
 class TorchDatasets(DataSource):
@@ -57,11 +49,9 @@ class TorchDatasets(DataSource):
           collate_fn: null               # default: torch's default_collate
 
     Items are read one `dataset[i]` at a time, in DataLoader workers (`trainer.num_workers`),
-    and batched by `collate_fn`. `sampler=strided` partitions the shared per-epoch permutation
-    as for arrays; `sampler=sharded` gives each rank contiguous rows (a `Subset`) and touches no
-    other row."""
+    and batched by `collate_fn`; `sampler=sharded` gives each rank a `Subset`."""
 
-    per_item = True  # TrainData/EvalData batch it with a DataLoader batch sampler
+    per_item = True  # batched by a DataLoader batch sampler (view.loader)
 
     def __init__(
         self,
@@ -129,7 +119,8 @@ def _settings(val_fraction: float, test_fraction: float, split_seed: Any = None)
 def _split_rows(
     n: int, val_fraction: float, test_fraction: float, seed: int
 ) -> dict[str, np.ndarray]:
-    """A seeded shuffle of range(n) cut into val, test and train row indices."""
+    """A seeded shuffle of range(n) cut into val, test and train row indices (also what the
+    checkpoint's split record says, see `InMemoryArrays.origin`)."""
     order = np.random.default_rng(seed).permutation(n)
     n_val, n_test = round(n * val_fraction), round(n * test_fraction)
     return {
@@ -143,9 +134,10 @@ class InMemoryArrays(DataSource):
     """A source held in RAM as one (x, y) array pair per split."""
 
     arrays: dict[str, tuple[np.ndarray, np.ndarray]]
-    # Each split's row numbers in the original arrays, when cut from one (see `origin`).
+    # Each split's row numbers in the original arrays when cut from one, and what cut them:
+    # a checkpoint records them (split_record.py).
     origins: dict[str, np.ndarray] | None = None
-    split_settings: dict[str, Any] | None = None  # what cut them, as the checkpoint says it
+    split_settings: dict[str, Any] | None = None
 
     def origin(self, split: str) -> Ranges | None:
         if self.origins is None:
@@ -169,10 +161,9 @@ class InMemoryArrays(DataSource):
 def split_digits(
     val_fraction: float, test_fraction: float, split_seed: int
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """scikit-learn's 8x8 digits and their split, the one place that cuts them (`Digits`, and the
-    examples' own digit datasets, which hold the same rows): the images flattened to [1797, 64]
-    float32 in [0, 1], the labels (int64), and each split's row indices (a seeded shuffle cut
-    into val, test and train)."""
+    """scikit-learn's 8x8 digits and their split, the one place that cuts them (`Digits` and the
+    examples' digit datasets hold the same rows): the images flattened to [1797, 64] float32 in
+    [0, 1], the labels (int64), and each split's row indices."""
     from sklearn.datasets import load_digits
 
     check_fractions(val_fraction, test_fraction)
@@ -214,10 +205,8 @@ class Diabetes(InMemoryArrays):
 
 
 class CharText(DataSource):
-    """CPython's pydoc_data.topics, every topic's text joined, as one character stream.
-
-    The tail of the stream is held out (val, then test) so no window straddles two splits.
-    """
+    """CPython's pydoc_data.topics, every topic's text joined, as one character stream; its
+    tail is held out (val, then test) so no window straddles two splits."""
 
     unit = "tokens"
 
@@ -258,7 +247,6 @@ class CharText(DataSource):
         return [self.bounds[split]]
 
     def decode(self, tokens: Sequence[int]) -> str:
-        """Token ids back to text."""
         return "".join(self.chars[t] for t in tokens)
 
     def num_rows(self, split: str) -> int:

@@ -1,10 +1,5 @@
 """A rank's view of the data: the policy decides the rows (policies.py), the view loads them,
-checks them and makes the loader.
-
-Following `trainer.batch_size` from the config to the loader: loop/prepare.py (build_data)
-hands it to `TrainData`, which asks the policy (`sampler(...)`) for this rank's batches of
-that size and wraps them in a `DataLoader` (`loader`); nothing else touches it.
-"""
+checks them and makes the loader (`trainer.batch_size` reaches the loader only through here)."""
 
 from __future__ import annotations
 
@@ -14,23 +9,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from hydra_ddp.data.checks import check_loaded
-from hydra_ddp.data.eval_batches import EvenBatches
-from hydra_ddp.data.policies import build_policy
+from hydra_ddp.data.datasets import check_loaded
+from hydra_ddp.data.policies import build_policy, rows_in, train_file_rows
 from hydra_ddp.data.sources import DataSource
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.distributed.preemption import data_worker_init
 from hydra_ddp.errors import UserError
-from hydra_ddp.protocols import Ranges
 
 
 class TrainData:
-    """The training split as this rank sees it under the sampler policy.
-
-    Iterate `epoch(e, start_batch)` for the batches of epoch e from a given batch on; every
-    rank gets the same number of batches per epoch (`micro_batches_per_epoch`), which DDP needs.
-    `sampler`: the policy, or the `sampler` config it is built from (seed None: `seed`).
-    """
+    """The training split as this rank sees it under the sampler policy: `epoch(e, start_batch)`
+    iterates epoch e's batches from a given batch on, the same number on every rank
+    (`micro_batches_per_epoch`), which DDP needs. `sampler`: the policy, or its config."""
 
     def __init__(
         self,
@@ -54,10 +44,10 @@ class TrainData:
             )
 
     def _view(self, epoch: int) -> None:
-        """The one place this rank's view is made: the rows the policy gives it in `epoch`,
-        loaded and checked, the policy's batches of them, and the loader."""
+        """The rows the policy gives this rank in `epoch`, loaded and checked, its batches of
+        them, and the loader."""
         n, world, rank = self.source.num_rows("train"), self.env.world_size, self.env.rank
-        rank_ranges = self.policy.rank_ranges(n, _file_rows(self.source), world, epoch)
+        rank_ranges = self.policy.rank_ranges(n, train_file_rows(self.source), world, epoch)
         self.dataset = self.source.load("train", None if rank_ranges is None else rank_ranges[rank])
         check_loaded(self.dataset, self.source.spec, "train")
         self.sampler = self.policy.sampler(
@@ -90,33 +80,18 @@ class TrainData:
         return iter(self.loader)
 
 
-def _file_rows(source: Any) -> list[int]:
-    # A DataSource of the user's may lack file_rows (only sampler.shard_by=files needs it).
-    if hasattr(source, "file_rows"):
-        return source.file_rows("train")
-    return [source.num_rows("train")]
-
-
-def _rows_of(part: Ranges) -> np.ndarray:
-    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in part] or [[]]).astype(
-        np.int64
-    )
-
-
 def check_sampling(source: DataSource, sampler: Any, world: int, batch_size: int) -> None:
     """Refuse a policy the training split cannot support, before any data is loaded.
     `sampler`: a policy, or the `sampler` config (built here: a bad argument fails too)."""
     policy = build_policy(sampler, 0)
-    policy.check(source.num_rows("train"), _file_rows(source), world, batch_size)
+    policy.check(source.num_rows("train"), train_file_rows(source), world, batch_size)
 
 
 class EvalData:
     """A held-out split, partitioned so each row is evaluated exactly once across ranks (no
-    DistributedSampler padding of rows: ranks may hold one row more or less). The policy says
-    which rows each rank loads (`eval_rank_ranges`); they are read in order, in batches that line up
-    across ranks (eval_batches.py): every rank has the same number, batch i the same size on
-    each, and a rank short of rows evaluates a padded batch that counts for nothing
-    (`is_padding(i)`, `padded_ranks(i)`)."""
+    DistributedSampler padding of rows: ranks may hold one row more or less), in batches that
+    line up across ranks (`EvenBatches`). The policy's `eval_rank_ranges` says which rows each
+    rank loads."""
 
     def __init__(
         self,
@@ -141,7 +116,7 @@ class EvalData:
             self.dataset = source.load(
                 split, rank_ranges[rank] if counts[rank] or not n else [(0, 1)]
             )
-            self.split_rows = _rows_of(rank_ranges[rank])
+            self.split_rows = rows_in(rank_ranges[rank])
             indices = np.arange(counts[rank], dtype=np.int64)
         check_loaded(self.dataset, source.spec, split)
         self.sampler = EvenBatches(indices, counts, rank, batch_size)
@@ -168,6 +143,59 @@ class EvalData:
                 self.source, self.dataset, self.sampler, self.env, self.num_workers
             )
         return iter(self._loader)
+
+
+def boundaries(counts: list[int], batch_size: int) -> list[tuple[int, int]]:
+    """The batches [start, stop) of local row positions every rank walks through: up to the
+    largest count, cut at every multiple of `batch_size` and at every rank's count."""
+    most = max(counts, default=0)
+    cuts = set(range(batch_size, most, batch_size)) | {c for c in counts if 0 < c < most}
+    edges = [0, *sorted(cuts), most] if most else [0]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class EvenBatches:
+    """Evaluation batches that line up across ranks, as accelerate's `even_batches` does.
+
+    Ranks evaluate uneven shares of a split, so they would hold different numbers of batches,
+    and a loss or metric that gathers (`all_gather_with_grad`, `gather_for_metrics`) would pair
+    one rank's gather with another rank's next collective: gloo aborts a rank, or the shapes
+    read back are garbage. Here every rank gets the same batches, batch i the same size on
+    every rank, cut at every multiple of the batch size and every rank's row count, so each
+    batch is, on each rank, all real rows or all padding. A padded batch repeats the rank's own
+    rows (the model sees real data) and counts for nothing: its loss, sums and predictions are
+    left out, and `gather_for_metrics` leaves it out of what it gathers.
+
+    `indices`: the dataset index of each of this rank's real rows, in order; `counts`: every
+    rank's number of real rows (the partition is deterministic, so each rank knows them all).
+    """
+
+    def __init__(self, indices: np.ndarray, counts: list[int], rank: int, batch_size: int):
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.held = counts[rank]
+        self.batches = boundaries(counts, batch_size)
+        self.padded = [tuple(start >= c for c in counts) for start, _ in self.batches]
+        self.rank = rank
+
+    def is_padding(self, i: int) -> bool:
+        return self.padded[i][self.rank]
+
+    def positions(self, i: int) -> np.ndarray:
+        """Local row positions of batch i (of its real rows; none for a padded batch)."""
+        start, stop = self.batches[i]
+        return np.arange(start, stop) if stop <= self.held else np.arange(0)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i, (start, stop) in enumerate(self.batches):
+            if not self.is_padding(i):
+                yield self.indices[start:stop]
+            elif self.held:  # the rank's own rows again, as many as the batch needs
+                yield self.indices[np.arange(stop - start) % self.held]
+            else:  # a rank with no row of the split: its first loaded row (see EvalData)
+                yield np.zeros(stop - start, dtype=np.int64)
 
 
 def loader(

@@ -89,7 +89,7 @@ def all_gather_with_grad(
     return _AllGatherWithGrad.apply(tensor, group)
 
 
-# The ranks whose current evaluation batch is padding (data/eval_batches.py), set by the
+# The ranks whose current evaluation batch is padding (data/view.py), set by the
 # evaluation around each batch's loss and metrics; None outside evaluation.
 _padded: Sequence[bool] | None = None
 
@@ -108,7 +108,7 @@ def evaluation_batch(padded: Sequence[bool] | None) -> Iterator[None]:
 def gather_for_metrics(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Collective: `all_gather_with_grad`, less the rows of ranks whose evaluation batch is
     padding (evaluation gives every rank the same batches, padding a rank short of rows: see
-    hydra_ddp/data/eval_batches.py). What a metric that gathers calls: it then sees every real
+    hydra_ddp/data/view.py). What a metric that gathers calls: it then sees every real
     row of the global batch exactly once, the same on every rank, and sets `gathers = True`
     so that its sums count once (hydra_ddp/metrics.py)."""
     gathered = all_gather_with_grad(tensor, group)  # collective

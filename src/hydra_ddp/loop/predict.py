@@ -103,7 +103,7 @@ def predict(
     for ids, batch in zip(row_batches, split):
         with autocast:
             output = forward(model, to_device(batch, env.device))
-        if not len(ids):  # a padded batch (data/eval_batches.py): run, but not kept
+        if not len(ids):  # a padded batch (data/view.py): run, but not kept
             continue
         kind, entries, dropped = prediction_entries(output, len(ids), key)
         size = len(entries) + len(dropped)

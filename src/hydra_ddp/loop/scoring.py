@@ -6,7 +6,7 @@ into the number reported. Only sums cross ranks, so the result does not depend o
 were split, and a rank that holds no rows of a split takes part all the same.
 
 Every rank walks through the same number of batches, batch i the same size on each
-(data/eval_batches.py), so a loss or metric that gathers pairs its collectives across ranks; a
+(data/view.py), so a loss or metric that gathers pairs its collectives across ranks; a
 rank's padded batch runs like the others but its sums are not counted. A metric with
 `gathers = True` computes the sums of the whole global batch (`gather_for_metrics`), the same on
 every rank: rank 0's are counted, once.
