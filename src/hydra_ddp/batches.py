@@ -1,21 +1,12 @@
 """What the step optimises, for any batch: how a batch reaches the model, and how the loss sees
-the output.
+the output (docs/make_it_yours.md has the user's side).
 
-A batch is a tuple or list, a dict (also a Hugging Face `BatchEncoding`), or any nesting of
-these with tensors at the leaves:
-
-- a dict is passed to the model as keyword arguments, `model(**batch)` (the Hugging Face
-  convention: a model given `labels` computes its own loss); the target is `batch["labels"]`
-  when there is one;
-- a tuple or list is `(inputs..., target)`: `model(*batch[:-1])`, target `batch[-1]`; the
-  classic `(x, y)` is `model(x)` against `y`;
-- a lone tensor is `model(batch)`, with no target.
-
-The loss is any callable; what it is given follows the names of its parameters: the output
-first, then the target (any other name), `batch` (the whole batch) and `model` (the unwrapped
-module, for a regulariser) when it asks for them. It returns a scalar tensor or a dict with a
-`loss` entry and extra scalars, each logged per rank next to the loss (an auxiliary term shows
-as its own curve). Metrics follow the same rule for their `sums(output, ...)`.
+A batch is a tuple or list `(inputs..., target)` (`model(*batch[:-1])` against `batch[-1]`), a
+dict (also a Hugging Face `BatchEncoding`: `model(**batch)`, target `batch["labels"]`), a lone
+tensor (`model(batch)`, no target), or any nesting of these with tensors at the leaves. A loss
+or metric is given what its parameters name: the output, then the target, and `batch` and
+`model` when it asks for them; a loss returns a scalar tensor or a dict with `loss` and extra
+terms, each logged per rank next to it.
 """
 
 from __future__ import annotations
@@ -51,7 +42,7 @@ def _rebuild(original: Mapping, moved: dict) -> Any:
 
 
 def rows(batch: Any) -> int:
-    """Rows in a batch: the leading dimension of its first tensor."""
+    """The leading dimension of the batch's first tensor."""
     leaf = first_tensor(batch)
     if leaf is None or leaf.dim() == 0:
         raise UserError(
@@ -74,7 +65,6 @@ def first_tensor(batch: Any) -> torch.Tensor | None:
 
 
 def forward(model: Callable, batch: Any) -> Any:
-    """The model's output for a batch (see the module docstring)."""
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (list, tuple)):
@@ -83,7 +73,6 @@ def forward(model: Callable, batch: Any) -> Any:
 
 
 def target(batch: Any) -> Any:
-    """The batch's target: `labels` of a dict, the last element of a tuple, else None."""
     if isinstance(batch, Mapping):
         return batch.get("labels")
     if isinstance(batch, (list, tuple)) and len(batch) > 1:
@@ -110,8 +99,7 @@ class Caller:
         self.fn = fn
         signature = _signature(fn)
         names = [] if signature is None else list(signature.parameters.values())[1:]
-        self.wants_batch = any(p.name == "batch" for p in names)
-        self.wants_model = any(p.name == "model" for p in names)
+        self.by_name = {p.name for p in names} & {"batch", "model"}
         positional = [
             p
             for p in names
@@ -124,12 +112,8 @@ class Caller:
 
     def __call__(self, output: Any, batch: Any, model: Any = None) -> Any:
         args = (output, target(batch)) if self.wants_target else (output,)
-        kwargs: dict[str, Any] = {}
-        if self.wants_batch:
-            kwargs["batch"] = batch
-        if self.wants_model:
-            kwargs["model"] = model
-        return self.fn(*args, **kwargs)
+        offered = {"batch": batch, "model": model}
+        return self.fn(*args, **{name: offered[name] for name in self.by_name})
 
 
 def _signature(fn: Callable) -> inspect.Signature | None:

@@ -1,11 +1,7 @@
-"""Example models. Each is a plain `nn.Module` whose constructor takes keyword arguments: its
-hyperparameters from `conf/model/<name>.yaml`, and what it must know about the data
-(`in_features`, `out_features`, `image_shape`, `vocab_size`, `block_size`) from the data
-source's `spec`, passed by name (see components.py). Every model returns raw outputs (logits,
-or predictions for regression); the loss and the metrics are separate components.
-
-Your own model needs none of this module: write an `nn.Module` anywhere importable and point
-`model._target_` at it.
+"""Example models: plain `nn.Module`s built from `conf/model/<name>.yaml` plus what the data
+source's `spec` gives by name (`in_features`, `out_features`, `image_shape`, `vocab_size`,
+`block_size`). They return raw outputs (logits, or predictions for regression); the loss and the
+metrics are components of their own. A model of yours is any importable `nn.Module`.
 """
 
 from __future__ import annotations

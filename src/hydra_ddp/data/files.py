@@ -50,8 +50,8 @@ class SyntheticArrays(DataSource):
             ) from e
         self.features, self.classes = features, classes
         self.spec = {"in_features": features, "out_features": classes}
-        # Every shard's header (np.load with mmap_mode reads only that), so a wrong shape or
-        # dtype fails here, in the launching process, naming the file.
+        # Every shard's header (np.load with mmap_mode reads only that): a wrong shape or dtype
+        # fails here, in the launching process, naming the file.
         for split in SPLITS:
             for entry in self.files[split]:
                 self._open_pair(entry)
@@ -69,18 +69,13 @@ class SyntheticArrays(DataSource):
             arr = np.load(path, mmap_mode="r")
         except FileNotFoundError as e:
             raise UserError(
-                f"{path} is missing (listed in {self.root / 'manifest.json'}): "
-                "recreate the data set with scripts/make_synthetic.py"
+                f"{path} is missing (listed in {self.root / 'manifest.json'}): {_RECREATE}"
             ) from e
         except (ValueError, OSError) as e:
-            raise UserError(
-                f"{path} is not a readable .npy file ({e}): recreate the data set "
-                "with scripts/make_synthetic.py"
-            ) from e
+            raise UserError(f"{path} is not a readable .npy file ({e}): {_RECREATE}") from e
         if len(arr) != rows:
             raise UserError(
-                f"{path} holds {len(arr)} rows but the manifest says {rows}: "
-                "recreate the data set with scripts/make_synthetic.py"
+                f"{path} holds {len(arr)} rows but the manifest says {rows}: {_RECREATE}"
             )
         return arr
 
@@ -92,8 +87,7 @@ class SyntheticArrays(DataSource):
             x_name, y_name, rows = entry["x"], entry["y"], int(entry["rows"])
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(
-                f"{manifest}: shard entry {entry!r} needs x, y and rows ({e!r}): recreate it "
-                "with scripts/make_synthetic.py"
+                f"{manifest}: shard entry {entry!r} needs x, y and rows ({e!r}): {_RECREATE}"
             ) from None
         x, y = self._open(x_name, rows), self._open(y_name, rows)
         if x.ndim != 2 or x.shape[1] != self.features:

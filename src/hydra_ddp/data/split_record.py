@@ -1,14 +1,12 @@
 """Which rows are training rows: what a checkpoint records of the split, and what a resume that
 changes it (`data.split_seed`, `data.val_fraction`, ...) says.
 
-A source that knows where its splits come from in the original data set says so with
-`origin(split)`: the split's rows as half-open ranges of the original rows (characters for
-text), or None. The checkpoint then records a fingerprint of the training rows, the held-out
-(val and test) rows themselves (compressed ranges), and the settings that made the split
-(`split_settings`). A resume whose training rows differ warns on rank 0 with the counts: how
-many of the checkpoint's val/test rows are training rows now (its held-out metrics are no longer
-held out), and how many of its training rows are held out now. A source without `origin`, or a
-checkpoint from before the record, is not checked.
+A source's `origin(split)` gives the split's rows as half-open ranges of the original data set
+(characters for text). The checkpoint records a fingerprint of the training rows, the held-out
+rows (compressed ranges) and the settings that cut them (`split_settings`); a resume whose
+training rows differ warns with how many of the checkpoint's val/test rows are training rows
+now, and how many of its training rows are held out now. A source without `origin` is not
+checked.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ def ranges_of(rows: np.ndarray) -> np.ndarray:
 
 
 def _merged(ranges: list[tuple[int, int]]) -> np.ndarray:
-    """Half-open ranges as sorted, disjoint, merged ranges."""
+    """Half-open ranges as sorted, disjoint, merged ranges (an (n, 2) int64 array)."""
     out: list[list[int]] = []
     for a, b in sorted((int(a), int(b)) for a, b in ranges if b > a):
         if out and a <= out[-1][1]:
@@ -98,8 +96,8 @@ def saved_form(rec: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def say_changed(path: Any, saved: dict[str, Any] | None, here: dict[str, Any] | None) -> None:
-    """One warning when this job's training rows are not the checkpoint's (see the module
-    docstring); nothing when they are, or when either side does not record them."""
+    """One warning when this job's training rows are not the checkpoint's; nothing when they
+    are, or when either side does not record them."""
     if not isinstance(saved, dict) or here is None or saved.get("train") == here["train"]:
         return
     old, new = saved.get("settings") or {}, here["settings"]

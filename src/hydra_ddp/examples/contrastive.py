@@ -1,20 +1,14 @@
 """Contrastive learning with negatives from every rank (SimCLR's NT-Xent, Chen et al. 2020).
-
-`DigitViews` yields `(view_a, view_b, digit)`: two random augmentations (shift, noise, dropped
-pixels) of one digit image, so the model is called as `model(view_a, view_b)`. `Encoder`
-embeds both views into unit vectors. `nt_xent` scores each view against every other view of
-the global batch: its own other view is the positive, the 2·world·batch − 2 others are the
-negatives. The embeddings of the other ranks arrive through
-`hydra_ddp.distributed.all_gather_with_grad`,
-whose backward sends each rank the gradient of its own rows. At initialisation the similarities
-are near-uniform, so the first loss is about ln(2·world·batch − 1).
-
-Evaluation: ranks hold uneven shares there, evaluated in batches of the same sizes on every
-rank (a rank short of rows evaluates padding, which would then be among the negatives of the
-others). `nt_xent` asks for `model` and gathers only when `model.training` (the loop evaluates
-the model in eval mode): the validation loss uses the negatives of the rank's own batch, about
-ln(2·batch − 1) at initialisation.
 `experiment=contrastive`.
+
+`DigitViews` yields `(view_a, view_b, digit)`: two random augmentations of one digit image, so
+the model is called as `model(view_a, view_b)`; `Encoder` embeds both into unit vectors.
+`nt_xent` scores each view against every view of the global batch: its other view is the
+positive, the 2·world·batch − 2 others the negatives (a first loss of about
+ln(2·world·batch − 1)). The other ranks' embeddings arrive through `all_gather_with_grad`, whose
+backward sends each rank the gradient of its own rows. It gathers only in training: in
+evaluation a rank short of rows evaluates padding, which would be among the others' negatives,
+so the validation loss uses the rank's own batch (about ln(2·batch − 1) at first).
 """
 
 from __future__ import annotations
@@ -25,15 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hydra_ddp.data import split_digits
+from hydra_ddp.data import SPLITS, split_digits
 from hydra_ddp.distributed import all_gather_with_grad
-
-_SEEDS = {"train": 1, "val": 2, "test": 3}  # fixed: str hashes differ between processes
 
 
 class DigitViews(Dataset):
-    """Two augmented views of each digit image of a split (deterministic per item); the split's
-    rows are those of `hydra_ddp.data.Digits` with the same fractions and seed."""
+    """Two views (shifted, noised, pixels dropped) of each digit image of a split, deterministic
+    per item; the rows of `hydra_ddp.data.Digits` with the same fractions and seed."""
 
     def __init__(
         self,
@@ -47,7 +39,7 @@ class DigitViews(Dataset):
         x, y, rows = split_digits(val_fraction, test_fraction, split_seed)
         self.x = torch.from_numpy(x[rows[split]]).view(-1, 8, 8)
         self.y = torch.from_numpy(y[rows[split]])
-        self.seed, self.noise, self.drop = _SEEDS[split], noise, drop
+        self.seed, self.noise, self.drop = SPLITS.index(split) + 1, noise, drop
 
     def __len__(self) -> int:
         return len(self.y)
@@ -80,8 +72,7 @@ class Encoder(nn.Module):
 
 
 def nt_xent(output: dict, model: nn.Module, temperature: float = 0.5) -> torch.Tensor:
-    """The NT-Xent loss of this rank's views, against every view of every rank in training
-    (only this rank's in evaluation: see the module docstring)."""
+    """The NT-Xent loss of this rank's views, against every rank's views in training."""
     a, b = output["a"], output["b"]
     rank, rows = 0, len(a)
     if model.training and dist.is_available() and dist.is_initialized():

@@ -1,14 +1,11 @@
 """Dict batches and a model that computes its own loss, the Hugging Face way, in plain torch.
 
-`TextSnippets` yields one variable-length snippet of CPython's pydoc topics per item as
-`{"input_ids", "labels"}` (labels: the next characters; with `shifted=false`, the input ids
-themselves, the Hugging Face convention where the model shifts); `pad_collate` pads a batch
-and adds an `attention_mask`, with `labels = -100` at padding (ignored by the loss and by the
-metrics). `TinyCausalLM` takes
-`(input_ids, attention_mask=None, labels=None)` and returns an object with `.loss` and `.logits`,
-as a `transformers` model does. `experiment=dict_lm` trains it with `loss=model_output`;
+`TextSnippets` yields variable-length snippets of CPython's pydoc topics as `{"input_ids",
+"labels"}`; `pad_collate` pads a batch and adds an `attention_mask`, with `labels = -100` at
+padding (ignored by the loss and the metrics). `TinyCausalLM` returns `.loss` and `.logits` as a
+`transformers` model does: `experiment=dict_lm` trains it with `loss=model_output`.
 `experiment=dict_lm_transformers` trains a tiny randomly initialised `transformers` GPT-2
-(`tiny_gpt2`; needs the optional extra: `pip install -e ".[transformers]"`), nothing downloaded.
+(`tiny_gpt2`; needs `pip install -e ".[transformers]"`), nothing downloaded.
 """
 
 from __future__ import annotations
@@ -18,12 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 
 class TextSnippets(Dataset):
-    """Snippets of 16 to `max_len` characters of a split of the pydoc text, as token ids (one
-    id per character); `labels` are the next characters. Deterministic per item."""
+    """Snippets of 16 to `max_len` characters of a split of the pydoc text, one token id per
+    character, deterministic per item. `labels`: the next characters, or with `shifted=false`
+    the input ids themselves (the Hugging Face convention, where the model shifts)."""
 
     def __init__(
         self, split: str, max_len: int = 48, snippets: int = 512, shifted: bool = True
@@ -55,24 +54,17 @@ class TextSnippets(Dataset):
 
 def pad_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Pad to the longest item: input_ids with 0, labels with -100, and an attention_mask."""
-    longest = max(len(item["input_ids"]) for item in items)
-    batch = {
-        "input_ids": torch.zeros(len(items), longest, dtype=torch.long),
-        "labels": torch.full((len(items), longest), -100, dtype=torch.long),
-        "attention_mask": torch.zeros(len(items), longest, dtype=torch.long),
+    ids = [item["input_ids"] for item in items]
+    labels = [item["labels"] for item in items]
+    return {
+        "input_ids": pad_sequence(ids, batch_first=True),
+        "labels": pad_sequence(labels, batch_first=True, padding_value=-100),
+        "attention_mask": pad_sequence([torch.ones_like(i) for i in ids], batch_first=True),
     }
-    for row, item in enumerate(items):
-        n = len(item["input_ids"])
-        batch["input_ids"][row, :n] = item["input_ids"]
-        batch["labels"][row, :n] = item["labels"]
-        batch["attention_mask"][row, :n] = 1
-    return batch
 
 
 @dataclass
-class CausalLMOutput:
-    """What a Hugging Face causal LM returns, in short."""
-
+class CausalLMOutput:  # what a Hugging Face causal LM returns, in short
     loss: torch.Tensor | None
     logits: torch.Tensor
 

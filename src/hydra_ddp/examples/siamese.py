@@ -12,9 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hydra_ddp.data import split_digits
-
-_SEEDS = {"train": 1, "val": 2, "test": 3}  # fixed: str hashes differ between processes
+from hydra_ddp.data import SPLITS, split_digits
 
 
 class DigitPairs(Dataset):
@@ -30,7 +28,7 @@ class DigitPairs(Dataset):
     ) -> None:
         x, y, rows = split_digits(val_fraction, test_fraction, split_seed)
         self.x, self.y = torch.from_numpy(x[rows[split]]), torch.from_numpy(y[rows[split]])
-        self.pairs, self.seed = pairs, _SEEDS[split]
+        self.pairs, self.seed = pairs, SPLITS.index(split) + 1
 
     def __len__(self) -> int:
         return self.pairs
