@@ -452,15 +452,14 @@ def test_sharded_skips_different_rows_each_epoch() -> None:
     assert u.indices(0).tolist() == list(range(60)) == u.indices(5).tolist()
 
 
-def test_sharded_resize_and_validation() -> None:
-    s = ShardedSampler(50, 40, 0, 16)
-    assert len(s) == 3
-    s.resize(30, 25)
+def test_sharded_sizes_and_validation() -> None:
+    assert len(ShardedSampler(50, 40, 0, 16)) == 3
+    s = ShardedSampler(30, 25, 0, 16)
     assert s.num_samples == 25 and len(s) == 2
     flat = np.concatenate(_batches(s))
     assert flat.max() < 30 and len(flat) == 25
     with pytest.raises(ValueError, match="samples_per_epoch"):
-        s.resize(10, 11)
+        ShardedSampler(10, 11, 0, 16)
     with pytest.raises(ValueError, match="local_rows"):
         ShardedSampler(0, 0, 0, 1)
     with pytest.raises(ValueError, match="rank"):

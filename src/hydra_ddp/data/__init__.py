@@ -26,7 +26,6 @@ from hydra_ddp.data.sources import (
     Digits,
     InMemoryArrays,
     TorchDatasets,
-    check_fractions,
     check_source,
     split_digits,
 )
@@ -36,6 +35,6 @@ from hydra_ddp.protocols import Ranges
 __all__ = [
     "SPLITS", "CharText", "DataSource", "Diabetes", "Digits", "EvalData", "InMemoryArrays",
     "Origin", "Ranges", "Rows", "SamplerPolicy", "Sharded", "Strided", "SyntheticArrays",
-    "TokenWindows", "TorchDatasets", "TrainData", "check_fractions", "check_loaded",
+    "TokenWindows", "TorchDatasets", "TrainData", "check_loaded",
     "check_sampling", "check_source", "loader", "split_digits",
 ]  # fmt: skip

@@ -343,20 +343,13 @@ class ShardedSampler(EpochSampler):
     ) -> None:
         super().__init__(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed)
         self.rank = _check_int("rank", rank, 0)
-        self.resize(local_rows, samples_per_epoch)
-
-    def resize(self, local_rows: int, samples_per_epoch: int) -> None:
-        """Change the local row count and per-epoch sample count (e.g. when shards rotate),
-        keeping the position: call between epochs, or before ``load_state_dict``."""
-        local_rows = _check_int("local_rows", local_rows, 1)
-        spe = _check_int("samples_per_epoch", samples_per_epoch, 1)
-        if spe > local_rows:
+        self.local_rows = _check_int("local_rows", local_rows, 1)
+        self.num_samples = _check_int("samples_per_epoch", samples_per_epoch, 1)
+        if self.num_samples > self.local_rows:
             raise ValueError(
-                f"samples_per_epoch={spe} exceeds local_rows={local_rows}; "
+                f"samples_per_epoch={self.num_samples} exceeds local_rows={self.local_rows}; "
                 "it must be the min over ranks of their local rows"
             )
-        self.local_rows = local_rows
-        self.num_samples = spe
 
     def _order(self, epoch: int) -> FeistelPermutation | None:
         if not self.shuffle:

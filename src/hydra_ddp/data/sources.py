@@ -216,10 +216,11 @@ class CharText(DataSource):
         check(block_size > 0, "block_size", "> 0", block_size)
         check_fractions(val_fraction, test_fraction)
         text = "\n\n".join(topics[k] for k in sorted(topics))
-        chars = sorted(set(text))
-        lookup = np.zeros(max(map(ord, chars)) + 1, dtype=np.int64)
-        lookup[[ord(c) for c in chars]] = np.arange(len(chars))
-        tokens = lookup[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)]
+        # Token ids: each character's rank among the text's distinct characters.
+        codes, tokens = np.unique(
+            np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), return_inverse=True
+        )
+        chars = [chr(c) for c in codes]
         tokens = tokens.astype(np.uint8 if len(chars) <= 256 else np.int32)
         n = len(tokens)
         n_test, n_val = int(n * test_fraction), int(n * val_fraction)

@@ -58,7 +58,7 @@ def overlap(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _size(ranges: np.ndarray) -> int:
-    return int((ranges[:, 1] - ranges[:, 0]).sum()) if len(ranges) else 0
+    return int((ranges[:, 1] - ranges[:, 0]).sum())
 
 
 def _encode(ranges: np.ndarray) -> str:

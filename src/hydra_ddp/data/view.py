@@ -157,17 +157,12 @@ def boundaries(counts: list[int], batch_size: int) -> list[tuple[int, int]]:
 class EvenBatches:
     """Evaluation batches that line up across ranks, as accelerate's `even_batches` does.
 
-    Ranks evaluate uneven shares of a split, so they would hold different numbers of batches,
-    and a loss or metric that gathers (`all_gather_with_grad`, `gather_for_metrics`) would pair
-    one rank's gather with another rank's next collective: gloo aborts a rank, or the shapes
-    read back are garbage. Here every rank gets the same batches, batch i the same size on
-    every rank, cut at every multiple of the batch size and every rank's row count, so each
-    batch is, on each rank, all real rows or all padding. A padded batch repeats the rank's own
-    rows (the model sees real data) and counts for nothing: its loss, sums and predictions are
-    left out, and `gather_for_metrics` leaves it out of what it gathers.
-
-    `indices`: the dataset index of each of this rank's real rows, in order; `counts`: every
-    rank's number of real rows (the partition is deterministic, so each rank knows them all).
+    With uneven shares, ranks would hold different numbers of batches, and a loss or metric that
+    gathers would pair one rank's gather with another rank's next collective (gloo aborts, or
+    the shapes read back are garbage). Here batch i has the same size on every rank and is, on
+    each, all real rows or all padding: padding repeats the rank's own rows and counts for
+    nothing (loss, sums, predictions and `gather_for_metrics` leave it out).
+    `indices`: the dataset index of each of this rank's real rows; `counts`: every rank's count.
     """
 
     def __init__(self, indices: np.ndarray, counts: list[int], rank: int, batch_size: int):
