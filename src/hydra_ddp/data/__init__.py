@@ -10,14 +10,13 @@ loaded is checked by `check_loaded` (datasets.py) before training, on every sour
 
 The sources here need no download: scikit-learn's digits and diabetes ship inside its package,
 the text is CPython's own pydoc_data.topics, and synthetic shards are written by
-scripts/make_synthetic.py. What you edit or copy: sources.py and files.py (the sources),
+scripts/make_synthetic.py. What you edit or copy: sources.py (the sources),
 policies.py (the sampler policies; sampling.py holds the samplers they return). view.py is a
 rank's view (`TrainData`, `EvalData`); epoch_rows.py and split_record.py say what a resume
 that changes the sampler or the split reads twice, skips or mixes.
 """
 
 from hydra_ddp.data.datasets import SPLITS, Origin, Rows, TokenWindows, check_loaded
-from hydra_ddp.data.files import SyntheticArrays
 from hydra_ddp.data.policies import SamplerPolicy, Sharded, Strided
 from hydra_ddp.data.sources import (
     CharText,
@@ -25,6 +24,7 @@ from hydra_ddp.data.sources import (
     Diabetes,
     Digits,
     InMemoryArrays,
+    SyntheticArrays,
     TorchDatasets,
     check_source,
     split_digits,
