@@ -138,23 +138,6 @@ def test_strided_padded_partition(world_size: int, n: int, shuffle: bool) -> Non
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_strided_unpadded_partition_exactly_once(world_size: int, n: int, shuffle: bool) -> None:
-    samplers = [
-        StridedSampler(n, r, world_size, batch_size=4, shuffle=shuffle, seed=1, pad=False)
-        for r in range(world_size)
-    ]
-    per_rank = [s.indices(3) for s in samplers]
-    allix = np.concatenate(per_rank)
-    assert np.array_equal(np.sort(allix), np.arange(n))  # disjoint and complete
-    lengths = [len(ix) for ix in per_rank]
-    assert max(lengths) - min(lengths) <= 1
-    assert [s.num_samples for s in samplers] == lengths
-    assert [len(s) for s in samplers] == [-(-m // 4) for m in lengths]
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("n", [5, 7, 10, 17, 64, 101])
 def test_strided_drop_last_partition(world_size: int, n: int) -> None:
     if n < world_size:
@@ -373,17 +356,6 @@ def test_load_state_dict_validation() -> None:
         ({"num_rows": 5, "rank": 2, "world_size": 2, "batch_size": 1}, "rank"),
         ({"num_rows": 5, "rank": 0, "world_size": 0, "batch_size": 1}, "world_size"),
         ({"num_rows": 5, "rank": 0, "world_size": 2, "batch_size": 0}, "batch_size"),
-        (
-            {
-                "num_rows": 5,
-                "rank": 0,
-                "world_size": 2,
-                "batch_size": 1,
-                "drop_last": True,
-                "pad": False,
-            },
-            "pad",
-        ),
         (
             {"num_rows": 2, "rank": 0, "world_size": 3, "batch_size": 1, "drop_last": True},
             "num_rows",

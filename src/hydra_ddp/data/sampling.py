@@ -261,9 +261,7 @@ class StridedSampler(EpochSampler):
     (seed, epoch), the same on every rank. Positions ``>= num_rows`` (DistributedSampler's
     padding) wrap to ``p % num_rows``, as its ``indices += indices[:padding]`` does.
     ``drop_last``: ``num_rows // world_size`` samples per rank and the last partial batch
-    dropped; else ``ceil(num_rows / world_size)``. ``pad=False`` (evaluation) skips the
-    positions past the end instead, so every row is seen once over the ranks and ranks may
-    differ by one sample. Unshuffled, the batches equal
+    dropped; else ``ceil(num_rows / world_size)``. Unshuffled, the batches equal
     ``BatchSampler(DistributedSampler(..., shuffle=False, drop_last=d), batch_size, d)``.
     """
 
@@ -277,7 +275,6 @@ class StridedSampler(EpochSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        pad: bool = True,
     ) -> None:
         super().__init__(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed)
         self.num_rows = _check_int("num_rows", num_rows, 1)
@@ -285,9 +282,6 @@ class StridedSampler(EpochSampler):
         self.rank = _check_int("rank", rank, 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be < world_size={self.world_size}, got {self.rank}")
-        self.pad = bool(pad)
-        if not self.pad and self.drop_last:
-            raise ValueError("pad=False requires drop_last=False")
         if self.drop_last and self.num_rows < self.world_size:
             raise ValueError(
                 f"drop_last=True needs num_rows >= world_size, got num_rows={self.num_rows} "
@@ -295,11 +289,8 @@ class StridedSampler(EpochSampler):
             )
         if self.drop_last:
             self.num_samples = self.num_rows // self.world_size
-        elif self.pad:
-            self.num_samples = -(-self.num_rows // self.world_size)
         else:
-            # Count of positions rank, rank+W, ... below num_rows.
-            self.num_samples = max(0, -(-(self.num_rows - self.rank) // self.world_size))
+            self.num_samples = -(-self.num_rows // self.world_size)
 
     def _order(self, epoch: int) -> FeistelPermutation | None:
         if not self.shuffle:
@@ -311,9 +302,7 @@ class StridedSampler(EpochSampler):
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
         positions = sample_ids * self.world_size + self.rank
-        if self.pad and not self.drop_last and self.num_samples * self.world_size > self.num_rows:
-            # Padding positions wrap; with pad=False or drop_last they never
-            # reach num_rows by construction of num_samples.
+        if self.num_samples * self.world_size > self.num_rows:  # padding wraps
             positions %= self.num_rows
         if order is None:
             return positions
