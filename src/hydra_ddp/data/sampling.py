@@ -92,12 +92,9 @@ class FeistelPermutation:
             raise ValueError(f"n must be <= 2**63 - 1, got {self.n}")
         self.rounds = _check_int("rounds", rounds, 1)
         self.key = int(key) & _MASK64
-        # h >= 1 so that even n == 1 has two non-empty halves; the domain is
-        # then < 4n for n >= 2, bounding the expected cycle-walk length by 4.
-        half_bits = 1
-        while (1 << (2 * half_bits)) < self.n:
-            half_bits += 1
-        self.half_bits = half_bits
+        # The smallest h >= 1 with 2**(2h) >= n (h >= 1: even n == 1 has two non-empty
+        # halves); the domain is then < 4n for n >= 2, bounding the expected walk by 4 steps.
+        half_bits = max(1, ((self.n - 1).bit_length() + 1) // 2)
         self.domain = 1 << (2 * half_bits)
         self._shift = np.uint64(half_bits)
         self._mask = np.uint64((1 << half_bits) - 1)
