@@ -24,8 +24,7 @@ from hydra_ddp.disk import check_regular, open_regular, read_regular
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.tracking import names
-from hydra_ddp.tracking.sink import Kind, Record, Sink
-from hydra_ddp.tracking.values import plain
+from hydra_ddp.tracking.sink import Kind, Record, Sink, plain
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 from hydra_ddp.disk import write_advice
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
-from hydra_ddp.tracking.values import is_media
+from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink, is_media
 
 
 class TensorBoardSink(Sink):
