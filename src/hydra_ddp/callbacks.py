@@ -4,17 +4,13 @@
 
     python -m hydra_ddp.train +callbacks.count._target_=my_callbacks.Count +callbacks.count.every=5
 
-A callback is any object with some of the hooks in `HOOKS`, each given a `Context`, and
-optionally `state_dict()` / `load_state_dict(state)` and `checkpoint_members()` (objects of
-yours every checkpoint holds too): the contract (when each hook runs, on which ranks, what is
-checkpointed) is `hydra_ddp.protocols.Callback`. `ctx.log({...})` puts values into this rank's
-stats at the current step.
+The contract (the hooks in `HOOKS`, when each runs, on which ranks, what is checkpointed) is
+`hydra_ddp.protocols.Callback`.
 
-Under ddp=fsdp2 a parameter, its gradient and what is computed from them (`p.grad.norm()`) are
-DTensors: each rank holds a part, and `.item()` would read only that part. ctx.log logs such a
-value whole: the hook call ends with the ranks agreeing on the DTensors they were given (one
-small all-gather per hook call of a sharded job) and `full_tensor()` of each, in the same
-order on every rank. A DTensor logged on some ranks only is refused on all of them in one line.
+Under ddp=fsdp2 a parameter, its gradient and what is computed from them are DTensors, of which
+`.item()` reads this rank's part only. ctx.log logs such a value whole: the hook call ends with
+the ranks agreeing on the DTensors they were given (one small all-gather per hook call of a
+sharded job), then `full_tensor()` of each, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
 
 from hydra_ddp.components import build
 from hydra_ddp.distributed import DistEnv, all_gather_objects
@@ -73,16 +71,13 @@ class Context:
     _dtensors: list[tuple[str, Any]] = field(default_factory=list)
 
     def log(self, values: Mapping[str, Any]) -> None:
-        """Record `values` in this rank's stats at the current step (tracking/values.py): numbers
-        and one-element tensors in stats/rank<r>.jsonl, W&B and TensorBoard, text likewise, W&B
-        media objects (wandb.Image, ...) in W&B only (a placeholder in the stats file). A key
-        the template logs itself (step, rank, loss, lr, ...) or another kind of value raises a
-        ValueError, which names the callback. A DTensor (ddp=fsdp2) is logged whole at the end
-        of the hook call, which makes it a collective: log it on every rank."""
+        """Record `values` in this rank's stats and sinks at the current step (what each
+        accepts: tracking/sink.py). A DTensor is logged whole at the end of the hook call, which
+        makes it a collective: log it on every rank."""
         if self._sink is None:
             return
         values = dict(values)
-        dtensors = {k: v for k, v in values.items() if _is_dtensor(v)}
+        dtensors = {k: v for k, v in values.items() if isinstance(v, DTensor)}
         self._dtensors.extend(dtensors.items())
         plain = {k: v for k, v in values.items() if k not in dtensors}
         if plain:
@@ -110,9 +105,9 @@ class Callbacks:
     def before_step(
         self, ctx: Context, where: Callable[[], tuple[int, int]]
     ) -> Callable[[str], None] | None:
-        """What the step tools call with the gradients present (StepTools.before_step), given
-        the optimizer's name: on_before_optimizer_step at `where()` (the step being taken, the
-        epoch). None when no callback defines it, so the step pays nothing."""
+        """StepTools.before_step: on_before_optimizer_step at `where()` (the step being taken,
+        the epoch), given the optimizer's name; None when no callback has it (it costs
+        nothing)."""
         if not self.has("on_before_optimizer_step"):
             return None
 
@@ -127,8 +122,7 @@ class Callbacks:
         return call
 
     def __call__(self, hook: str, ctx: Context) -> None:
-        """Call `hook` of every callback that has it; `# collective` for a sharded job (the
-        DTensors ctx.log was given are logged whole, see the module's docstring)."""
+        """Call `hook` of every callback that has it; `# collective` for a sharded job."""
         dtensors: list[tuple[str, str, Any]] = []  # (callback, key, value)
         called = False
         for name, cb in self.items.items():
@@ -158,13 +152,13 @@ class Callbacks:
         )
 
     def _log_whole(self, hook: str, ctx: Context, dtensors: list[tuple[str, str, Any]]) -> None:
-        """`# collective` when the model is sharded (also over one rank, as a launched single
-        GPU is): every rank's list of the DTensors logged in this hook call, then, if the ranks
-        agree, `full_tensor()` of each in that order (else one line on every rank). Unsharded,
-        a DTensor replicated on every rank is logged as it is, any other refused."""
-        if not _is_sharded(ctx.model):
+        """`# collective` when the model is sharded (fully_shard makes it an FSDPModule on every
+        rank, also on one): the ranks agree on the DTensors logged, then log `full_tensor()` of
+        each. Unsharded, a DTensor replicated on every rank is logged as it is, any other
+        refused."""
+        if not isinstance(ctx.model, FSDPModule):
             for name, key, value in dtensors:
-                if not _replicated(value):
+                if not all(isinstance(p, Replicate) for p in value.placements):
                     raise UserError(_whole_only(name, key, hook))
                 self._log_one(name, hook, ctx, key, value.to_local())
             return
@@ -184,8 +178,7 @@ class Callbacks:
             raise self._failed(name, hook, ctx.step, e) from e
 
     def checkpoint_members(self) -> list[Any]:
-        """What the callbacks add to every checkpoint (checkpoint.state.Member objects), each
-        callback's `checkpoint_members()` in config order."""
+        """Every callback's `checkpoint_members()` (checkpoint.state.Member), in config order."""
         return [
             member
             for cb in self.items.values()
@@ -204,26 +197,6 @@ class Callbacks:
         for name, cb in self.items.items():
             if name in state and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(state[name])
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """ddp=fsdp2's fully_shard makes the module an FSDPModule, the same on every rank (only
-    with a process group: without one fsdp.wrap shards nothing)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def _replicated(value: Any) -> bool:
-    from torch.distributed.tensor import Replicate
-
-    return all(isinstance(p, Replicate) for p in value.placements)
 
 
 def _whole_only(name: str, key: str, hook: str) -> str:
@@ -255,13 +228,9 @@ def _disagreement(hook: str, every: list[list[tuple[str, str]]]) -> str:
 
 class SampleText:
     """Example callback (experiment=text_gpt): after each validation, every rank samples the
-    same `length` characters from the model, and rank 0 logs them (its log file,
-    stats/rank0.jsonl, W&B). Every rank: under ddp=fsdp2 each forward gathers the parameters
-    from all ranks, so a forward on rank 0 alone would pair with another collective.
-
-    It asks for the data source by name (`data`, like a model asks for `vocab_size`) to turn
-    tokens back into characters. Sampling draws from a generator of its own, so the training
-    RNG, and with it a resumed run, is unchanged."""
+    same `length` characters from the model (under ddp=fsdp2 each forward gathers the
+    parameters from all ranks), and rank 0 logs them. It asks for the data source by name to
+    turn tokens back into characters; its own generator leaves the training RNG unchanged."""
 
     def __init__(self, data: Any, length: int = 200, temperature: float = 0.8, seed: int = 0):
         if not hasattr(data, "decode"):

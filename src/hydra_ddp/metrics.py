@@ -1,9 +1,6 @@
-"""Example evaluation metrics (`metrics=<name>`); a metric of yours is a class like these.
-
-The contract (`sums(output, target)` per batch, `compute(totals)` of the sums added over
-batches and ranks, `gathers` for a metric that needs every rank's rows) is
-`hydra_ddp.protocols.Metric`: only sums cross ranks, so each metric is exact however the rows
-are split.
+"""Example evaluation metrics (`metrics=<name>`); a metric of yours is a class like these
+(the contract: `hydra_ddp.protocols.Metric`). Only sums cross ranks, so each metric is exact
+however the rows are split.
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ from hydra_ddp.batches import IGNORE_INDEX
 
 
 class Metric:
-    """A base with the default `gathers` (the contract: `hydra_ddp.protocols.Metric`)."""
+    """A base with the default `gathers`."""
 
-    gathers = False  # True: sums() gathers every rank's rows (hydra_ddp.protocols.Metric)
+    gathers = False  # True: sums() gathers every rank's rows
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """Sums over one batch (a 1-D tensor on the output's device). Name a parameter `batch`
@@ -31,8 +28,7 @@ class Metric:
 
 
 def _count(target: torch.Tensor) -> torch.Tensor:
-    """The number of targets as a float64 tensor on the target's device: stacked with sums that
-    live there (a CPU tensor here is the "expected all tensors on the same device" crash)."""
+    # On the target's device: stacked with sums that live there.
     return torch.full((), target.numel(), dtype=torch.float64, device=target.device)
 
 
@@ -103,14 +99,7 @@ class R2Score(Metric):
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         y = target.double().view_as(output)
-        return torch.stack(
-            [
-                ((output.double() - y) ** 2).sum(),
-                y.sum(),
-                (y**2).sum(),
-                _count(y),
-            ]
-        )
+        return torch.stack([((output.double() - y) ** 2).sum(), y.sum(), (y**2).sum(), _count(y)])
 
     def compute(self, totals: list[float]) -> float:
         sse, total, squares, n = totals

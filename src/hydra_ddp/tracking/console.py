@@ -74,8 +74,22 @@ class Console:
             _add(tree, key, value)
         self.rich.print(tree)
 
-    def progress(self, total: int, done: int) -> _Bar:
-        return _Bar(self.rich, total, done, self.enabled and self.env.is_main)
+    def progress(self, total: int, done: int) -> Progress:
+        """A started progress bar of one task: shown on a terminal of rank 0, elsewhere
+        disabled (the log lines suffice)."""
+        bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.rich,
+            disable=not (self.enabled and self.env.is_main and sys.stderr.isatty()),
+        )
+        bar.add_task("", total=total, completed=done)
+        bar.start()
+        return bar
 
     def log_step(
         self,
@@ -131,39 +145,3 @@ def _add(tree: Tree, key: str, value: Any) -> None:
             _add(branch, k, v)
     else:
         tree.add(f"{key}: {value}")
-
-
-class _Bar:
-    """A rich progress bar on a terminal; nothing (the log lines suffice) elsewhere."""
-
-    def __init__(self, rich: RichConsole, total: int, done: int, enabled: bool):
-        self.progress: Progress | None = None
-        if enabled and sys.stderr.isatty():
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=rich,
-                transient=False,
-            )
-            self.task = self.progress.add_task("", total=total, completed=done)
-            self.progress.start()
-
-    @property
-    def visible(self) -> bool:
-        return self.progress is not None
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            self.progress.advance(self.task)
-
-    def describe(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, description=text)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()

@@ -269,7 +269,7 @@ def aggregate(table: Dict[int, List[float]], keys: List[str]) -> Dict[str, float
         agg[names.spread(name, "max")] = max(values)
         agg[names.slowest(name)] = float(max(per_rank, key=lambda r: per_rank[r]))
     for name, column in columns.items():
-        if names.is_throughput(name):
+        if name.endswith(names.THROUGHPUT_SUFFIX):
             # The job's throughput (samples or tokens): ranks process disjoint items in parallel.
             agg[name + names.TOTAL_SUFFIX] = sum(column.values())
     if names.LOSS in columns:

@@ -16,7 +16,6 @@ row before W&B does); a dir whose stats name no run gets new random ids (docs/wa
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -32,9 +31,10 @@ import torch.distributed as dist
 
 from hydra_ddp import redact
 from hydra_ddp.config import Layout, LoggerConfig
-from hydra_ddp.disk import open_regular, read_regular
+from hydra_ddp.disk import open_regular
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
+from hydra_ddp.rundir import jsonfile
 from hydra_ddp.tracking import names
 from hydra_ddp.tracking.files import STEP_FIELD, SUPERSEDED
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
@@ -315,10 +315,9 @@ def _sent(path: Path) -> tuple[Optional[str], Dict[str, int]]:
 
 def _legacy_id(output_dir: Path, key: str, cfg: LoggerConfig) -> Optional[str]:
     """The run id an earlier version recorded in wandb_ids.json (it did not tag the rows)."""
-    path = output_dir / LEGACY_IDS_FILE
     try:
-        entry = json.loads(read_regular(path, what="W&B run record", fix=_FIX))["runs"][key]
+        entry = jsonfile.read(output_dir / LEGACY_IDS_FILE)["runs"][key]
         same = entry["project"] == cfg.project and entry["entity"] == cfg.entity
-    except (OSError, ValueError, LookupError, TypeError):
+    except (LookupError, TypeError):  # no record (None), or not one of runs
         return None
     return entry["id"] if same and isinstance(entry.get("id"), str) else None
