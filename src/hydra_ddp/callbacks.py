@@ -43,29 +43,25 @@ _MEMBERS = "checkpoint_members"  # not a hook of the loop: asked once, when the 
 
 @dataclass
 class Context:
-    """Where the loop is, for a callback. `model` is the unwrapped module (not DDP's wrapper,
-    so under DDP a forward in a hook starts no collective; under ddp=fsdp2 every forward
-    gathers the sharded parameters: run it on every rank)."""
+    """The loop's `hydra_ddp.protocols.HookContext` (its fields are described there). `model`
+    is the unwrapped module: under DDP a forward in a hook starts no collective; under
+    ddp=fsdp2 every forward gathers the sharded parameters, so run it on every rank."""
 
     rank: int
     world_size: int
     model: torch.nn.Module
     output_dir: Path
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0  # the epoch being trained (on_epoch_end: the one that just ended)
-    loss: float | torch.Tensor = float("nan")  # the last step's mean loss (a device tensor)
-    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
-    # on_before_optimizer_step: the name of the optimizer about to step (`default`, or its key
-    # under `optim` with several); None elsewhere.
-    optimizer: str | None = None
-    # on_step_end only (None elsewhere, so the loop keeps no step's tensors past the call):
-    # the step's micro-batches as the model got them (on the device), the model's output of
-    # each (detached; empty for a step of your own that does not call tools.backward), and
-    # the step's mean `loss` and extras (device tensors).
+    step: int = 0
+    epoch: int = 0
+    loss: float | torch.Tensor = float("nan")
+    metrics: dict[str, float] = field(default_factory=dict)
+    optimizer: str | None = None  # `default`, or its key under `optim` with several
+    # on_step_end only, so the loop keeps no step's tensors past the call; `outputs` are
+    # detached, and empty for a step of your own that does not call tools.backward.
     batch: list[Any] | None = None
     outputs: list[Any] | None = None
     losses: dict[str, torch.Tensor] | None = None
-    # ctx.log's destination: the rank's stats file and the logger (Tracker.log_values).
+    # ctx.log's destination: Tracker.log_values.
     _sink: Callable[[int, dict[str, Any]], None] | None = None
     # The DTensors given to ctx.log in the running hook call: logged whole at its end.
     _dtensors: list[tuple[str, Any]] = field(default_factory=list)
@@ -88,8 +84,7 @@ class Callbacks:
     """The configured callbacks, called in config order; `state_dict` holds theirs by name."""
 
     def __init__(self, configs: Mapping[str, Any], **runtime: Any) -> None:
-        """`runtime`: what a callback may ask for by name in its constructor (`data`, the
-        data source), as models do with the data's spec."""
+        """`runtime`: what a callback may ask for by name in its constructor (`data`)."""
         self.items = {name: build(c, f"callbacks.{name}", **runtime) for name, c in configs.items()}
         for name, cb in self.items.items():
             if not any(callable(getattr(cb, hook, None)) for hook in (*HOOKS, _MEMBERS)):
@@ -99,7 +94,7 @@ class Callbacks:
                 )
 
     def has(self, hook: str) -> bool:
-        """Whether any callback defines `hook` (the loop skips the work a hook alone needs)."""
+        """Whether any callback defines `hook` (else the loop skips the work it needs)."""
         return any(callable(getattr(cb, hook, None)) for cb in self.items.values())
 
     def before_step(

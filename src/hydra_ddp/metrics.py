@@ -32,11 +32,6 @@ def _count(target: torch.Tensor) -> torch.Tensor:
     return torch.full((), target.numel(), dtype=torch.float64, device=target.device)
 
 
-def _valid(target: torch.Tensor) -> torch.Tensor:
-    """Positions that count: all but padding (IGNORE_INDEX, -100, as in Hugging Face labels)."""
-    return target != IGNORE_INDEX
-
-
 def logits_of(output: Any) -> torch.Tensor:
     """A model's logits: the output itself, or its `logits` (a dict's, or a Hugging Face output
     object's)."""
@@ -59,7 +54,7 @@ class Accuracy(Metric):
     """Share of positions whose argmax over the last axis is the target (padding excluded)."""
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        valid = _valid(target)
+        valid = target != IGNORE_INDEX  # padding (-100, as in Hugging Face labels) excluded
         right = ((logits_of(output).argmax(-1) == target) & valid).sum()
         return torch.stack([right.double(), valid.sum().double()])
 
@@ -72,7 +67,8 @@ class Perplexity(Metric):
     positions that are not padding (IGNORE_INDEX)."""
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return torch.stack([_nll_sum(output, target).double(), _valid(target).sum().double()])
+        valid = (target != IGNORE_INDEX).sum()
+        return torch.stack([_nll_sum(output, target).double(), valid.double()])
 
     def compute(self, totals: list[float]) -> float:
         return math.exp(min(totals[0] / max(totals[1], 1), 700.0))

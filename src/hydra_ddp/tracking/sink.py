@@ -90,8 +90,7 @@ def _scalar_or_text(key: str, value: Any) -> Any:
         )
     if torch.is_tensor(value) and value.numel() == 1:
         return value.item()
-    size = getattr(value, "size", None)
-    if type(value).__module__ == "numpy" and size == 1:
+    if type(value).__module__ == "numpy" and getattr(value, "size", None) == 1:
         return value.item()
     what = (
         f"a tensor of {value.numel()} elements" if torch.is_tensor(value) else type(value).__name__
@@ -104,8 +103,4 @@ def _scalar_or_text(key: str, value: Any) -> Any:
 
 def plain(value: Any) -> Any:
     """The value as the stats file records it: W&B media as a placeholder."""
-    return (
-        f"<{type(value).__module__.split('.')[0]}.{type(value).__name__}>"
-        if is_media(value)
-        else value
-    )
+    return f"<wandb.{type(value).__name__}>" if is_media(value) else value

@@ -1,14 +1,12 @@
 """The tracker: what the loop calls to record a job, fanning each record out to the sinks (the
 stats files always, plus the one `logger.sink._target_` names).
 
-Every rank calls `Tracker.log` at each log interval with the same stat keys. Its own row goes to
-the sinks at once; the cross-rank part (the aggregates, and W&B's `gather` row of every rank's
-stats) is one small asynchronous all_gather, read at the next log point or at `close`, so
+A rank's own row goes to the sinks at once; the cross-rank part (the aggregates, W&B's `gather`
+row) is one small asynchronous all_gather, read at the next log point or at `close`, so
 training does not stall at every interval. It carries [key signature, queued ctx.log rows,
-*stats] as float64: the signature (a crc32 of the key names) makes mismatched keys fail loudly
-instead of being mislabelled; the row count tells every rank whether a second, object gather of
-the queued `ctx.log` values is needed (only for a sink that writes other ranks' values from
-rank 0, W&B's `gather` layout).
+*stats]: the signature (a crc32 of the key names) makes mismatched keys fail loudly instead of
+being mislabelled; the row count tells every rank whether a second, object gather of the queued
+`ctx.log` values is needed (for a sink that writes other ranks' values from rank 0).
 """
 
 from __future__ import annotations
@@ -61,9 +59,8 @@ class Interval:
     def finish(
         self, env: DistEnv, exchange: bool
     ) -> Tuple[Dict[int, List[float]], List[Tuple[int, Queued]]]:
-        """Wait for the gather: every rank's values by rank, and (with `exchange`, when some
-        rank queued any) every other rank's queued ctx.log rows. `# collective` with
-        `exchange`."""
+        """Every rank's values by rank, and (with `exchange`, when some rank queued any) the
+        other ranks' queued ctx.log rows. `# collective` with `exchange`."""
         if self.work is None:
             return {env.rank: self.values}, []
         self.work.wait()
@@ -81,8 +78,6 @@ class Interval:
 
 
 class Tracker:
-    """Records one job's per-rank stats, ctx.log values, evaluations and summary in its sinks."""
-
     def __init__(
         self, cfg: LoggerConfig, env: DistEnv, run: RunInfo, resumed_step: Optional[int] = None
     ) -> None:
@@ -134,7 +129,6 @@ class Tracker:
             self.pending = interval
 
     def _finish(self, interval: Interval, exchange: bool) -> None:
-        """Wait for an interval's gather; hand its aggregates and rows to the sinks."""
         table, forwarded = interval.finish(self.env, exchange and self.forward)
         agg = aggregate(table, interval.keys) if self.env.is_main else {}
         if self.env.is_main:
@@ -198,8 +192,7 @@ class Tracker:
 
     def close_all(self) -> None:
         """`# collective`, at the end of a successful run: hand rank 0 the last ctx.log rows,
-        then close on every rank; with W&B's shared layout the other ranks first, so the
-        primary finishes the run last."""
+        then close; under W&B's shared layout the primary (rank 0) finishes the run last."""
         self._hand_over()  # collective
         shared = self.env.distributed and getattr(self.sinks[-1], "layout", None) == Layout.shared
         if shared and not self.env.is_main:

@@ -117,19 +117,14 @@ def clip(text: str, limit: int = WANDB_MAX_LEN) -> str:
     return f"{text[: limit - 9]}-{digest}"
 
 
-def reason(error: Exception, project: str) -> str:
-    """W&B's own reason, its first line with the project name shortened (W&B quotes a
-    300-character name back in full), at most 200 characters."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    text = lines[0].replace(project, shorten(project, 40)) if project else lines[0]
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def init_error(error: Exception, cfg: LoggerConfig, mode: str) -> UserError:
-    """What wandb.init raised, as the line the job stops with."""
+    """What wandb.init raised, as the line the job stops with, quoting W&B's own reason (its
+    first line, the project shortened: W&B quotes a 300-character name back in full)."""
     import wandb
 
-    why = reason(error, cfg.project)
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    why = why.replace(cfg.project, shorten(cfg.project, 40)) if cfg.project else why
+    why = why if len(why) <= 200 else why[:197] + "..."
     if isinstance(error, (wandb.errors.AuthenticationError, wandb.errors.UsageError)):
         if isinstance(error, wandb.errors.AuthenticationError):
             todo = "log in again (`wandb login`, or WANDB_API_KEY), or set logger.mode=offline"

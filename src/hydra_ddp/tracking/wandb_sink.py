@@ -72,8 +72,6 @@ def _for_wandb(value: Any) -> Any:
 
 
 class WandbSink(Sink):
-    """This rank's W&B run (none on ranks other than 0 in the gather layout)."""
-
     @staticmethod
     def check_before_launch(logger_cfg: LoggerConfig) -> None:
         resolve_mode(logger_cfg.mode)  # logger.mode=online without a login: one line, once
@@ -128,20 +126,18 @@ class WandbSink(Sink):
 
     @property
     def gathers_values(self) -> bool:
-        """Whether rank 0 writes the other ranks' ctx.log values (they have no run)."""
+        # Rank 0 writes the other ranks' ctx.log values: they have no run.
         return self.layout == Layout.gather
 
     def _agree_on_start(self, failure: Optional[str]) -> None:
         """`# collective`: a rank whose W&B run could not start tells the others, so every rank
         stops with the same line instead of waiting dist.timeout_s for it."""
         outcomes = all_gather_objects(failure, self.env) if self.env.distributed else [failure]
-        failed = [(r, why) for r, why in enumerate(outcomes) if why is not None]
-        if not failed:
-            return
         if failure is not None:
             raise UserError(failure)
-        rank, why = failed[0]
-        raise UserError(f"rank {rank}: {why}")
+        for rank, why in enumerate(outcomes):
+            if why is not None:
+                raise UserError(f"rank {rank}: {why}")
 
     def _find_run(self, info: RunInfo, stats: Path) -> tuple[str, int, int]:
         """This rank's W&B run id, and the newest train and eval steps already sent to it, from
