@@ -17,19 +17,7 @@ conf/logger/ naming it in `logger.sink._target_`; nothing here is meant to be ed
 """
 
 from hydra_ddp.tracking.files import set_aside_stats
-from hydra_ddp.tracking.names import STEP_METRIC
 from hydra_ddp.tracking.sink import Record, RunInfo, Sink
 from hydra_ddp.tracking.tracker import Tracker
-from hydra_ddp.tracking.wandb_mode import resolve_mode
-from hydra_ddp.tracking.wandb_sink import physical_gpu
 
-__all__ = [
-    "STEP_METRIC",
-    "Record",
-    "RunInfo",
-    "Sink",
-    "Tracker",
-    "physical_gpu",
-    "resolve_mode",
-    "set_aside_stats",
-]
+__all__ = ["Record", "RunInfo", "Sink", "Tracker", "set_aside_stats"]

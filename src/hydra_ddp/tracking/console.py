@@ -100,8 +100,7 @@ class Console:
         unit: str,
     ) -> None:
         """One line per log interval (nanoGPT-style), with the slowest rank when there are
-        several, so a straggler shows on the console too. The cross-rank figures are those of
-        the newest gathered interval (`Tracker.last_aggregate`), one interval behind."""
+        several, from the newest gathered interval (`Tracker.last_aggregate`)."""
         agg_step, agg = last_aggregate
         # One learning rate is shown; several (lr/<optimizer>/<group>) are in the stats files.
         lr = f" | lr {stats[names.LR]:.2e}" if names.LR in stats else ""

@@ -1,15 +1,8 @@
 """What every sink gets: `RunInfo`, the records of one job, `Sink` (a base with no-op defaults;
 the contract is `hydra_ddp.protocols.Sink`), and the rule for what `ctx.log` accepts, the same
-for every sink:
-
-* a number (int, float, bool, a numpy scalar) or a one-element tensor is a scalar: this rank's
-  stats file, W&B and TensorBoard;
-* a string is text: the stats file, W&B (as preformatted HTML) and TensorBoard (as text);
-* a W&B media object (wandb.Image, ...) goes to W&B only; the stats file records a placeholder
-  (``"<wandb.Image>"``), TensorBoard leaves it out;
-* anything else (a list, a dict, a tensor of several elements, None, a DTensor, which
-  callbacks.Context.log makes whole first) is refused with a one-line ValueError, and so is a
-  key the row or the template's own stats use (names.is_reserved).
+for every sink (docs/extending.md, "Callback"): numbers, one-element tensors and text; W&B
+media for W&B only (the stats file records a placeholder); anything else, or a key the template
+logs itself, is refused with a one-line ValueError.
 """
 
 from __future__ import annotations
