@@ -78,6 +78,8 @@ class Interval:
 
 
 class Tracker:
+    """Records one job's per-rank stats, ctx.log values, evaluations and summary in its sinks."""
+
     def __init__(
         self, cfg: LoggerConfig, env: DistEnv, run: RunInfo, resumed_step: Optional[int] = None
     ) -> None:
