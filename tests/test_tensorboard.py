@@ -13,7 +13,7 @@ from helpers.inproc import train_here, train_ranks
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking import values
+from hydra_ddp.tracking.sink import loggable_values, plain
 
 TEXT = [
     "data=text", "model=gpt", "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
@@ -105,21 +105,21 @@ def test_ctx_log_rule() -> None:
     import torch
     import wandb
 
-    out = values.loggable_values(
+    out = loggable_values(
         {"a": torch.tensor(2.5), "b": np.float64(1.5), "c": 3, "d": "text", "e": True}, []
     )
     assert out == {"a": 2.5, "b": 1.5, "c": 3, "d": "text", "e": True}
     histogram = wandb.Histogram([1.0, 2.0, 3.0])
-    assert values.loggable_values({"h": histogram}, [])["h"] is histogram
-    assert values.plain(histogram) == "<wandb.Histogram>"
+    assert loggable_values({"h": histogram}, [])["h"] is histogram
+    assert plain(histogram) == "<wandb.Histogram>"
     for key in ("step", "rank", "time", "loss", "lr", "lr/default/0", "step_time", "epoch"):
         with pytest.raises(ValueError, match=f"ctx.log key '{key}' is a field or stat"):
-            values.loggable_values({key: 1.0}, [])
+            loggable_values({key: 1.0}, [])
     with pytest.raises(ValueError, match="'loss_aux' is a field or stat"):
-        values.loggable_values({"loss_aux": 1.0}, ["loss", "loss_aux"])  # a term this job logs
+        loggable_values({"loss_aux": 1.0}, ["loss", "loss_aux"])  # a term this job logs
     for bad, what in (([1, 2], "list"), (torch.ones(3), "a tensor of 3 elements"), (None, "None")):
         with pytest.raises(ValueError, match=f"ctx.log value 'x' is {what}"):
-            values.loggable_values({"x": bad}, [])
+            loggable_values({"x": bad}, [])
 
 
 @pytest.mark.parametrize("key, value", [("loss", "1"), ("x", "tensor")])

@@ -25,8 +25,8 @@ from helpers.inproc import job, train_ranks
 from hydra_ddp.config import WandbMode
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking import STEP_METRIC as STEP
-from hydra_ddp.tracking import resolve_mode
+from hydra_ddp.tracking.names import STEP_METRIC as STEP
+from hydra_ddp.tracking.wandb_mode import resolve_mode
 
 PLOT = REPO / "scripts" / "plot_run.py"
 # 40 hex chars, the shape of a real key; made at run time, so that no file holds it (a job
@@ -635,7 +635,7 @@ def test_a_resume_counts_only_its_own_runs_rows(tmp_path: Path) -> None:
 def test_wandb_gpu_ids_follow_cuda_visible_devices(monkeypatch) -> None:
     """W&B's system monitor sees every GPU of the machine: cuda:0 of a task that sees GPUs 2,3
     is GPU 2 there."""
-    from hydra_ddp.tracking import physical_gpu
+    from hydra_ddp.tracking.wandb_sink import physical_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert (physical_gpu(0), physical_gpu(1)) == (2, 3)

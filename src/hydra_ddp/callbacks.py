@@ -4,17 +4,13 @@
 
     python -m hydra_ddp.train +callbacks.count._target_=my_callbacks.Count +callbacks.count.every=5
 
-A callback is any object with some of the hooks in `HOOKS`, each given a `Context`, and
-optionally `state_dict()` / `load_state_dict(state)` and `checkpoint_members()` (objects of
-yours every checkpoint holds too): the contract (when each hook runs, on which ranks, what is
-checkpointed) is `hydra_ddp.protocols.Callback`. `ctx.log({...})` puts values into this rank's
-stats at the current step.
+The contract (the hooks in `HOOKS`, when each runs, on which ranks, what is checkpointed) is
+`hydra_ddp.protocols.Callback`.
 
-Under ddp=fsdp2 a parameter, its gradient and what is computed from them (`p.grad.norm()`) are
-DTensors: each rank holds a part, and `.item()` would read only that part. ctx.log logs such a
-value whole: the hook call ends with the ranks agreeing on the DTensors they were given (one
-small all-gather per hook call of a sharded job) and `full_tensor()` of each, in the same
-order on every rank. A DTensor logged on some ranks only is refused on all of them in one line.
+Under ddp=fsdp2 a parameter, its gradient and what is computed from them are DTensors, of which
+`.item()` reads this rank's part only. ctx.log logs such a value whole: the hook call ends with
+the ranks agreeing on the DTensors they were given (one small all-gather per hook call of a
+sharded job), then `full_tensor()` of each, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
 
 from hydra_ddp.components import build
 from hydra_ddp.distributed import DistEnv, all_gather_objects
@@ -45,44 +43,37 @@ _MEMBERS = "checkpoint_members"  # not a hook of the loop: asked once, when the 
 
 @dataclass
 class Context:
-    """Where the loop is, for a callback. `model` is the unwrapped module (not DDP's wrapper,
-    so under DDP a forward in a hook starts no collective; under ddp=fsdp2 every forward
-    gathers the sharded parameters: run it on every rank)."""
+    """The loop's `hydra_ddp.protocols.HookContext` (its fields are described there). `model`
+    is the unwrapped module: under DDP a forward in a hook starts no collective; under
+    ddp=fsdp2 every forward gathers the sharded parameters, so run it on every rank."""
 
     rank: int
     world_size: int
     model: torch.nn.Module
     output_dir: Path
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0  # the epoch being trained (on_epoch_end: the one that just ended)
-    loss: float | torch.Tensor = float("nan")  # the last step's mean loss (a device tensor)
-    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
-    # on_before_optimizer_step: the name of the optimizer about to step (`default`, or its key
-    # under `optim` with several); None elsewhere.
-    optimizer: str | None = None
-    # on_step_end only (None elsewhere, so the loop keeps no step's tensors past the call):
-    # the step's micro-batches as the model got them (on the device), the model's output of
-    # each (detached; empty for a step of your own that does not call tools.backward), and
-    # the step's mean `loss` and extras (device tensors).
+    step: int = 0
+    epoch: int = 0
+    loss: float | torch.Tensor = float("nan")
+    metrics: dict[str, float] = field(default_factory=dict)
+    optimizer: str | None = None  # `default`, or its key under `optim` with several
+    # on_step_end only, so the loop keeps no step's tensors past the call; `outputs` are
+    # detached, and empty for a step of your own that does not call tools.backward.
     batch: list[Any] | None = None
     outputs: list[Any] | None = None
     losses: dict[str, torch.Tensor] | None = None
-    # ctx.log's destination: the rank's stats file and the logger (Tracker.log_values).
+    # ctx.log's destination: Tracker.log_values.
     _sink: Callable[[int, dict[str, Any]], None] | None = None
     # The DTensors given to ctx.log in the running hook call: logged whole at its end.
     _dtensors: list[tuple[str, Any]] = field(default_factory=list)
 
     def log(self, values: Mapping[str, Any]) -> None:
-        """Record `values` in this rank's stats at the current step (tracking/values.py): numbers
-        and one-element tensors in stats/rank<r>.jsonl, W&B and TensorBoard, text likewise, W&B
-        media objects (wandb.Image, ...) in W&B only (a placeholder in the stats file). A key
-        the template logs itself (step, rank, loss, lr, ...) or another kind of value raises a
-        ValueError, which names the callback. A DTensor (ddp=fsdp2) is logged whole at the end
-        of the hook call, which makes it a collective: log it on every rank."""
+        """Record `values` in this rank's stats and sinks at the current step (what each
+        accepts: tracking/sink.py). A DTensor is logged whole at the end of the hook call, which
+        makes it a collective: log it on every rank."""
         if self._sink is None:
             return
         values = dict(values)
-        dtensors = {k: v for k, v in values.items() if _is_dtensor(v)}
+        dtensors = {k: v for k, v in values.items() if isinstance(v, DTensor)}
         self._dtensors.extend(dtensors.items())
         plain = {k: v for k, v in values.items() if k not in dtensors}
         if plain:
@@ -93,8 +84,7 @@ class Callbacks:
     """The configured callbacks, called in config order; `state_dict` holds theirs by name."""
 
     def __init__(self, configs: Mapping[str, Any], **runtime: Any) -> None:
-        """`runtime`: what a callback may ask for by name in its constructor (`data`, the
-        data source), as models do with the data's spec."""
+        """`runtime`: what a callback may ask for by name in its constructor (`data`)."""
         self.items = {name: build(c, f"callbacks.{name}", **runtime) for name, c in configs.items()}
         for name, cb in self.items.items():
             if not any(callable(getattr(cb, hook, None)) for hook in (*HOOKS, _MEMBERS)):
@@ -104,15 +94,15 @@ class Callbacks:
                 )
 
     def has(self, hook: str) -> bool:
-        """Whether any callback defines `hook` (the loop skips the work a hook alone needs)."""
+        """Whether any callback defines `hook` (else the loop skips the work it needs)."""
         return any(callable(getattr(cb, hook, None)) for cb in self.items.values())
 
     def before_step(
         self, ctx: Context, where: Callable[[], tuple[int, int]]
     ) -> Callable[[str], None] | None:
-        """What the step tools call with the gradients present (StepTools.before_step), given
-        the optimizer's name: on_before_optimizer_step at `where()` (the step being taken, the
-        epoch). None when no callback defines it, so the step pays nothing."""
+        """StepTools.before_step: on_before_optimizer_step at `where()` (the step being taken,
+        the epoch), given the optimizer's name; None when no callback has it (it costs
+        nothing)."""
         if not self.has("on_before_optimizer_step"):
             return None
 
@@ -127,8 +117,7 @@ class Callbacks:
         return call
 
     def __call__(self, hook: str, ctx: Context) -> None:
-        """Call `hook` of every callback that has it; `# collective` for a sharded job (the
-        DTensors ctx.log was given are logged whole, see the module's docstring)."""
+        """Call `hook` of every callback that has it; `# collective` for a sharded job."""
         dtensors: list[tuple[str, str, Any]] = []  # (callback, key, value)
         called = False
         for name, cb in self.items.items():
@@ -158,13 +147,13 @@ class Callbacks:
         )
 
     def _log_whole(self, hook: str, ctx: Context, dtensors: list[tuple[str, str, Any]]) -> None:
-        """`# collective` when the model is sharded (also over one rank, as a launched single
-        GPU is): every rank's list of the DTensors logged in this hook call, then, if the ranks
-        agree, `full_tensor()` of each in that order (else one line on every rank). Unsharded,
-        a DTensor replicated on every rank is logged as it is, any other refused."""
-        if not _is_sharded(ctx.model):
+        """`# collective` when the model is sharded (fully_shard makes it an FSDPModule on every
+        rank, also on one): the ranks agree on the DTensors logged, then log `full_tensor()` of
+        each. Unsharded, a DTensor replicated on every rank is logged as it is, any other
+        refused."""
+        if not isinstance(ctx.model, FSDPModule):
             for name, key, value in dtensors:
-                if not _replicated(value):
+                if not all(isinstance(p, Replicate) for p in value.placements):
                     raise UserError(_whole_only(name, key, hook))
                 self._log_one(name, hook, ctx, key, value.to_local())
             return
@@ -184,8 +173,7 @@ class Callbacks:
             raise self._failed(name, hook, ctx.step, e) from e
 
     def checkpoint_members(self) -> list[Any]:
-        """What the callbacks add to every checkpoint (checkpoint.state.Member objects), each
-        callback's `checkpoint_members()` in config order."""
+        """Every callback's `checkpoint_members()` (checkpoint.state.Member), in config order."""
         return [
             member
             for cb in self.items.values()
@@ -204,26 +192,6 @@ class Callbacks:
         for name, cb in self.items.items():
             if name in state and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(state[name])
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """ddp=fsdp2's fully_shard makes the module an FSDPModule, the same on every rank (only
-    with a process group: without one fsdp.wrap shards nothing)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def _replicated(value: Any) -> bool:
-    from torch.distributed.tensor import Replicate
-
-    return all(isinstance(p, Replicate) for p in value.placements)
 
 
 def _whole_only(name: str, key: str, hook: str) -> str:
@@ -255,13 +223,9 @@ def _disagreement(hook: str, every: list[list[tuple[str, str]]]) -> str:
 
 class SampleText:
     """Example callback (experiment=text_gpt): after each validation, every rank samples the
-    same `length` characters from the model, and rank 0 logs them (its log file,
-    stats/rank0.jsonl, W&B). Every rank: under ddp=fsdp2 each forward gathers the parameters
-    from all ranks, so a forward on rank 0 alone would pair with another collective.
-
-    It asks for the data source by name (`data`, like a model asks for `vocab_size`) to turn
-    tokens back into characters. Sampling draws from a generator of its own, so the training
-    RNG, and with it a resumed run, is unchanged."""
+    same `length` characters from the model (under ddp=fsdp2 each forward gathers the
+    parameters from all ranks), and rank 0 logs them. It asks for the data source by name to
+    turn tokens back into characters; its own generator leaves the training RNG unchanged."""
 
     def __init__(self, data: Any, length: int = 200, temperature: float = 0.8, seed: int = 0):
         if not hasattr(data, "decode"):

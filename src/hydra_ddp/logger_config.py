@@ -1,10 +1,5 @@
-"""The typed logger/ group: where stats go besides the per-rank JSON-lines files, and how W&B
-is used. conf/logger/*.yaml merge into `LoggerConfig`; `from hydra_ddp.config import
-LoggerConfig` works as well (config.py re-exports it).
-
-The sink itself is a component like a model: `logger.sink._target_` names its class (a
-`hydra_ddp.protocols.Sink`) and the rest of `logger.sink.*` are its own arguments, so a new
-sink is a module and a YAML in conf/logger/, with no edit here or in the tracker."""
+"""The typed logger/ group (conf/logger/*.yaml; config.py re-exports it): where stats go besides
+the per-rank JSON-lines files, and how W&B is used."""
 
 from __future__ import annotations
 
@@ -41,8 +36,8 @@ class WandbConsole(Enum):
 @dataclass
 class LoggerConfig:
     # Where stats go besides the per-rank JSON-lines files: `_target_` (a class meeting
-    # hydra_ddp.protocols.Sink) and its own arguments, as conf/logger/<name>.yaml sets it;
-    # null: the files only (logger=none). The keys below are the W&B sink's.
+    # hydra_ddp.protocols.Sink) and its own arguments; null: the files only (logger=none).
+    # The keys below are the W&B sink's.
     sink: Optional[Any] = None
     layout: Layout = Layout.gather
     mode: WandbMode = WandbMode.auto

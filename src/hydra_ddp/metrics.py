@@ -1,9 +1,6 @@
-"""Example evaluation metrics (`metrics=<name>`); a metric of yours is a class like these.
-
-The contract (`sums(output, target)` per batch, `compute(totals)` of the sums added over
-batches and ranks, `gathers` for a metric that needs every rank's rows) is
-`hydra_ddp.protocols.Metric`: only sums cross ranks, so each metric is exact however the rows
-are split.
+"""Example evaluation metrics (`metrics=<name>`); a metric of yours is a class like these
+(the contract: `hydra_ddp.protocols.Metric`). Only sums cross ranks, so each metric is exact
+however the rows are split.
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ from hydra_ddp.batches import IGNORE_INDEX
 
 
 class Metric:
-    """A base with the default `gathers` (the contract: `hydra_ddp.protocols.Metric`)."""
+    """A base with the default `gathers`."""
 
-    gathers = False  # True: sums() gathers every rank's rows (hydra_ddp.protocols.Metric)
+    gathers = False  # True: sums() gathers every rank's rows
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """Sums over one batch (a 1-D tensor on the output's device). Name a parameter `batch`
@@ -31,14 +28,8 @@ class Metric:
 
 
 def _count(target: torch.Tensor) -> torch.Tensor:
-    """The number of targets as a float64 tensor on the target's device: stacked with sums that
-    live there (a CPU tensor here is the "expected all tensors on the same device" crash)."""
+    # On the target's device: stacked with sums that live there.
     return torch.full((), target.numel(), dtype=torch.float64, device=target.device)
-
-
-def _valid(target: torch.Tensor) -> torch.Tensor:
-    """Positions that count: all but padding (IGNORE_INDEX, -100, as in Hugging Face labels)."""
-    return target != IGNORE_INDEX
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -63,7 +54,7 @@ class Accuracy(Metric):
     """Share of positions whose argmax over the last axis is the target (padding excluded)."""
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        valid = _valid(target)
+        valid = target != IGNORE_INDEX  # padding (-100, as in Hugging Face labels) excluded
         right = ((logits_of(output).argmax(-1) == target) & valid).sum()
         return torch.stack([right.double(), valid.sum().double()])
 
@@ -76,7 +67,8 @@ class Perplexity(Metric):
     positions that are not padding (IGNORE_INDEX)."""
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return torch.stack([_nll_sum(output, target).double(), _valid(target).sum().double()])
+        valid = (target != IGNORE_INDEX).sum()
+        return torch.stack([_nll_sum(output, target).double(), valid.double()])
 
     def compute(self, totals: list[float]) -> float:
         return math.exp(min(totals[0] / max(totals[1], 1), 700.0))
@@ -103,14 +95,7 @@ class R2Score(Metric):
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         y = target.double().view_as(output)
-        return torch.stack(
-            [
-                ((output.double() - y) ** 2).sum(),
-                y.sum(),
-                (y**2).sum(),
-                _count(y),
-            ]
-        )
+        return torch.stack([((output.double() - y) ** 2).sum(), y.sum(), (y**2).sum(), _count(y)])
 
     def compute(self, totals: list[float]) -> float:
         sse, total, squares, n = totals

@@ -62,7 +62,7 @@ class Record:
 
     kind: Kind
     rank: int  # whose values these are
-    values: Dict[str, Any]  # stats, ctx.log values or metrics (tracking/values.py: their types)
+    values: Dict[str, Any]  # stats, ctx.log values or metrics (tracking/sink.py: their types)
     time: float  # time.time() when it was logged
     # Kind.interval: every rank's stats by rank (float) and, on rank 0, the aggregates.
     table: Dict[int, Dict[str, float]] = field(default_factory=dict)

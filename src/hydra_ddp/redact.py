@@ -1,19 +1,11 @@
 """One rule for what counts as a secret, applied wherever a config or a command line leaves the
-job's own `.hydra/` record: W&B's config, run name, group and command line, the console's config
-tree, the rank logs and `run.json`.
+job's own `.hydra/` record (W&B, the console, the rank logs, `run.json`, a sweep's records).
 
 A key is secret when its last part contains `token`, `secret`, `password`/`passwd`,
-`api_key`/`apikey`, `access_key`, `credential` or `private_key` (`hf_token`,
-`model.api_token`, `aws_access_key_id`, `db_password`), except the tokenizer's vocabulary
-(`pad_token`, `bos_token`, `eos_token`, `unk_token`, `sep_token`, `cls_token`, `mask_token`,
-`*_token_id`) and token counts (`max_tokens`, `num_tokens`, `tokens_per_s`). Its value becomes
-`<redacted>`; so does the live `WANDB_API_KEY` wherever it appears. Sweeps blank them in job
-dir names, `sweep_report.json`, `sweep_jobs.jsonl` and the Optuna sweeper's
-`optimization_results.yaml`; `LogFilter` (on every handler of conf/train.yaml's logging) blanks
-`key=value` pairs (the whole value, blanks included) and `'key': value` items of printed dicts
-in log lines, Hydra's own launcher lines and the sweeper's `Best parameters` included.
-`.hydra/config.yaml` (and a sweep's `multirun.yaml`) on your disk stays complete: evaluation
-and resume rebuild the job from it.
+`api_key`/`apikey`, `access_key`, `credential` or `private_key`, except the tokenizer's
+vocabulary (`pad_token`, `*_token_id`, ...) and token counts (`max_tokens`, `tokens_per_s`).
+Its value becomes `<redacted>`, as does the live `WANDB_API_KEY` wherever it appears.
+`.hydra/config.yaml` on your disk stays complete: evaluation and resume rebuild the job from it.
 """
 
 from __future__ import annotations
@@ -50,21 +42,20 @@ _ITEM = re.compile(
 
 def is_secret(key: str) -> bool:
     """Whether a config key (dotted or not) names a secret."""
-    last = re.split(r"[.]", key.lstrip("+~"))[-1]
+    last = key.lstrip("+~").rsplit(".", 1)[-1]
     return bool(_SECRET.search(last)) and not _NOT_SECRET.search(last)
 
 
-def config(value: Any, live_key: str | None = None) -> Any:
+def config(value: Any) -> Any:
     """A copy of a config with secret entries blanked (and the live API key wherever it is)."""
-    live_key = os.environ.get("WANDB_API_KEY") if live_key is None else live_key
     if isinstance(value, Mapping):
         return {
-            k: REDACTED if isinstance(k, str) and is_secret(k) and v else config(v, live_key)
+            k: REDACTED if isinstance(k, str) and is_secret(k) and v else config(v)
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
-        return [config(v, live_key) for v in value]
-    return text(value, live_key) if isinstance(value, str) else value
+        return [config(v) for v in value]
+    return text(value) if isinstance(value, str) else value
 
 
 def overrides(items: Iterable[str]) -> list[str]:
@@ -76,9 +67,9 @@ def overrides(items: Iterable[str]) -> list[str]:
     return out
 
 
-def text(value: str, live_key: str | None = None) -> str:
+def text(value: str) -> str:
     """`value` with the live W&B API key blanked."""
-    live_key = os.environ.get("WANDB_API_KEY") if live_key is None else live_key
+    live_key = os.environ.get("WANDB_API_KEY")
     return value.replace(live_key, REDACTED) if live_key else value
 
 
@@ -99,9 +90,9 @@ def pairs(message: str) -> str:
 
 
 class LogFilter(logging.Filter):
-    """Blanks secret `key=value` pairs and the live W&B key in every record a handler writes
-    (named in conf/train.yaml's hydra_logging and job_logging): Hydra's launcher logs each
-    sweep job's overrides, `#0 : +db.password=...`, before any code of ours runs."""
+    """Blanks secrets in every record a handler of conf/train.yaml's logging writes: Hydra's
+    launcher logs each sweep job's overrides, `#0 : +db.password=...`, before any code of ours
+    runs."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from hydra_ddp.config import Layout, LoggerConfig, WandbMode
 from hydra_ddp.distributed import DistEnv
-from hydra_ddp.tracking import RunInfo, make_tracker
+from hydra_ddp.tracking import RunInfo, Tracker
 
 STEPS = 5
 # What conf/logger/<name>.yaml sets logger.sink to.
@@ -66,7 +66,7 @@ def run_job(
         config["logger"] = {"api_key": leak_key}
         config["note"] = f"run with key {leak_key}"
     info = RunInfo(output_dir=Path(out), job_name=job_name, group="test-group", config=config)
-    tracker = make_tracker(cfg, env, info)
+    tracker = Tracker(cfg, env, info)
     failed = True
     try:
         for step in range(1, steps + 1):
@@ -99,7 +99,7 @@ def resume_attempt(
         min_interval_s=0,
     )
     info = RunInfo(output_dir=Path(out), job_name=name, group="test-group", config={"job": name})
-    tracker = make_tracker(cfg, DistEnv(), info, resumed_step=resumed)
+    tracker = Tracker(cfg, DistEnv(), info, resumed_step=resumed)
     for step in range(first, last + 1):
         tracker.log(step, {"loss": 1.0 / step})
     tracker.log_eval(last, {"val/acc": 0.5})

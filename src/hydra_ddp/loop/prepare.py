@@ -27,7 +27,7 @@ from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.position import epoch_length, total_epochs
 from hydra_ddp.rank_job import RankJob, build_components
 from hydra_ddp.rundir import provenance
-from hydra_ddp.tracking import RunInfo, Tracker, make_tracker
+from hydra_ddp.tracking import RunInfo, Tracker
 from hydra_ddp.tracking.console import Console
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def start_tracker(job: RankJob, resumed_step: int | None) -> Tracker:
     origin = provenance.record_run(
         run.output_dir, env, run.overrides, cfg.trainer.untracked_content
     )  # collective
-    tracker = make_tracker(cfg.logger, env, run, resumed_step=resumed_step)
+    tracker = Tracker(cfg.logger, env, run, resumed_step=resumed_step)
     tracker.add_config({"provenance": origin} if origin else {})
     return tracker
 

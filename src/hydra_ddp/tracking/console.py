@@ -74,8 +74,22 @@ class Console:
             _add(tree, key, value)
         self.rich.print(tree)
 
-    def progress(self, total: int, done: int) -> _Bar:
-        return _Bar(self.rich, total, done, self.enabled and self.env.is_main)
+    def progress(self, total: int, done: int) -> Progress:
+        """A started progress bar of one task: shown on a terminal of rank 0, elsewhere
+        disabled (the log lines suffice)."""
+        bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.rich,
+            disable=not (self.enabled and self.env.is_main and sys.stderr.isatty()),
+        )
+        bar.add_task("", total=total, completed=done)
+        bar.start()
+        return bar
 
     def log_step(
         self,
@@ -86,8 +100,7 @@ class Console:
         unit: str,
     ) -> None:
         """One line per log interval (nanoGPT-style), with the slowest rank when there are
-        several, so a straggler shows on the console too. The cross-rank figures are those of
-        the newest gathered interval (`Tracker.last_aggregate`), one interval behind."""
+        several, from the newest gathered interval (`Tracker.last_aggregate`)."""
         agg_step, agg = last_aggregate
         # One learning rate is shown; several (lr/<optimizer>/<group>) are in the stats files.
         lr = f" | lr {stats[names.LR]:.2e}" if names.LR in stats else ""
@@ -131,39 +144,3 @@ def _add(tree: Tree, key: str, value: Any) -> None:
             _add(branch, k, v)
     else:
         tree.add(f"{key}: {value}")
-
-
-class _Bar:
-    """A rich progress bar on a terminal; nothing (the log lines suffice) elsewhere."""
-
-    def __init__(self, rich: RichConsole, total: int, done: int, enabled: bool):
-        self.progress: Progress | None = None
-        if enabled and sys.stderr.isatty():
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=rich,
-                transient=False,
-            )
-            self.task = self.progress.add_task("", total=total, completed=done)
-            self.progress.start()
-
-    @property
-    def visible(self) -> bool:
-        return self.progress is not None
-
-    def advance(self) -> None:
-        if self.progress is not None:
-            self.progress.advance(self.task)
-
-    def describe(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, description=text)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()

@@ -1,14 +1,10 @@
-"""The sink that is always there: JSON lines under ``<output_dir>/stats/``.
+"""The sink that is always there: JSON lines under ``<output_dir>/stats/``: every rank's stats
+and ``ctx.log`` values in ``rank{r}.jsonl``; rank 0's aggregates in ``aggregate.jsonl``, its
+evaluations in ``eval.jsonl`` and the final values in ``summary.json``.
 
-* every rank appends its stats and its ``ctx.log`` values to ``stats/rank{r}.jsonl``;
-* rank 0 appends the cross-rank aggregates to ``stats/aggregate.jsonl``, the evaluation metrics
-  to ``stats/eval.jsonl``, and merges the final values into ``stats/summary.json``.
-
-Each line is flushed as it is written, so a killed rank leaves its stats up to the last interval.
 A resumed job continues the same files after moving the rows past its checkpoint (written by the
 attempt that went on beyond it) to ``stats/superseded/<file>``: no step appears twice in a stats
-file, and nothing is deleted. ``trainer.resume=never`` in a used dir moves the old files aside
-(`set_aside_stats`), as checkpoint.set_aside_checkpoints does with the checkpoints.
+file, and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from hydra_ddp.disk import check_regular, open_regular, read_regular
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.tracking import names
-from hydra_ddp.tracking.sink import Kind, Record, Sink
-from hydra_ddp.tracking.values import plain
+from hydra_ddp.tracking.sink import Kind, Record, Sink, plain
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +30,11 @@ STEP_FIELD = re.compile(r'^\{"step": (-?\d+)[,}]')
 _FIX = "remove it, or move it away (the job appends its stats there, a regular file)"
 
 
-def stats_dir(output_dir: Path) -> Path:
-    return Path(output_dir) / "stats"
-
-
 def set_aside_stats(output_dir: Path) -> Optional[Path]:
     """trainer.resume=never in a used dir: move its stats/ to stats.before-<n>/ and its
-    summary.json into that folder, so the new run's files hold only its own rows. Rank 0,
-    before any rank opens a stats file (see loop.checkpointing.resume_point)."""
-    folder, summary = stats_dir(output_dir), Path(output_dir) / "summary.json"
+    summary.json into that folder, as the checkpoints are set aside. Rank 0, before any rank
+    opens a stats file."""
+    folder, summary = Path(output_dir) / "stats", Path(output_dir) / "summary.json"
     if not summary.is_file() and not (folder.is_dir() and any(folder.iterdir())):
         return None
     n = 1
@@ -63,8 +54,7 @@ def set_aside_stats(output_dir: Path) -> Optional[Path]:
 
 
 def drop_rows_after(path: Path, step: int) -> int:
-    """Move the rows of `path` whose step is past `step` to stats/superseded/<name> (appended);
-    returns how many. The kept rows are rewritten atomically."""
+    """Move the rows of `path` past `step` to stats/superseded/<name>; returns how many."""
     try:
         lines = read_regular(path, what="stats file", fix=_FIX).splitlines(keepends=True)
     except FileNotFoundError:
@@ -85,16 +75,10 @@ def drop_rows_after(path: Path, step: int) -> int:
     return len(later)
 
 
-def _rank_of(path: Path) -> int:
-    """The rank of a stats/rank<r>.jsonl file (-1 for another name)."""
-    digits = path.stem[len("rank") :]
-    return int(digits) if digits.isdigit() else -1
-
-
 def append_to(path: Path) -> TextIO:
     """Open a JSON-lines file to append to, first dropping a last line that a crash cut short
-    (appending to it would make both it and the next record unreadable). Anything but a
-    regular file is refused in one line (opening a FIFO waits for ever)."""
+    (appending to it would make both it and the next record unreadable); anything but a regular
+    file is refused in one line (opening a FIFO waits for ever)."""
     check_regular(path, "stats file", _FIX)
     if path.is_file():
         with open(path, "rb+") as f:
@@ -111,19 +95,20 @@ def append_to(path: Path) -> TextIO:
 
 
 class JsonFiles(Sink):
-    """This rank's stats/rank{r}.jsonl; on rank 0 also aggregate.jsonl, eval.jsonl and
-    summary.json."""
-
     def __init__(self, output_dir: Path, env: DistEnv, resumed_step: Optional[int]):
         self.rank, self.is_main = env.rank, env.is_main
         self.run_id: Optional[str] = None  # set by the W&B sink: tags every row
-        self.dir = stats_dir(output_dir)
+        self.dir = Path(output_dir) / "stats"
         self.dir.mkdir(parents=True, exist_ok=True)
         own = self.dir / f"rank{env.rank}.jsonl"
         mine = [own]
         if env.is_main:
             # Rank 0 also trims the files of ranks a smaller job no longer has.
-            gone = [p for p in self.dir.glob("rank*.jsonl") if _rank_of(p) >= env.world_size]
+            gone = [
+                p
+                for p in self.dir.glob("rank*.jsonl")
+                if p.stem[4:].isdigit() and int(p.stem[4:]) >= env.world_size
+            ]
             mine += [self.dir / "aggregate.jsonl", self.dir / "eval.jsonl", *gone]
         if resumed_step is not None:
             dropped = {p.name: drop_rows_after(p, resumed_step) for p in mine}
@@ -154,16 +139,8 @@ class JsonFiles(Sink):
 
     def summary(self, values: Dict[str, float]) -> None:
         path = self.dir / "summary.json"
-        merged: Dict[str, Any] = {}
-        if path.exists():
-            try:
-                merged = json.loads(read_regular(path, what="stats file", fix=_FIX))
-            except (OSError, ValueError):
-                logger.warning("could not read %s; rewriting it", path)
-        merged.update({k: jsonfile.finite_or_none(float(v)) for k, v in values.items()})
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        merged = jsonfile.read(path) or {}  # missing or unreadable: written anew
+        jsonfile.write(path, {**merged, **{k: float(v) for k, v in values.items()}})
 
     def close(self, failed: bool = False, preempted: int = 0) -> None:
         for key, handle in self.handles.items():

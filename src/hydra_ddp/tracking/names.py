@@ -1,9 +1,6 @@
-"""Every name a stats row, an aggregate or a sink key is made of, defined once.
-
-The loop writes its stats under these names (stats.StepStats), the aggregates are derived from
-them (gather.aggregate), the console reads them back (console.Console) and `ctx.log` may not
-reuse them (values.loggable_values): a name changed here changes everywhere, so two places
-cannot drift.
+"""Every name a stats row, an aggregate or a sink key is made of, defined once: the loop writes
+them, the aggregates derive from them, the console reads them back and `ctx.log` may not reuse
+them, so two places cannot drift.
 """
 
 from __future__ import annotations
@@ -44,10 +41,6 @@ STEP_METRIC = "trainer/step"
 def throughput(unit: str) -> str:
     """The stat of items per second for a data unit: `samples` or `tokens`."""
     return f"{unit}{THROUGHPUT_SUFFIX}"
-
-
-def is_throughput(name: str) -> bool:
-    return name.endswith(THROUGHPUT_SUFFIX)
 
 
 def spread(stat: str, kind: str) -> str:

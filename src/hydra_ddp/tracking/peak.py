@@ -1,20 +1,12 @@
 """The measured peak memory of one rank's training, which summary.json sets beside the memory
 plan (hydra_ddp/memory.py) so that every run checks the plan.
 
-CUDA: torch.cuda.max_memory_allocated, the allocator's own peak of tensor bytes: what the plan
-counts. The per-interval stats reset that peak (stats.memory_stats), so they hand it here first.
-
-CPU: there is no allocator peak to read, so the parameters and optimizer state held when the
-loop starts, plus how far the process's peak resident memory (Linux's VmHWM, reset at the start
-through /proc/self/clear_refs, after malloc_trim hands freed heap memory back) rose above its
-resident memory then. That counts what the process touched: the batches and a few MiB of code
-and thread stacks the first step pages in; not DDP's buckets, allocated at the wrap, before the
-start. glibc's malloc would add its own retention: once a large block is freed it serves blocks
-up to that size (up to 32 MiB) from its heaps and keeps what is freed there, 10-40 % above a
-training step's tensors (docs/memory_plan.md). So from the first step to the window's end every
-block above 128 KiB is mapped and unmapped on its own (mallopt's M_MMAP_THRESHOLD at its
-initial value) and the growth is the tensors'; after it, blocks up to 32 MiB come from the heaps
-again, where glibc's own adjustment ends up. None where /proc cannot be read or reset.
+CUDA: torch.cuda.max_memory_allocated, the allocator's peak of tensor bytes (what the plan
+counts). CPU: the parameters and optimizer state held when the window starts plus how far the
+process's peak resident memory (VmHWM, reset through /proc/self/clear_refs) rose in it, with
+glibc's malloc made to map and unmap large blocks on their own meanwhile, so its retention does
+not count (docs/memory_plan.md, "The plan is checked by every run"). None where /proc cannot be
+read.
 """
 
 from __future__ import annotations
@@ -50,10 +42,9 @@ def held_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimize
 
 
 class PeakMeter:
-    """The peak over a window of training steps: `step()` after each step of the loop starts
-    it after the first (which pages in code and makes the optimizer state) and ends it
-    `steps` steps later (a steady step repeats itself; evaluation and checkpoints come
-    later), `peak()` reads it (a window cut short by the run's end too)."""
+    """The peak over a window of `steps` training steps that starts after the first (which
+    pages in code and makes the optimizer state): `step()` after each step, `peak()` reads it
+    (a window cut short by the run's end too)."""
 
     STEPS = 4
 
@@ -75,9 +66,8 @@ class PeakMeter:
         self, model: torch.nn.Module, rows: int, micro_batches: int
     ) -> contextlib.AbstractContextManager:
         """Around the step that opens the window: count what autograd saves for the backward,
-        each storage once and not the parameters' (nor views of them; under fsdp2 the
-        parameters a unit gathered for its forward), per micro-batch of `rows` (each
-        micro-batch's backward frees what its forward saved)."""
+        each storage once and not the parameters' (under fsdp2 the ones a unit gathered), per
+        micro-batch of `rows` (each micro-batch's backward frees what its forward saved)."""
         if self.steps != 1:
             return contextlib.nullcontext()
         saved: dict[int, int] = {}
@@ -122,8 +112,7 @@ class PeakMeter:
         self.base = _status("VmRSS")
 
     def peak(self) -> int | None:
-        """The peak bytes of the window; None where they cannot be measured (or no step ran
-        after the first)."""
+        """The window's peak bytes; None where unmeasurable or no step ran after the first."""
         if self.frozen is None and self.steps > 1:
             self._end()
         return self.frozen
@@ -153,11 +142,9 @@ def _status(field: str) -> int | None:
 
 
 def _map_large_blocks(on: bool) -> None:
-    """glibc: every block above 128 KiB mapped on its own and unmapped when freed, and a heap's
-    free top above 128 KiB handed back (`on`: both glibc's initial values), else (after the
-    window) blocks up to 32 MiB served from the heaps, where glibc's own dynamic threshold
-    stops rising (its maximum on 64-bit, mallopt(3)), and the top trimmed above twice that,
-    as glibc then trims."""
+    """`on`: glibc maps every block above 128 KiB on its own and trims a heap's free top above
+    that (its initial values); off: blocks up to 32 MiB from the heaps and trimming above twice
+    that, where glibc's own dynamic threshold ends up (mallopt(3))."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):

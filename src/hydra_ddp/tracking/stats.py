@@ -1,14 +1,10 @@
 """Per-rank training stats between log points, and what happens at each trainer.log_interval:
-this rank's line in stats/rank<r>.jsonl and W&B (through the Tracker), rank 0's console line
-and the progress bar.
-
-Between log points nothing is read back from the device: the loss is summed there and read
-once per interval (one host-device sync per log interval).
+this rank's row to the Tracker, rank 0's console line and the progress bar. The loss is summed
+on the device and read once per interval: one host-device sync per log interval.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 from typing import Any
 
@@ -37,9 +33,9 @@ class StepStats:
         self.log_interval, self.total_steps = log_interval, total_steps
         self.unit, self.items_per_row = unit, items_per_row
         self.progress = console.progress(total_steps, start_step)
+        (self.bar,) = self.progress.task_ids
         self.last_loss = float("nan")  # the mean loss of the newest log interval
         self.total_samples = 0  # items (samples or tokens) trained on by this rank, this run
-        self.total_time = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -59,21 +55,19 @@ class StepStats:
         self.step_time += seconds
         self.data_wait += data_wait
         self.samples += rows * self.items_per_row
-        self.progress.advance()
+        self.progress.advance(self.bar)
 
     def due(self, step: int) -> bool:
         return step % self.log_interval == 0 or step == self.total_steps
 
     def log(self, step: int, grad_norm: torch.Tensor, lrs: dict[str, float], **extra: Any) -> None:
         """`# collective` (the Tracker gathers every rank's stats): this window's per-step
-        means and throughput, the learning rates (`lr`, or `lr/<optimizer>/<group>` for
-        several: optim.Optimizers.learning_rates), with `extra` (memory, epoch, rows held,
-        ...); starts the next window."""
+        means and throughput, the learning rates and `extra` (epoch, rows held, ...); starts
+        the next window."""
         steps = max(self.steps, 1)
         means = {name: float(total) / steps for name, total in self.losses.items()}
         self.last_loss = means.pop(names.LOSS, float("nan"))
         self.total_samples += self.samples
-        self.total_time += self.step_time
         stats = {
             names.LOSS: self.last_loss,
             **{f"{names.LOSS_TERM_PREFIX}{name}": value for name, value in means.items()},
@@ -87,36 +81,31 @@ class StepStats:
         }
         self._reset()
         self.tracker.log(step, stats)
-        self.progress.describe(f"loss {stats[names.LOSS]:.4f}")
-        if self.env.is_main and not self.progress.visible:
+        self.progress.update(self.bar, description=f"loss {stats[names.LOSS]:.4f}")
+        if self.env.is_main and self.progress.disable:
             self.console.log_step(
                 step, self.total_steps, stats, self.tracker.last_aggregate, self.unit
             )
 
     def close(self) -> None:
-        self.progress.close()
+        self.progress.stop()
 
 
 _MB = 1024 * 1024
-_process: psutil.Process | None = None
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Current and peak resident memory of this process (and of its GPU, on CUDA, where the
     peak is since the previous call), in MiB."""
-    global _process
-    if _process is None or _process.pid != os.getpid():  # one per process; a fork gets its own
-        _process = psutil.Process()
     stats = {
-        "rss_mb": _process.memory_info().rss / _MB,
+        "rss_mb": psutil.Process().memory_info().rss / _MB,
         # ru_maxrss is in KiB on Linux.
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     if device.type == "cuda":
         stats["cuda_mem_mb"] = torch.cuda.memory_allocated(device) / _MB
         stats["cuda_peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / _MB
-        # Per interval: the next call reports the peak since this one (the run's peak is kept
-        # for summary.json).
+        # The run's peak is kept for summary.json.
         peak.keep_cuda_peak(device)
         torch.cuda.reset_peak_memory_stats(device)
     return stats

@@ -1,12 +1,8 @@
 """The TensorBoard sink (``logger=tensorboard``): one event-file folder per rank,
-``<output_dir>/tensorboard/rank{r}``, so TensorBoard shows every rank as its own run:
-
-    tensorboard --logdir <output_dir>/tensorboard
-
-Each rank writes its stats and its ``ctx.log`` scalars as ``train/<stat>`` (text as TensorBoard
-text; W&B media are left out) at every log interval; rank 0 also writes the cross-rank
-aggregates as ``agg/<stat>`` and the evaluation metrics as they are keyed (``val/acc``, ...).
-A resumed job purges the steps past its checkpoint from the view (SummaryWriter's purge_step).
+``<output_dir>/tensorboard/rank{r}``, so `tensorboard --logdir <output_dir>/tensorboard` shows
+every rank as its own run: its stats and ``ctx.log`` values as ``train/<stat>``, rank 0's
+aggregates as ``agg/<stat>`` and evaluations as keyed (``val/acc``). A resumed job purges the
+steps past its checkpoint from the view (SummaryWriter's purge_step).
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 from hydra_ddp.disk import write_advice
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
-from hydra_ddp.tracking.values import is_media
+from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink, is_media
 
 
 class TensorBoardSink(Sink):

@@ -1,32 +1,80 @@
-"""The tracker: what the loop calls to record a job, fanning each record out to the sinks.
+"""The tracker: what the loop calls to record a job, fanning each record out to the sinks (the
+stats files always, plus the one `logger.sink._target_` names).
 
-Every rank calls `Tracker.log` at each log interval with the same stat keys. Its own row goes to
-the sinks at once (the stats file first: it is always there); the cross-rank part (gather.py:
-the aggregates, and W&B's row, which holds every rank's stats in the `gather` layout) completes
-at the next log point or at `close`, so training does not stall at every interval.
-
-The sinks: the JSON-lines files (files.py) always, plus the one `logger.sink._target_` names,
-built like any component (components.build). A new sink is a module with a class meeting
-`hydra_ddp.protocols.Sink` (tensorboard_sink.py is one, in 50 lines) and a YAML in conf/logger/;
-nothing here changes.
+A rank's own row goes to the sinks at once; the cross-rank part (the aggregates, W&B's `gather`
+row) is one small asynchronous all_gather, read at the next log point or at `close`, so
+training does not stall at every interval. It carries [key signature, queued ctx.log rows,
+*stats]: the signature (a crc32 of the key names) makes mismatched keys fail loudly instead of
+being mislabelled; the row count tells every rank whether a second, object gather of the queued
+`ctx.log` values is needed (for a sink that writes other ranks' values from rank 0).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+import zlib
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
+import torch
 import torch.distributed as dist
 
 from hydra_ddp.components import build
 from hydra_ddp.config import Layout, LoggerConfig
-from hydra_ddp.distributed import DistEnv
-from hydra_ddp.tracking import gather, values
+from hydra_ddp.distributed import DistEnv, all_gather_objects
+from hydra_ddp.tracking import names
 from hydra_ddp.tracking.files import JsonFiles
-from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
+from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink, is_media, loggable_values
 
 logger = logging.getLogger(__name__)
+
+Queued = List[Tuple[int, Dict[str, Any]]]  # (step, ctx.log values) of one rank
+
+
+@dataclass
+class Interval:
+    """One log interval's stats on this rank, and its all_gather while in flight."""
+
+    step: int
+    keys: List[str]
+    values: List[float]
+    time: float
+    queued: Queued = field(default_factory=list)  # this rank's ctx.log rows to hand to rank 0
+    signature: float = 0.0
+    gathered: List[torch.Tensor] = field(default_factory=list)  # the all_gather's output, by rank
+    work: Optional[Any] = None  # the async all_gather's handle; None when not distributed
+
+    def start(self, env: DistEnv) -> None:
+        """Start the all_gather (float64) on every rank. `# collective`"""
+        if not env.distributed:
+            return
+        self.signature = float(zlib.crc32("\0".join(self.keys).encode()))  # exact in a float64
+        head = [self.signature, float(len(self.queued))]
+        local = torch.tensor([*head, *self.values], dtype=torch.float64, device=env.device)
+        self.gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+        self.work = dist.all_gather(self.gathered, local, async_op=True)
+
+    def finish(
+        self, env: DistEnv, exchange: bool
+    ) -> Tuple[Dict[int, List[float]], List[Tuple[int, Queued]]]:
+        """Every rank's values by rank, and (with `exchange`, when some rank queued any) the
+        other ranks' queued ctx.log rows. `# collective` with `exchange`."""
+        if self.work is None:
+            return {env.rank: self.values}, []
+        self.work.wait()
+        rows = torch.stack(self.gathered).cpu().tolist()
+        if any(row[0] != self.signature for row in rows):
+            # Every rank sees every signature, so all ranks raise here together.
+            raise RuntimeError(
+                f"Tracker.log at step {self.step}: ranks passed different stat keys; every "
+                "rank must log the same keys at every interval"
+            )
+        table = {r: row[2:] for r, row in enumerate(rows)}
+        if exchange and any(row[1] for row in rows):  # the same decision on every rank
+            return table, _exchange_values(env, self.queued)
+        return table, []
 
 
 class Tracker:
@@ -35,24 +83,21 @@ class Tracker:
     def __init__(
         self, cfg: LoggerConfig, env: DistEnv, run: RunInfo, resumed_step: Optional[int] = None
     ) -> None:
-        """`resumed_step`: the step of the checkpoint this job resumed from (None: it started
-        from step 0). `# collective` for W&B's `group` and `shared` layouts: build it on every
-        rank."""
+        """`resumed_step`: the step of the checkpoint this job resumed from (None: from step 0).
+        `# collective` for W&B: build it on every rank."""
         self.env, self.closed = env, False
         self.files = JsonFiles(run.output_dir, env, resumed_step)
         self.sinks: List[Sink] = [self.files]
-        self.pending: Optional[gather.Interval] = None
-        self.queued: gather.Queued = []  # this rank's ctx.log rows for rank 0 to forward
-        self.stat_keys: Set[str] = set()  # what ctx.log may not reuse (values.loggable_values)
+        self.pending: Optional[Interval] = None
+        self.queued: Queued = []  # this rank's ctx.log rows for rank 0 to forward
+        self.stat_keys: Set[str] = set()  # what ctx.log may not reuse (sink.loggable_values)
         # (step, aggregates) of the newest interval whose gather completed, on rank 0.
         self.last_aggregate: Tuple[int, Dict[str, float]] = (0, {})
         self.forward = False  # whether other ranks' ctx.log values go to rank 0's sinks
         self.warned_media = False  # said once: media of other ranks are not forwarded
         try:
             if cfg.sink is not None:
-                # What the sink may ask for by name (hydra_ddp.protocols.Sink); its YAML's
-                # arguments come with it. The module is imported only when chosen: logger=none
-                # imports no W&B.
+                # Imported only when chosen: logger=none imports no W&B.
                 sink = build(
                     cfg.sink, "logger.sink", logger_cfg=cfg, env=env, run=run,
                     resumed_step=resumed_step, stats_dir=self.files.dir,
@@ -65,10 +110,7 @@ class Tracker:
             raise
 
     def log(self, step: int, stats: Mapping[str, float]) -> None:
-        """Record this rank's stats for `step`. `# collective`: every rank, same keys.
-
-        This rank's own row is written at once; the cross-rank part completes at the next call
-        or at `close` (see `last_aggregate`)."""
+        """Record this rank's stats for `step`. `# collective`: every rank, same keys."""
         if self.closed:
             raise RuntimeError("Tracker.log called after close()")
         keys = sorted(stats)
@@ -81,17 +123,16 @@ class Tracker:
             pending, self.pending = self.pending, None
             self._finish(pending, exchange=True)
         queued, self.queued = self.queued, []
-        interval = gather.Interval(step, keys, [float(stats[k]) for k in keys], now, queued)
-        interval = gather.start(self.env, interval)  # collective
+        interval = Interval(step, keys, [float(stats[k]) for k in keys], now, queued)
+        interval.start(self.env)  # collective
         if interval.work is None:
             self._finish(interval, exchange=False)
         else:
             self.pending = interval
 
-    def _finish(self, interval: gather.Interval, exchange: bool) -> None:
-        """Wait for an interval's gather; hand its aggregates and rows to the sinks."""
-        table, forwarded = gather.finish(self.env, interval, exchange and self.forward)
-        agg = gather.aggregate(table, interval.keys) if self.env.is_main else {}
+    def _finish(self, interval: Interval, exchange: bool) -> None:
+        table, forwarded = interval.finish(self.env, exchange and self.forward)
+        agg = aggregate(table, interval.keys) if self.env.is_main else {}
         if self.env.is_main:
             self.last_aggregate = (interval.step, agg)
         by_rank = {r: dict(zip(interval.keys, row)) for r, row in table.items()}
@@ -100,7 +141,7 @@ class Tracker:
         self._fan_out(record, interval.step)
         self._forwarded(forwarded)
 
-    def _forwarded(self, forwarded: List[Tuple[int, gather.Queued]]) -> None:
+    def _forwarded(self, forwarded: List[Tuple[int, Queued]]) -> None:
         """Rank 0: the other ranks' ctx.log rows, to the sinks that write them (W&B gather)."""
         if not self.env.is_main:
             return
@@ -112,15 +153,14 @@ class Tracker:
                         sink.log(record, step)
 
     def log_values(self, step: int, new: Mapping[str, Any]) -> None:
-        """A callback's `ctx.log` at `step` on this rank, under the rule of values.py (a
-        reserved key or a value of no sink's type: ValueError). Not collective: ranks may log
-        different keys at different steps."""
-        checked = values.loggable_values(new, self.stat_keys)
+        """A callback's `ctx.log` at `step` on this rank (ValueError: see sink.py). Not
+        collective: ranks may log different keys at different steps."""
+        checked = loggable_values(new, self.stat_keys)
         if self.closed or not checked:
             return
         self._fan_out(Record(Kind.values, self.env.rank, checked, time.time()), step)
         if self.forward and not self.env.is_main:
-            plain = {k: v for k, v in checked.items() if not values.is_media(v)}
+            plain = {k: v for k, v in checked.items() if not is_media(v)}
             if len(plain) < len(checked) and not self.warned_media:
                 self.warned_media = True
                 logger.warning(
@@ -133,19 +173,18 @@ class Tracker:
                 self.queued.append((step, plain))
 
     def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Record evaluation metrics keyed like `val/acc` or `test/loss` (rank 0 only)."""
+        """Evaluation metrics keyed like `val/acc` or `test/loss` (rank 0 only)."""
         if self.env.is_main and not self.closed:
             floats = {k: float(v) for k, v in metrics.items()}
             self._fan_out(Record(Kind.eval, self.env.rank, floats, time.time()), step)
 
     def summary(self, metrics: Mapping[str, float]) -> None:
-        """Set final values (e.g. best `val/acc`) in stats/summary.json and W&B (rank 0)."""
+        """Final values (e.g. best `val/acc`), rank 0 only."""
         if self.env.is_main and not self.closed:
             for sink in self.sinks:
                 sink.summary(dict(metrics))
 
     def add_config(self, config: Dict[str, Any]) -> None:
-        """More of the run's config (e.g. its provenance), where a sink records config."""
         for sink in self.sinks:
             sink.add_config(config)
 
@@ -155,8 +194,7 @@ class Tracker:
 
     def close_all(self) -> None:
         """`# collective`, at the end of a successful run: hand rank 0 the last ctx.log rows,
-        then close on every rank; with W&B's shared layout the other ranks first, so the
-        primary finishes the run last."""
+        then close; under W&B's shared layout the primary (rank 0) finishes the run last."""
         self._hand_over()  # collective
         shared = self.env.distributed and getattr(self.sinks[-1], "layout", None) == Layout.shared
         if shared and not self.env.is_main:
@@ -167,20 +205,18 @@ class Tracker:
 
     def _hand_over(self) -> None:
         """`# collective` where values are forwarded: the last interval and the ctx.log rows
-        queued since, to rank 0, at the end of a run."""
+        queued since, to rank 0."""
         if not self.forward or self.closed:
             return
         pending, self.pending = self.pending, None
         if pending is not None:
             self._finish(pending, exchange=True)
         queued, self.queued = self.queued, []
-        self._forwarded(gather.exchange_values(self.env, queued))  # collective
+        self._forwarded(_exchange_values(self.env, queued))  # collective
 
     def close(self, failed: bool = False, preempted: int = 0) -> None:
-        """Complete the last interval, close every sink. Idempotent. `failed`: the run failed;
-        `preempted` (the signal's number): stopped by it. Not collective, but on success every
-        rank must call it (the last interval's gather is waited for). Other ranks' ctx.log rows
-        not yet handed to rank 0 (close_all does) stay in their stats files only."""
+        """Complete the last interval, close every sink; idempotent. Not collective, but on
+        success every rank must call it (the last interval's gather is waited for)."""
         if self.closed:
             return
         error: Optional[BaseException] = None
@@ -204,16 +240,33 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """Leaving a `with tracker:` block on an error closes it as failed."""
         if exc is not None:
             self.close(failed=True)
 
 
-def make_tracker(
-    cfg: LoggerConfig, env: DistEnv, run: RunInfo, resumed_step: Optional[int] = None
-) -> Tracker:
-    """Build the tracker for one job (`logger=none`, no `logger.sink`: the stats files only).
+def _exchange_values(env: DistEnv, mine: Queued) -> List[Tuple[int, Queued]]:
+    """Every rank's queued ctx.log rows, by rank. `# collective`"""
+    everyone = all_gather_objects(mine, env)
+    return [(r, rows) for r, rows in enumerate(everyone) if rows and r != env.rank]
 
-    `resumed_step`: the step of the checkpoint the job resumed from, or None when it started
-    from step 0; a resumed job continues its files and the W&B runs recorded in its output dir."""
-    return Tracker(cfg, env, run, resumed_step=resumed_step)
+
+def aggregate(table: Dict[int, List[float]], keys: List[str]) -> Dict[str, float]:
+    """Cross-rank aggregates of one interval; `table` maps rank -> values in key order."""
+    agg: Dict[str, float] = {}
+    columns = {k: {r: row[i] for r, row in table.items()} for i, k in enumerate(keys)}
+    for name in names.SPREAD:
+        per_rank = {r: v for r, v in columns.get(name, {}).items() if math.isfinite(v)}
+        if not per_rank:
+            continue
+        values = list(per_rank.values())
+        agg[names.spread(name, "min")] = min(values)
+        agg[names.spread(name, "mean")] = sum(values) / len(values)
+        agg[names.spread(name, "max")] = max(values)
+        agg[names.slowest(name)] = float(max(per_rank, key=lambda r: per_rank[r]))
+    for name, column in columns.items():
+        if name.endswith(names.THROUGHPUT_SUFFIX):
+            # The job's throughput (samples or tokens): ranks process disjoint items in parallel.
+            agg[name + names.TOTAL_SUFFIX] = sum(column.values())
+    if names.LOSS in columns:
+        agg[names.LOSS_MEAN] = sum(columns[names.LOSS].values()) / len(table)
+    return agg

@@ -1,11 +1,10 @@
-"""How a W&B run starts, and what the job says when it cannot: the mode (online, offline,
-disabled) from ``logger.mode``, the environment and the login W&B would find; how long an online
-start may take; W&B's errors as one line each, saying what to do (errors.UserError).
+"""How a W&B run starts, and what the job says when it cannot: the mode from ``logger.mode``,
+the environment and the login W&B would find; how long an online start may take; W&B's errors
+as one line each, saying what to do.
 
 The login is looked for in local files only, never prompting nor asking the server, so that
-``logger.mode=auto`` is decided at once without an account or a network. ``wandb.login(prompt=
-False, verify=False)`` reads the same places but also makes the key the process's session
-credentials and rewrites W&B's settings file.
+``logger.mode=auto`` is decided at once without an account or a network (``wandb.login`` would
+also make the key the process's credentials and rewrite W&B's settings file).
 """
 
 from __future__ import annotations
@@ -19,21 +18,15 @@ from typing import Optional
 from hydra_ddp.config import LoggerConfig, WandbMode
 from hydra_ddp.errors import UserError, shorten
 
-# W&B rejects longer groups/names/job types.
-WANDB_MAX_LEN = 128
-# The longest W&B reason quoted in an error line.
-REASON_MAX_LEN = 200
+WANDB_MAX_LEN = 128  # W&B rejects longer groups/names/job types
 # WANDB_MODE's values as W&B reads them.
 _ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
               "disabled": "disabled"}  # fmt: skip
 
 
 def resolve_mode(mode: WandbMode) -> tuple[str, str]:
-    """Turn ``logger.mode`` into W&B's mode and a human-readable reason for the choice.
-
-    ``auto`` honours an explicit ``WANDB_MODE`` / ``WANDB_DISABLED`` in the environment, else
-    goes online exactly when W&B credentials exist locally (see `credentials_source`).
-    """
+    """W&B's mode for ``logger.mode``, and why: ``auto`` honours ``WANDB_MODE`` /
+    ``WANDB_DISABLED``, else goes online exactly when W&B credentials exist locally."""
     if mode == WandbMode.online and credentials_source() is None:
         # W&B would ask for a key on a terminal and wait forever (or fail on every rank).
         host, where = wandb_host()
@@ -58,19 +51,16 @@ def resolve_mode(mode: WandbMode) -> tuple[str, str]:
 
 
 def credentials_source() -> Optional[str]:
-    """Where W&B would find credentials on this machine (never the key itself), or None.
-
-    The places W&B reads: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, and the netrc
-    entry (``$NETRC``, ``~/.netrc`` or ``~/_netrc``) that ``wandb login`` writes for the W&B
-    host (`wandb_host`). A key's validity is not checked here."""
+    """Where W&B would find credentials (never the key itself), or None: the places W&B
+    reads, the netrc entry ``wandb login`` writes for the host included; validity unchecked."""
     import netrc
 
     for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
         if os.environ.get(key):
             return key
     host, where = wandb_host()
-    names = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
-    for name in names:
+    files = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    for name in files:
         path = Path(name).expanduser()
         try:
             if netrc.netrc(str(path)).authenticators(host):
@@ -81,10 +71,8 @@ def credentials_source() -> Optional[str]:
 
 
 def wandb_host() -> tuple[str, str]:
-    """The W&B server host W&B itself would use, and which setting named it:
-    ``WANDB_BASE_URL``, else the ``base_url`` that ``wandb login --host`` saved in W&B's
-    settings file (``./wandb/settings``, ``$WANDB_CONFIG_DIR/settings``, default
-    ``~/.config/wandb/settings``), else api.wandb.ai."""
+    """The W&B host W&B itself would use, and which setting named it: ``WANDB_BASE_URL``, else
+    the ``base_url`` that ``wandb login --host`` saved in W&B's settings file."""
     import configparser
     from urllib.parse import urlsplit
 
@@ -129,28 +117,14 @@ def clip(text: str, limit: int = WANDB_MAX_LEN) -> str:
     return f"{text[: limit - 9]}-{digest}"
 
 
-def reason(error: Exception, project: str) -> str:
-    """W&B's own reason, first line only, with the project name shortened and the whole
-    clipped (W&B quotes a 300-character name back in full)."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    text = lines[0].replace(project, shorten(project, 40)) if project else lines[0]
-    if len(text) > REASON_MAX_LEN:
-        text = text[: REASON_MAX_LEN - 3] + "..."
-    return text
-
-
-def shared_needs_online(why: str) -> UserError:
-    return UserError(
-        f"logger.layout=shared needs W&B online ({why}); use logger.layout=gather or group, "
-        "or log in (`wandb login` or WANDB_API_KEY)"
-    )
-
-
 def init_error(error: Exception, cfg: LoggerConfig, mode: str) -> UserError:
-    """What wandb.init raised, as the line the job stops with."""
+    """What wandb.init raised, as the line the job stops with, quoting W&B's own reason (its
+    first line, the project shortened: W&B quotes a 300-character name back in full)."""
     import wandb
 
-    why = reason(error, cfg.project)
+    why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    why = why.replace(cfg.project, shorten(cfg.project, 40)) if cfg.project else why
+    why = why if len(why) <= 200 else why[:197] + "..."
     if isinstance(error, (wandb.errors.AuthenticationError, wandb.errors.UsageError)):
         if isinstance(error, wandb.errors.AuthenticationError):
             todo = "log in again (`wandb login`, or WANDB_API_KEY), or set logger.mode=offline"

@@ -1,33 +1,21 @@
-"""The W&B sink, in one of the three layouts W&B documents for distributed training:
+"""The W&B sink (``logger=wandb``), in one of the layouts W&B documents for distributed training
+(``logger.layout``); how its run starts and fails: wandb_mode.py.
 
-  ``gather``  rank 0 owns the only run and logs ``rank{r}/<stat>`` for every rank plus
-              ``agg/<stat>``; other ranks' ``ctx.log`` values reach it at the next log
-              interval (tracker.Tracker forwards them) as ``rank{r}/<key>``;
-  ``group``   one run per rank (``job_type=rank{r}``) in the job's group; each run logs its
-              own stats as ``train/<stat>`` (so the UI can average a key across the ranks) and
-              rank 0's run also logs ``agg/<stat>``;
-  ``shared``  every rank writes into one run (W&B's experimental shared mode, online only):
-              ``rank{r}/<stat>`` from each rank, ``agg/<stat>`` from rank 0.
+  ``gather``  rank 0's run only: ``rank{r}/<stat>`` of every rank (other ranks' ``ctx.log``
+              values forwarded at the next interval) and ``agg/<stat>``;
+  ``group``   one run per rank (``job_type=rank{r}``): its own ``train/<stat>``, rank 0's also
+              ``agg/<stat>``;
+  ``shared``  one run all ranks write (W&B's shared mode, online only): ``rank{r}/<stat>``.
 
-Training rows go to W&B at most once per ``logger.min_interval_s`` (the newest row wins; the last
-one is sent at close); the stats files keep every interval. All keys are plotted against
-``trainer/step`` (set with ``define_metric``), never against W&B's internal ``_step``, so eval
-rows and train rows share one x axis. Runs live under ``<output_dir>/wandb``, so an offline run
-can be uploaded later with ``wandb sync <output_dir>/wandb/offline-run-*``. The jobs of a sweep
-share the sweep's group, each with the keys the sweep varies as its config ``swept``.
-
-A job's runs are the ones its stats files were sent to: every row there names its W&B run, so a
-restart, a resume or a re-run in the same dir (torchrun's restarts, SLURM's requeue,
-``hydra.run.dir=<dir>``) reopens them with ``resume="allow"`` and sends only the rows after the
-newest step an earlier attempt could have sent (the stats get each row before W&B does). A dir
-whose stats name no run (a new dir, one made again at the same path, trainer.resume=never's
-fresh start, which sets the stats aside) gets new, random ids. The mode, the login and the
-one-line errors: wandb_mode.py.
+Keys are plotted against ``trainer/step`` (``define_metric``), never W&B's own ``_step``, so
+eval and train rows share one x axis. Every stats row names the W&B run it went to, so a
+restart, a resume or a re-run in the same dir reopens that run with ``resume="allow"`` and sends
+only the rows after the newest step an earlier attempt could have sent (the stats file gets each
+row before W&B does); a dir whose stats name no run gets new random ids (docs/wandb_resume.md).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -43,12 +31,14 @@ import torch.distributed as dist
 
 from hydra_ddp import redact
 from hydra_ddp.config import Layout, LoggerConfig
-from hydra_ddp.disk import open_regular, read_regular
+from hydra_ddp.disk import open_regular
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
-from hydra_ddp.tracking import names, wandb_mode
+from hydra_ddp.rundir import jsonfile
+from hydra_ddp.tracking import names
 from hydra_ddp.tracking.files import STEP_FIELD, SUPERSEDED
 from hydra_ddp.tracking.sink import Kind, Record, RunInfo, Sink
+from hydra_ddp.tracking.wandb_mode import clip, init_error, init_timeout_s, resolve_mode
 
 if TYPE_CHECKING:
     from wandb import Run
@@ -82,13 +72,9 @@ def _for_wandb(value: Any) -> Any:
 
 
 class WandbSink(Sink):
-    """This rank's W&B run (none on ranks other than 0 in the gather layout)."""
-
     @staticmethod
     def check_before_launch(logger_cfg: LoggerConfig) -> None:
-        wandb_mode.resolve_mode(
-            logger_cfg.mode
-        )  # logger.mode=online without a login: one line, once
+        resolve_mode(logger_cfg.mode)  # logger.mode=online without a login: one line, once
 
     def __init__(
         self,
@@ -98,19 +84,19 @@ class WandbSink(Sink):
         resumed_step: Optional[int],
         stats_dir: Path,
     ) -> None:
-        """`# collective`: build it on every rank (a rank whose run could not start tells the
-        others; under `shared` rank 0 hands every rank its run id). Its options are the
-        logger.* keys (`logger_cfg`), typed, so conf/logger/wandb.yaml gives its `_target_`
-        only."""
+        """`# collective`: build it on every rank. Its options are the typed logger.* keys."""
         cfg, info, stats = logger_cfg, run, stats_dir
         self.cfg, self.env, self.layout = cfg, env, cfg.layout
         self.run: Optional[Run] = None
         self.last_sent = -math.inf  # time.monotonic() of the last training row sent
         self.unsent: Optional[Dict[str, Any]] = None  # a throttled row, sent at close
-        self.mode, why = wandb_mode.resolve_mode(cfg.mode)
+        self.mode, why = resolve_mode(cfg.mode)
         # Checked on every rank before any collective, so all ranks fail alike and fast.
         if cfg.layout == Layout.shared and self.mode == "offline":
-            raise wandb_mode.shared_needs_online(why)
+            raise UserError(
+                f"logger.layout=shared needs W&B online ({why}); use logger.layout=gather or "
+                "group, or log in (`wandb login` or WANDB_API_KEY)"
+            )
         logger.info("W&B mode %s (%s), layout %s", self.mode, why, cfg.layout.value)
         try:
             # Found on every rank (even one whose W&B is disabled): it may be collective.
@@ -140,26 +126,23 @@ class WandbSink(Sink):
 
     @property
     def gathers_values(self) -> bool:
-        """Whether rank 0 writes the other ranks' ctx.log values (they have no run)."""
+        # Rank 0 writes the other ranks' ctx.log values: they have no run.
         return self.layout == Layout.gather
 
     def _agree_on_start(self, failure: Optional[str]) -> None:
         """`# collective`: a rank whose W&B run could not start tells the others, so every rank
         stops with the same line instead of waiting dist.timeout_s for it."""
         outcomes = all_gather_objects(failure, self.env) if self.env.distributed else [failure]
-        failed = [(r, why) for r, why in enumerate(outcomes) if why is not None]
-        if not failed:
-            return
         if failure is not None:
             raise UserError(failure)
-        rank, why = failed[0]
-        raise UserError(f"rank {rank}: {why}")
+        for rank, why in enumerate(outcomes):
+            if why is not None:
+                raise UserError(f"rank {rank}: {why}")
 
     def _find_run(self, info: RunInfo, stats: Path) -> tuple[str, int, int]:
-        """This rank's W&B run id, and the newest train and eval steps already sent to it.
-        Rank 0 reads its aggregate and eval rows, another rank its own rows (its files may be
-        on its own node); under `shared` every rank takes rank 0's run. `# collective` for
-        shared."""
+        """This rank's W&B run id, and the newest train and eval steps already sent to it, from
+        rank 0's aggregate and eval rows or another rank's own rows (its files may be on its own
+        node); under `shared` every rank takes rank 0's run. `# collective` for shared."""
         env = self.env
         own = stats / ("aggregate.jsonl" if env.is_main else f"rank{env.rank}.jsonl")
         newest, train = _sent(own)
@@ -175,7 +158,7 @@ class WandbSink(Sink):
     def _start(self, info: RunInfo, resumed: Optional[int]) -> Run:
         import wandb
 
-        cfg, env, clip = self.cfg, self.env, wandb_mode.clip
+        cfg, env = self.cfg, self.env
         settings = _settings(cfg, env, self.mode)
         name, group = cfg.name or info.job_name, cfg.group or info.group
         if self.layout == Layout.group:
@@ -195,7 +178,7 @@ class WandbSink(Sink):
                 job_type=f"rank{env.rank}" if self.layout == Layout.group else None,
             )  # fmt: skip
         except (wandb.errors.Error, TimeoutError) as e:
-            raise wandb_mode.init_error(e, cfg, self.mode) from None
+            raise init_error(e, cfg, self.mode) from None
         finally:
             sys.argv = argv
         _define_metrics(run, self.layout, env)
@@ -206,13 +189,16 @@ class WandbSink(Sink):
         )  # fmt: skip
         return run
 
+    def _prefix(self, rank: int) -> str:
+        return "train" if self.layout == Layout.group else f"rank{rank}"
+
     def log(self, record: Record, step: int) -> None:
         if self.run is None:
             return
         if record.kind == Kind.interval and step > self.sent_train:
             self._log_interval(record, step)
         elif record.kind == Kind.values and step > self.sent_train:
-            prefix = "train" if self.layout == Layout.group else f"rank{record.rank}"
+            prefix = self._prefix(record.rank)
             row = {f"{prefix}/{k}": _for_wandb(v) for k, v in record.values.items()}
             self.run.log({names.STEP_METRIC: step, **row})
         elif record.kind == Kind.eval and step > self.sent_eval:
@@ -220,13 +206,8 @@ class WandbSink(Sink):
 
     def _log_interval(self, record: Record, step: int) -> None:
         row: Dict[str, Any] = {names.STEP_METRIC: step}
-        if self.layout == Layout.gather:
-            for r, values in record.table.items():
-                row.update({f"rank{r}/{k}": v for k, v in values.items()})
-        elif self.layout == Layout.group:
-            row.update({f"train/{k}": v for k, v in record.table[record.rank].items()})
-        else:
-            row.update({f"rank{record.rank}/{k}": v for k, v in record.table[record.rank].items()})
+        for r in record.table if self.layout == Layout.gather else [record.rank]:
+            row.update({f"{self._prefix(r)}/{k}": v for k, v in record.table[r].items()})
         row.update({f"agg/{k}": v for k, v in record.aggregates.items()})
         now = time.monotonic()
         if now - self.last_sent >= self.cfg.min_interval_s:
@@ -278,7 +259,7 @@ def _settings(cfg: LoggerConfig, env: DistEnv, mode: str) -> Dict[str, Any]:
         "finish_timeout": cfg.finish_timeout_s,
     }
     if mode != "offline":
-        settings["init_timeout"] = wandb_mode.init_timeout_s(cfg)[0]
+        settings["init_timeout"] = init_timeout_s(cfg)[0]
     if cfg.layout == Layout.group:
         settings["x_label"] = f"rank{env.rank}"
     elif cfg.layout == Layout.shared:
@@ -311,8 +292,8 @@ def _define_metrics(run: Run, layout: Layout, env: DistEnv) -> None:
 
 
 def _sent(path: Path) -> tuple[Optional[str], Dict[str, int]]:
-    """The W&B run the newest tagged row of a stats file (or of its superseded rows) went to,
-    and each run's highest step there."""
+    """The run the newest row of a stats file (or its superseded rows) went to, and each run's
+    highest step there."""
     newest: Optional[str] = None
     steps: Dict[str, int] = {}
     for candidate in (path.parent / SUPERSEDED / path.name, path):
@@ -329,12 +310,10 @@ def _sent(path: Path) -> tuple[Optional[str], Dict[str, int]]:
 
 
 def _legacy_id(output_dir: Path, key: str, cfg: LoggerConfig) -> Optional[str]:
-    """The run id an earlier version recorded in wandb_ids.json, for a dir whose stats rows
-    name none (those versions did not tag them)."""
-    path = output_dir / LEGACY_IDS_FILE
+    """The run id an earlier version recorded in wandb_ids.json (it did not tag the rows)."""
     try:
-        entry = json.loads(read_regular(path, what="W&B run record", fix=_FIX))["runs"][key]
+        entry = jsonfile.read(output_dir / LEGACY_IDS_FILE)["runs"][key]
         same = entry["project"] == cfg.project and entry["entity"] == cfg.entity
-    except (OSError, ValueError, LookupError, TypeError):
+    except (LookupError, TypeError):  # no record (None), or not one of runs
         return None
     return entry["id"] if same and isinstance(entry.get("id"), str) else None
