@@ -1,16 +1,11 @@
 """The typed schema of the template's own keys, and the one place their defaults live.
 
-The groups the template owns (trainer, dist, ddp, logger) are dataclasses: every YAML file
-under `conf/ddp/` and `conf/logger/` (typed in ddp_config.py and logger_config.py) merges into
-one of them and holds only what that choice changes, so a typo'd key or a wrong type fails
-when Hydra composes the config.
-Cross-field checks live in `__post_init__`, which runs when `OmegaConf.to_object` turns the
-composed config into these objects at the entry point: before any process group exists. Choices
-are `Enum`s because hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
-
-What a user swaps in (data, model, optim, scheduler, loss, metrics, the sampler policy, the
-comm hook `ddp.comm_hook`) is `_target_` plus keyword arguments in its own YAML, built by
-`hydra_ddp.components.build`; a bad argument fails in one line naming the key.
+The groups the template owns (trainer, dist, ddp, logger) are dataclasses: a YAML of
+`conf/ddp/` or `conf/logger/` (typed in ddp_config.py and logger_config.py) holds only what its
+choice changes, and a typo'd key or a wrong type fails when Hydra composes the config. The
+checks in `__post_init__` run at `OmegaConf.to_object`, before any process group exists.
+Choices are `Enum`s: hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
+What a user swaps in is `_target_` plus keyword arguments, built by `hydra_ddp.components`.
 """
 
 from __future__ import annotations
@@ -180,13 +175,6 @@ def _check_grad_clip(value: Any) -> None:
         check_setting(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
 
 
-def optimizer_names(optim: Any) -> list[str]:
-    """The names of a job's optimizers: `default` for one, the keys of `optim` for several."""
-    if not hasattr(optim, "keys") or "_target_" in optim:
-        return ["default"]
-    return [str(k) for k in optim.keys()]
-
-
 class Backend(Enum):
     auto = "auto"  # nccl on CUDA, gloo on CPU
     nccl = "nccl"
@@ -247,7 +235,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.trainer.grad_clip, dict):
-            names = optimizer_names(self.optim)
+            # The names of the job's optimizers: `default` for one, the keys of `optim` else.
+            several = hasattr(self.optim, "keys") and "_target_" not in self.optim
+            names = [str(k) for k in self.optim.keys()] if several else ["default"]
             unknown = sorted(set(map(str, self.trainer.grad_clip)) - set(names))
             if unknown:
                 raise UserError(
@@ -261,15 +251,11 @@ class TrainConfig:
                 "by every rank; DDP's single file is written by rank 0): add ddp=fsdp2, or drop "
                 "trainer.async_ckpt"
             )
-        if self.precision_needs_cuda and self.dist.device == Device.cpu:
+        if self.trainer.precision == Precision.fp16 and self.dist.device == Device.cpu:
             raise UserError(
                 "trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "
                 "use trainer.precision=bf16 or fp32"
             )
-
-    @property
-    def precision_needs_cuda(self) -> bool:
-        return self.trainer.precision == Precision.fp16
 
     @property
     def sampler_seed(self) -> int:

@@ -1,6 +1,6 @@
-"""One function per check. Each reads what the runs recorded (runs.py, probe.py), or asks the
-sampler policy itself, and returns a `Result`: PASS or FAIL with what it measured, or SKIP with
-the reason; a FAIL says in one line what is wrong and where to look."""
+"""One function per check, each reading what the runs recorded (or asking the sampler policy)
+and returning a `Result`: PASS or FAIL with what it measured (a FAIL says in one line what is
+wrong and where to look), or SKIP with the reason."""
 
 from __future__ import annotations
 
