@@ -14,13 +14,8 @@ from hydra_ddp.distributed.collectives import (
     gather_for_metrics,
     sum_by_name,
 )
-from hydra_ddp.distributed.env import (
-    DistEnv,
-    backend_for,
-    env_from_environ,
-    share_cpus_in_submitit_task,
-)
-from hydra_ddp.distributed.group import barrier, destroy_process_group, process_group, use_device
+from hydra_ddp.distributed.env import DistEnv, env_from_environ, share_cpus_in_submitit_task
+from hydra_ddp.distributed.group import barrier, process_group, use_device
 
 __all__ = [
     "DistEnv",
@@ -28,9 +23,7 @@ __all__ = [
     "all_gather_objects",
     "all_gather_with_grad",
     "all_reduce_sum",
-    "backend_for",
     "barrier",
-    "destroy_process_group",
     "env_from_environ",
     "evaluation_batch",
     "gather_for_metrics",

@@ -120,11 +120,6 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"hydra_ddp/pg/{attempt}/", client)
 
 
-def destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @contextlib.contextmanager
 def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     """The process group's lifetime (none without a launcher), and its teardown order.
@@ -153,7 +148,7 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
             faulthandler.disable()
         if env.distributed:  # without a group, nothing to free before it
             gc.collect()
-            destroy_process_group()
+            dist.destroy_process_group()
 
 
 def _crash_trace_to_log() -> Any:
