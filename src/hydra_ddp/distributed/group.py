@@ -28,8 +28,7 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     that NCCL binds each rank to its own GPU, not every rank to GPU 0."""
     if not env.launched:
         return
-    if env.device.type == "cuda":
-        torch.cuda.set_device(env.device)
+    use_device(env)
     backend = backend_for(cfg, env.device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
