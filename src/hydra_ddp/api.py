@@ -1,44 +1,26 @@
 """The engine's public API: the whole surface a thin project may import, and nothing else.
 
 A thin project (`python scripts/new_project.py myproj`) keeps its model, data, loss and
-callbacks in a package of its own and imports from the engine only `hydra_ddp.api`. The names
-below are kept, with their meaning, across releases of hydra-ddp; every other module of the
-package may change between versions, so a project that reaches past this module can break on
-`pip install -U hydra-ddp`. Configs are the other half of the contract: the engine's groups and
-keys (conf/, the typed `trainer`, `dist`, `ddp`, `logger`) are reached with
+callbacks in a package of its own and imports from the engine only `hydra_ddp.api`, whose
+names keep their meaning across releases; every other module may change between versions.
+Configs are the other half of the contract: the engine's groups and keys are reached with
 `hydra.searchpath: [pkg://hydra_ddp.conf]` in the project's primary config.
 
-Running:
+Running: `main(config_path, config_name)` trains (`python -m myproj.train`);
+`compose(config_path, config_name, overrides)` is the same composition, typed and checked
+(`TrainConfig`), without training, for tests; `build(node, key, **runtime)` builds one component
+of it with the engine's one-line errors; `run_checks(config_path, config_name)` is
+`python -m hydra_ddp.check` with the project's configs (docs/check.md).
 
-* `main(config_path, config_name)`: the training entry. `python -m myproj.train` calls it with
-  the project's conf dir; it composes `config_name` there (layered over the engine's configs),
-  validates it, and trains in this process (one rank under torchrun) or starts
-  `dist.nproc_per_node` workers.
-* `compose(config_path, config_name, overrides)`: the same composition without training, typed
-  and checked (`TrainConfig`), for tests; `build(node, key, **runtime)` builds one component of
-  it (`build(cfg.data, "data")`) with the engine's one-line errors for a bad argument.
-* `run_checks(config_path, config_name)`: `python -m hydra_ddp.check` with the project's configs:
-  short real runs of its training with the command line's overrides, checked for rank
-  agreement, exact resume, rows, determinism, gradient sync and the checkpoint's round trip
-  (docs/check.md); exits 0 only if every check that ran passed.
-
-What a project implements (every contract, method by method and with its rank rules, is a
-class of `protocols`, the engine's `hydra_ddp.protocols`):
-
-* data: `DataSource` (`num_rows`, `load`, `spec`); `InMemoryArrays` (arrays in RAM: set
-  `arrays` and `spec`), `Rows` and `TokenWindows` (what `load` returns for arrays),
-  `TorchDatasets` (map-style torch Datasets as they are);
-* callbacks: any object with some of the methods in `HOOKS`, each given a `Context`
-  (`ctx.log({...})` adds values to this rank's stats), and `checkpoint_members()` returning
-  `Member`s for state of yours every checkpoint holds;
-* metrics: `Metric` (`sums`, `compute`; `Accuracy` is a worked one);
-* losses: any callable; `CrossEntropy` and `ModelOutput` are the engine's;
-* a step of your own: `StepTools` (`backward`, `step`), as the engine's `default_step` uses it;
-* errors: raise `UserError` for bad input; the engine shows it as one `error:` line.
-
+What a project implements (each contract, with its rank rules, is a class of `protocols`):
+data: `DataSource`, `InMemoryArrays` (arrays in RAM), `Rows` and `TokenWindows` (what `load`
+returns for arrays), `TorchDatasets` (map-style torch Datasets); callbacks: the methods in
+`HOOKS`, each given a `Context`, and `checkpoint_members()` returning `Member`s; metrics:
+`Metric` (`Accuracy` is a worked one); losses: any callable (`CrossEntropy`, `ModelOutput`);
+a step of your own: `StepTools`, as `default_step` uses it; bad input: raise `UserError`.
 Distributed: `DistEnv` (rank, world size, device, `is_main`), `all_gather_with_grad` (every
-rank's rows, with gradients, for a loss) and `gather_for_metrics` (every rank's rows, padding
-left out, for a metric that sets `gathers = True`).
+rank's rows, with gradients, for a loss) and `gather_for_metrics` (the same, padding left out,
+for a metric).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The typed schema of the template's own keys, and the one place their defaults live.
 
-The groups the template owns (trainer, dist, ddp, logger) are dataclasses: every YAML file
-under `conf/ddp/` and `conf/logger/` (typed in ddp_config.py and logger_config.py) merges into
-one of them and holds only what that choice changes, so a typo'd key or a wrong type fails
-when Hydra composes the config.
-Cross-field checks live in `__post_init__`, which runs when `OmegaConf.to_object` turns the
-composed config into these objects at the entry point: before any process group exists. Choices
-are `Enum`s because hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
-
-What a user swaps in (data, model, optim, scheduler, loss, metrics, the sampler policy, the
-comm hook `ddp.comm_hook`) is `_target_` plus keyword arguments in its own YAML, built by
-`hydra_ddp.components.build`; a bad argument fails in one line naming the key.
+The groups the template owns (trainer, dist, ddp, logger) are dataclasses: a YAML of
+`conf/ddp/` or `conf/logger/` (typed in ddp_config.py and logger_config.py) holds only what its
+choice changes, and a typo'd key or a wrong type fails when Hydra composes the config. The
+checks in `__post_init__` run at `OmegaConf.to_object`, before any process group exists.
+Choices are `Enum`s: hydra-core 1.3 pins omegaconf below 2.4, which rejects `typing.Literal`.
+What a user swaps in is `_target_` plus keyword arguments, built by `hydra_ddp.components`.
 """
 
 from __future__ import annotations
@@ -120,71 +115,54 @@ class TrainerConfig:
     profile_start: int = 5  # ...after this many
 
     def __post_init__(self) -> None:
-        check_setting(
-            self.max_steps == -1 or self.max_steps > 0,
-            "trainer.max_steps",
-            "> 0, or -1 to run trainer.epochs",
-            self.max_steps,
-        )
-        check_setting(self.epochs > 0, "trainer.epochs", "> 0", self.epochs)
-        check_setting(
-            self.batch_size > 0, "trainer.batch_size", "> 0 (samples per rank)", self.batch_size
-        )
-        check_setting(self.grad_accum > 0, "trainer.grad_accum", "> 0", self.grad_accum)
+        off = ">= 0 (0: off)"
+        at_end = ">= 0 (steps; 0: at the end)"
+        # (key, whether its value is allowed, what it must be)
+        rules = [
+            (
+                "max_steps",
+                self.max_steps == -1 or self.max_steps > 0,
+                "> 0, or -1 to run trainer.epochs",
+            ),
+            ("epochs", self.epochs > 0, "> 0"),
+            ("batch_size", self.batch_size > 0, "> 0 (samples per rank)"),
+            ("grad_accum", self.grad_accum > 0, "> 0"),
+            (
+                "init_map",
+                self.init_map is None
+                or isinstance(self.init_map, dict)
+                and all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in self.init_map.items()
+                ),
+                "a mapping of name prefixes, e.g. {transformer.:''}",
+            ),
+            ("log_interval", self.log_interval > 0, "> 0 (steps)"),
+            ("eval_interval", self.eval_interval >= 0, at_end),
+            ("ckpt_interval", self.ckpt_interval >= 0, at_end),
+            ("keep_ckpts", self.keep_ckpts >= 1, ">= 1"),
+            ("num_workers", self.num_workers >= 0, ">= 0"),
+            ("resume", bool(self.resume), "auto, never or a checkpoint path"),
+            ("early_stop_patience", self.early_stop_patience >= 0, off),
+            ("limit_train_batches", self.limit_train_batches >= 0, off),
+            ("limit_eval_batches", self.limit_eval_batches >= 0, off),
+            ("overfit_batches", self.overfit_batches >= 0, off),
+            ("profile_steps", self.profile_steps >= 0, off),
+            ("profile_start", self.profile_start >= 0, off),
+            ("ema_decay", 0 <= self.ema_decay < 1, "in [0, 1) (0: off)"),
+            (
+                "early_stop_patience",
+                self.early_stop_patience == 0 or self.eval_interval > 0,
+                "0 unless trainer.eval_interval > 0 (early stopping needs evaluations)",
+            ),
+            (
+                "monitor",
+                self.monitor.startswith("val/") and len(self.monitor) > 4,
+                "val/loss or val/<a metrics.* name>, e.g. val/acc",
+            ),
+        ]
         _check_grad_clip(self.grad_clip)
-        check_setting(
-            self.init_map is None
-            or isinstance(self.init_map, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.init_map.items()),
-            "trainer.init_map",
-            "a mapping of name prefixes, e.g. {transformer.:''}",
-            self.init_map,
-        )
-        check_setting(
-            self.log_interval > 0, "trainer.log_interval", "> 0 (steps)", self.log_interval
-        )
-        check_setting(
-            self.eval_interval >= 0,
-            "trainer.eval_interval",
-            ">= 0 (steps; 0: at the end)",
-            self.eval_interval,
-        )
-        check_setting(
-            self.ckpt_interval >= 0,
-            "trainer.ckpt_interval",
-            ">= 0 (steps; 0: at the end)",
-            self.ckpt_interval,
-        )
-        check_setting(self.keep_ckpts >= 1, "trainer.keep_ckpts", ">= 1", self.keep_ckpts)
-        check_setting(self.num_workers >= 0, "trainer.num_workers", ">= 0", self.num_workers)
-        check_setting(
-            bool(self.resume), "trainer.resume", "auto, never or a checkpoint path", self.resume
-        )
-        for key in (
-            "early_stop_patience",
-            "limit_train_batches",
-            "limit_eval_batches",
-            "overfit_batches",
-            "profile_steps",
-            "profile_start",
-        ):
-            value = getattr(self, key)
-            check_setting(value >= 0, f"trainer.{key}", ">= 0 (0: off)", value)
-        check_setting(
-            0 <= self.ema_decay < 1, "trainer.ema_decay", "in [0, 1) (0: off)", self.ema_decay
-        )
-        check_setting(
-            self.early_stop_patience == 0 or self.eval_interval > 0,
-            "trainer.early_stop_patience",
-            "0 unless trainer.eval_interval > 0 (early stopping needs evaluations)",
-            self.early_stop_patience,
-        )
-        check_setting(
-            self.monitor.startswith("val/") and len(self.monitor) > 4,
-            "trainer.monitor",
-            "val/loss or val/<a metrics.* name>, e.g. val/acc",
-            self.monitor,
-        )
+        for key, ok, allowed in rules:
+            check_setting(ok, f"trainer.{key}", allowed, getattr(self, key))
 
 
 def _check_grad_clip(value: Any) -> None:
@@ -195,13 +173,6 @@ def _check_grad_clip(value: Any) -> None:
         key = "trainer.grad_clip" if name is None else f"trainer.grad_clip.{name}"
         number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
         check_setting(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
-
-
-def optimizer_names(optim: Any) -> list[str]:
-    """The names of a job's optimizers: `default` for one, the keys of `optim` for several."""
-    if not hasattr(optim, "keys") or "_target_" in optim:
-        return ["default"]
-    return [str(k) for k in optim.keys()]
 
 
 class Backend(Enum):
@@ -264,7 +235,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.trainer.grad_clip, dict):
-            names = optimizer_names(self.optim)
+            # The names of the job's optimizers: `default` for one, the keys of `optim` else.
+            several = hasattr(self.optim, "keys") and "_target_" not in self.optim
+            names = [str(k) for k in self.optim.keys()] if several else ["default"]
             unknown = sorted(set(map(str, self.trainer.grad_clip)) - set(names))
             if unknown:
                 raise UserError(
@@ -278,15 +251,11 @@ class TrainConfig:
                 "by every rank; DDP's single file is written by rank 0): add ddp=fsdp2, or drop "
                 "trainer.async_ckpt"
             )
-        if self.precision_needs_cuda and self.dist.device == Device.cpu:
+        if self.trainer.precision == Precision.fp16 and self.dist.device == Device.cpu:
             raise UserError(
                 "trainer.precision=fp16 needs CUDA (dist.device=cpu was set): "
                 "use trainer.precision=bf16 or fp32"
             )
-
-    @property
-    def precision_needs_cuda(self) -> bool:
-        return self.trainer.precision == Precision.fp16
 
     @property
     def sampler_seed(self) -> int:

@@ -1,7 +1,5 @@
-"""The typed ddp/ group: how the model is wrapped, DistributedDataParallel with its comm hook or
-FSDP2's fully_shard, and their options. conf/ddp/*.yaml merge into `DDPConfig`; `from
-hydra_ddp.config import DDPConfig` works as well (config.py re-exports it). An option of the
-other wrapper is refused rather than silently ignored."""
+"""The typed ddp/ group: DistributedDataParallel with its comm hook, or FSDP2's fully_shard, and
+their options (config.py re-exports it). An option of the other wrapper is refused."""
 
 from __future__ import annotations
 
@@ -137,14 +135,10 @@ def _shown(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-# The DDPConfig fields that only DistributedDataParallel reads, and those only fully_shard does.
-_DDP_ONLY = (
-    "enabled", "broadcast_buffers", "bucket_cap_mb", "find_unused_parameters",
-    "gradient_as_bucket_view", "static_graph", "init_sync", "comm_hook", "powersgd_rank",
-    "powersgd_start_iter",
-)  # fmt: skip
+# The DDPConfig fields that only fully_shard reads; all others but these two only DDP reads.
 _FSDP2_ONLY = (
     "shard_units", "reshard_after_forward", "param_dtype", "reduce_dtype", "cpu_offload",
     "meta_init",
 )  # fmt: skip
 _DDP_DEFAULTS = {f.name: f.default for f in fields(DDPConfig)}
+_DDP_ONLY = [k for k in _DDP_DEFAULTS if k not in (*_FSDP2_ONLY, "wrapper", "sync_batchnorm")]

@@ -1,15 +1,10 @@
 """The files of a run dir as a user may have left them, and why a write there failed.
 
-* `open_regular` / `check_regular`: every file the template opens in a run dir (checkpoints,
-  stats, summary.json, the claim, the logs) must be a regular file. A FIFO
-  there blocks whoever opens it until a writer comes, with no timeout (the job hangs, and its
-  claim keeps the dir locked); a socket or a device is no checkpoint either. Each
-  is refused in one line naming the file and what to do.
-* `write_advice`, `file_too_large`: what to do about a write that failed (a full disk, a
-  read-only dir, the file-size limit).
-* `os_cause`: the OSError behind a library's write error. torch.save reports a full disk as
-  "unexpected pos 263744 vs 263664" (the OSError is its context); DCP collects every rank's
-  failure into a CheckpointException. The user needs "No space left on device".
+Every file the template opens in a run dir must be a regular file (`check_regular`,
+`open_regular`): a FIFO blocks whoever opens it, with no timeout, and a socket or a device is
+no checkpoint either. A failed write says what the OS said ("No space left on device"), which
+torch.save hides in its error's context and DCP in each rank's failure (`os_cause`), and what
+to do (`write_advice`, `file_too_large`).
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ def write_advice(code: int | None) -> str:
 
 def check_regular(path: Path, what: str, fix: str) -> None:
     """Refuse `path` in one line unless it is a regular file (or missing: the caller says
-    that). A FIFO blocks whoever opens it until a writer comes, with no timeout; a socket or a
-    device is no data set or checkpoint either."""
+    that)."""
     import stat
 
     try:
@@ -89,8 +83,7 @@ def file_too_large(path: object) -> str:
 
 
 def open_regular(path: Path, mode: str = "r", *, what: str, fix: str, **kwargs: Any) -> IO[Any]:
-    """open(), refusing in one line (`<what> <path> is a FIFO (named pipe), not a regular
-    file: <fix>`) anything but a regular file or, for a mode that creates, a missing one."""
+    """open(), refusing anything but a regular file (or a missing one) in one line."""
     check_regular(path, what, fix)
     return open(path, mode, **kwargs)
 
@@ -122,10 +115,9 @@ def os_cause(e: BaseException) -> OSError | None:
 
 
 def why_write_failed(e: BaseException, folder: Path | None = None) -> str:
-    """A failed write's cause in a few words: the OS's ("No space left on device",
-    "Read-only file system"), else, for a library that kept no cause (DCP pickles each rank's
-    failure to every rank, dropping its context), a full disk told from the free space in
-    `folder` (asked before the partial files are removed), else the library's first line."""
+    """A failed write's cause in a few words: the OS's, else (DCP pickles each rank's failure,
+    dropping its context) a full disk told from the free space in `folder`, else the
+    library's first line."""
     return _cause(e, folder)[1]
 
 

@@ -1,10 +1,6 @@
 """Errors a user can act on: `UserError`, the one exception type for bad input, and how a
-failed job ends (`exit_code`: one `error:` line and status 2 for a UserError, the traceback and
-status 1 for anything else).
-
-What else becomes one line lives where it happens: a failed collective, a dead peer or data
-loader (distributed/failures.py), a file that is no regular file or a write that failed
-(disk.py), a bad component argument (components.py).
+failed job ends (`exit_code`). What else becomes one line lives where it happens
+(distributed/failures.py, disk.py, components.py).
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ def needs_package(what: str, module: str) -> UserError:
 
 
 def check_setting(ok: bool, key: str, allowed: str, value: object) -> None:
-    """The typed config's check of one key (config.py and logger_config.py use it): unless
-    `ok`, a UserError naming the key, its value and what it must be."""
+    """Unless `ok`, a UserError naming the key, its value and what it must be."""
     if not ok:
         raise UserError(f"{key}={value!r} is not allowed: {key} must be {allowed}")
 
@@ -61,8 +56,7 @@ def first_line(e: BaseException, limit: int = 200) -> str:
 
 def config_error(e: BaseException) -> UserError | None:
     """One line for a config value that OmegaConf cannot resolve: usually `${...}` typed on the
-    command line (a shell variable, a template string), which OmegaConf reads as an
-    interpolation."""
+    command line, which OmegaConf reads as an interpolation."""
     from omegaconf.errors import InterpolationResolutionError
 
     if not isinstance(e, InterpolationResolutionError):
@@ -86,9 +80,8 @@ def no_such_key(key: str) -> UserError:
 
 
 def exit_code(e: Exception, log: logging.Logger) -> int:
-    """Log a failed job's error as the entry and the workers do, and return its exit status:
-    2 and one `error:` line for a UserError (a known condition: its line says it all), 1 and
-    the full traceback, on the console and in the rank's log file, for anything else."""
+    """Log a failed job's error and return its exit status: 2 and one `error:` line for a
+    UserError, 1 and the full traceback for anything else."""
     if isinstance(e, UserError):
         log.error("error: %s", e)
         return 2

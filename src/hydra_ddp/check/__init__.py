@@ -1,10 +1,7 @@
 """`python -m hydra_ddp.check <the overrides you train with>`: are distributed training and
-resume still right for *your* model, data, sampler policy, callbacks and step?
-
-It runs short real jobs of your training command on the configured ranks (default 2), with a
-probe callback of its own (probe.py), and prints one table, one row per check (checks.py), with
-`check.json` beside it. Exit 0 only if every check that ran passed. docs/check.md says what
-each check catches and what it costs. A user does not edit here.
+resume right for *your* model, data, sampler policy, callbacks and step? Short real jobs of the
+training command with a probe (probe.py), one table row per check (checks.py), `check.json`;
+exit 0 only if every check that ran passed. docs/check.md says what each check catches.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ _TEMPORARY = "hydra-ddp-check-"
 
 
 def main(config_path: str | Path | None = None, config_name: str = "train") -> None:
-    """`python -m hydra_ddp.check`, `hydra-ddp-check` and a thin project's `api.run_checks`:
-    `config_path` and `config_name` as `hydra_ddp.api.main` takes them (--config-path and
+    """`python -m hydra_ddp.check` and a thin project's `api.run_checks` (--config-path and
     --config-name on the command line win). Exits 0, 1 (a check failed) or 2 (bad input)."""
     from hydra_ddp.errors import UserError, first_line
 

@@ -1,6 +1,6 @@
-"""One function per check. Each reads what the runs recorded (runs.py, probe.py), or asks the
-sampler policy itself, and returns a `Result`: PASS or FAIL with what it measured, or SKIP with
-the reason; a FAIL says in one line what is wrong and where to look."""
+"""One function per check, each reading what the runs recorded (or asking the sampler policy)
+and returning a `Result`: PASS or FAIL with what it measured (a FAIL says in one line what is
+wrong and where to look), or SKIP with the reason."""
 
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def tolerance(plan: CheckPlan) -> float:
 def rank_agreement(plan: CheckPlan, a: Run) -> Result:
     if plan.world == 1:
         return skip("one rank: nothing to agree on (dist.nproc_per_node=2)")
-    apart = _json(a, "agreement.json")
-    if apart is None:
+    path = a.rec / "agreement.json"
+    if not path.is_file():
         return broken(a)
+    apart = json.loads(path.read_text())
     differ = [name for name, value in apart.items() if not value == 0]  # NaN too
     worst = max(apart.values(), default=0.0)
     measured = f"max |diff| {worst:.3g} over {len(apart)} tensors, {plan.world} ranks"
@@ -352,11 +353,6 @@ def _final(run: Run) -> dict[str, Any]:
 
     path = checkpoint.latest(run.dir)
     return {} if path is None else flat(checkpoint.load(path))
-
-
-def _json(run: Run, name: str) -> Any:
-    path = run.rec / name
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _few(names: list[str], count: int = 3) -> str:

@@ -56,8 +56,4 @@ def max_diff(x: Any, y: Any) -> float:
 
 
 def leaves(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    return [t for v in value for t in leaves(v)] if isinstance(value, (list, tuple)) else []
+    return [v for v in flat(value).values() if isinstance(v, torch.Tensor)]

@@ -1,12 +1,8 @@
-"""The callback the checker adds to each of its runs (`+callbacks.hydra_ddp_check._target_=
-hydra_ddp.check.probe.Probe`), writing into the checker's dir, never the run's. It has no
-`state_dict`, so no checkpoint holds anything of it.
-
-Every rank appends one JSON line per step to `rank<r>.jsonl`: the loss, a digest of each row of
-each micro-batch, and the model's plain attributes. As asked, it also keeps step 1's state, RNG,
-batch and gradients (gradient check), stops the run after a step as SIGTERM would (resume
-check), and at the end measures how far the ranks' tensors are apart and predicts the
-validation split (rank-agreement and checkpoint checks).
+"""The callback the checker adds to each of its runs, writing into the checker's dir (it has no
+`state_dict`: no checkpoint holds anything of it). Every rank appends one JSON line per step:
+the loss, a digest of each row, the model's plain attributes. As asked, it keeps step 1's
+state, RNG, batch and gradients, stops the run after a step as SIGTERM would, and at the end
+measures how far the ranks' tensors are apart and predicts the validation split.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ from hydra_ddp.config import Precision
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv
 
-# Steps at least this long (rank 0's) make the ranks look for a stop signal at every step
-# boundary, so that the stop lands on the step asked for.
+# Steps this long make the ranks look for a stop signal at every boundary, so the stop lands
+# on the step asked for.
 from hydra_ddp.distributed.preemption import CHECK_EVERY_S
 from hydra_ddp.loop.predict import predict
 from hydra_ddp.step import autocast_for

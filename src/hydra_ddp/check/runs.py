@@ -1,10 +1,6 @@
-"""The checker's training runs: the user's command (`python -m hydra_ddp.train` with their
-config and overrides) as a subprocess, with the probe added and its output under the check's
-dir, and what each run recorded read back.
-
-Each run gets the overrides the check needs on top of the user's (the last value of a key wins
-on Hydra's command line): its own `hydra.run.dir`, `trainer.max_steps`, `trainer.resume`,
-`dist.nproc_per_node`, `logger=none` (no W&B run for a check), and the probe."""
+"""The checker's runs: the user's training command as a subprocess, with the check's overrides
+after the user's (the last value of a key wins) and the probe added, and what each run recorded
+read back."""
 
 from __future__ import annotations
 
@@ -85,9 +81,8 @@ def train_run(
     run_dir: str | None = None,
     **probe: Any,
 ) -> Run:
-    """Run the user's training as `name` (in `run_dir`, default `name`, under the check's dir)
-    with `extra` overrides and the probe's arguments (stop_at, grads_at, predict); returns when
-    it ends."""
+    """Run the user's training as `name` (in `run_dir`, default `name`) with `extra` overrides
+    and the probe's arguments (stop_at, grads_at, predict), to its end."""
     rec, run_dir = plan.root / f"{name}.rec", plan.root / (run_dir or name)
     args = [
         *plan.overrides,
@@ -112,8 +107,8 @@ def train_run(
 
 
 def eval_run(plan: CheckPlan, run: Run) -> Run:
-    """`python -m hydra_ddp.eval run=<dir> predict=true split=val` in a fresh process (one:
-    a process is the cost that counts here): the last checkpoint's validation outputs."""
+    """`python -m hydra_ddp.eval run=<dir> predict=true split=val` in a fresh process (one
+    rank): the last checkpoint's validation outputs."""
     args = [f"run={run.dir}", "predict=true", "split=val", "dist.nproc_per_node=1"]
     return _finished("eval", run.dir, run.dir, *_run(plan, "hydra_ddp.eval", args, "eval"))
 

@@ -11,10 +11,6 @@ import torch.distributed as dist
 from hydra_ddp.distributed.env import DistEnv
 from hydra_ddp.errors import UserError
 
-# --------------------------------------------------------------------------------------------
-# The collectives the loop uses: each a no-op (or the identity) without a process group
-# --------------------------------------------------------------------------------------------
-
 
 def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
     """Sum a few numbers over all ranks (float64, so counts stay exact)."""
@@ -69,18 +65,14 @@ def all_gather_with_grad(
     tensor: torch.Tensor, group: Any = None, check_shapes: bool = True
 ) -> torch.Tensor:
     """Collective: every rank's `tensor` concatenated along dim 0 in rank order, differentiable:
-    gradients flow back to each rank's own slice (the sum of every rank's gradient for it, so
-    with DDP's average the step is the gradient of the mean of the ranks' losses). Without a
-    process group: the tensor itself. A contrastive loss's negatives from every rank:
-    hydra_ddp/examples/contrastive.py.
+    each rank's slice gets the sum of every rank's gradient for it, so with DDP's average the
+    step is the gradient of the mean of the ranks' losses (hydra_ddp/examples/contrastive.py).
+    Without a process group: the tensor itself.
 
-    Every rank must pass a tensor of the same shape: training batches are (strided sampling
-    pads every rank to the same count), and so are evaluation batches (a rank short of rows
-    evaluates padding: its gathered rows then count for nothing; `gather_for_metrics` leaves
-    them out). `check_shapes` agrees the shapes first (one small collective and a host sync per
-    call) and
-    raises one line naming them on every rank, where gloo would abort a rank with its error on
-    stderr only; False skips that.
+    Every rank must pass the same shape, as training and evaluation batches are.
+    `check_shapes` agrees the shapes first (one small collective and a host sync) and raises
+    one line naming them on every rank, where gloo would abort a rank with its error on stderr
+    only.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
@@ -107,10 +99,8 @@ def evaluation_batch(padded: Sequence[bool] | None) -> Iterator[None]:
 
 def gather_for_metrics(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Collective: `all_gather_with_grad`, less the rows of ranks whose evaluation batch is
-    padding (evaluation gives every rank the same batches, padding a rank short of rows: see
-    hydra_ddp/data/view.py). What a metric that gathers calls: it then sees every real
-    row of the global batch exactly once, the same on every rank, and sets `gathers = True`
-    so that its sums count once (hydra_ddp/metrics.py)."""
+    padding (data/view.py): every real row of the global batch once, the same on every
+    rank. What a metric with `gathers = True` calls."""
     gathered = all_gather_with_grad(tensor, group)  # collective
     if _padded is None or not any(_padded) or gathered is tensor:
         return gathered

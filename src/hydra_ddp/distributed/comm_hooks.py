@@ -1,10 +1,6 @@
-"""DDP communication hooks, chosen by `ddp.comm_hook` like a model or a loss: a `_target_` and
-its arguments (conf/ddp/fp16_compress.yaml, powersgd.yaml, ... or a YAML of yours), or a
-built-in's name (`ddp.comm_hook=powersgd`).
-
-A hook of yours is one class meeting `hydra_ddp.protocols.CommHook` (the contract: `hook(state,
-bucket)`, `state`, optional `register`, `state_dict` / `load_state_dict`), or a plain function
-`(state, bucket) -> Future` for a stateless one. `CommHook` below is a base with the defaults.
+"""DDP communication hooks, chosen by `ddp.comm_hook`: a `_target_` and its arguments, or a
+built-in's name (`ddp.comm_hook=powersgd`). A hook of yours meets `hydra_ddp.protocols.CommHook`
+or is a plain function `(state, bucket) -> Future`.
 """
 
 from __future__ import annotations
@@ -67,9 +63,8 @@ class BF16Compress(CommHook):
 
 class PowerSGD(CommHook):
     """PowerSGD low-rank gradient compression (Vogels et al., 2019), plain all-reduce for the
-    first `start_iter` steps. Its state is a checkpoint member: its step count (a resume does
-    not redo the warm-up), this rank's error feedback and warm-start factors (per rank), and its
-    random generator. Only tensors and numbers, so `torch.load(weights_only=True)` reads it."""
+    first `start_iter` steps. Its state (step count, this rank's error feedback and factors,
+    its RNG) is checkpointed per rank as tensors and numbers, for `weights_only=True`."""
 
     _TENSOR_DICTS = ("error_dict", "p_memory_dict", "q_memory_dict")
 

@@ -1,12 +1,7 @@
-"""Wrapping the model in DistributedDataParallel as the ddp/ config group says, and keeping its
-buffers (BatchNorm's running statistics) the same on every rank where that matters.
-
-Buffers are not gradients: no wrapper averages them. Each rank updates its own from its own
-batches (DDP's broadcast_buffers hands rank 0's out before each training forward, FSDP2 never),
-so after a step the ranks' copies differ. An evaluation with each rank's own statistics would
-match no checkpoint, and a checkpoint would hold an arbitrary rank's (DCP picks one writer per
-replicated tensor). `sync_buffers` gives every rank rank 0's before each evaluation and each
-save; ddp.sync_batchnorm (SyncBatchNorm, GPU only) computes the statistics over all ranks.
+"""Wrapping the model as the ddp/ config group says, and keeping its buffers (BatchNorm's
+running statistics) the same on every rank where that matters: no wrapper averages them, so
+after a step the ranks' copies differ, and an evaluation or a checkpoint would see an arbitrary
+rank's. `sync_buffers` gives every rank rank 0's before each evaluation and save.
 """
 
 from __future__ import annotations
@@ -33,14 +28,9 @@ def wrap_model(
     compile_units: bool = False,
     autocast: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
-    """Move the model to this rank's device and wrap it as the ddp/ config says: in DDP, or
-    sharded by fully_shard (ddp=fsdp2, distributed/fsdp.py; `also` are sharded the same way,
-    `compile_units` compiles each unit first, `autocast`: the forwards run under autocast).
-    Also return the comm hook (ddp.comm_hook, distributed/comm_hooks.py) when it has a
-    checkpointable state (state_dict), else None.
-
-    device_ids is [local_rank]'s device, never the global rank: on a second node global rank 8
-    would name a GPU that does not exist.
+    """Move the model to this rank's device and wrap it: in DDP, or sharded by fully_shard
+    (ddp=fsdp2; `also` the same way). Also return the comm hook when it has a state_dict.
+    device_ids is the local rank's device: global rank 8 names no GPU on a second node.
     """
     if cfg.sync_batchnorm:
         _to_sync_batchnorm([model, *also], env)
@@ -60,8 +50,7 @@ def wrap_model(
     if not env.distributed:
         return model, None
     on_cuda = env.device.type == "cuda"
-    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (same per-forward meaning;
-    # the sync at construction is init_sync's job); older releases know only the old name.
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older releases have only it.
     buffers_kw = (
         "forward_sync_buffers"
         if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -96,9 +85,8 @@ def wrap_model(
 
 
 def _to_sync_batchnorm(modules: list[torch.nn.Module], env: DistEnv) -> None:
-    """ddp.sync_batchnorm: every BatchNorm layer as a SyncBatchNorm (same parameters, same
-    state_dict keys). torch's SyncBatchNorm raises at its first training forward on CPU with
-    a process group: refused here instead, in one line."""
+    """ddp.sync_batchnorm: every BatchNorm layer as a SyncBatchNorm (same state_dict keys),
+    refused in one line on CPU, where torch's raises at its first training forward."""
     if env.world_size > 1 and env.device.type == "cpu":
         raise UserError(
             "ddp.sync_batchnorm=true: torch's SyncBatchNorm runs on GPUs only, and this job "
@@ -116,10 +104,8 @@ def _to_sync_batchnorm(modules: list[torch.nn.Module], env: DistEnv) -> None:
 
 @torch.no_grad()
 def sync_buffers(modules: Iterable[torch.nn.Module], env: DistEnv) -> None:
-    """`# collective`: rank 0's buffers on every rank, in place (before an evaluation or a save).
-
-    A plain tensor is broadcast from rank 0; a DTensor buffer (a model's own) replicated over
-    its mesh is broadcast within it; a sharded one is each rank's own part, left alone."""
+    """`# collective`: rank 0's buffers on every rank, in place; a replicated DTensor buffer
+    within its mesh, a sharded one (each rank's own part) left alone."""
     if not env.distributed:
         return
     import torch.distributed as dist

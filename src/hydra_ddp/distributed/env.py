@@ -1,9 +1,6 @@
-"""Where this process sits in the job: a rank's `DistEnv`, from RANK, LOCAL_RANK and WORLD_SIZE.
-
-A `DistEnv` is built once per process from what the launcher (torchrun, torch's elastic agent,
-SLURM through submitit) put in the environment (`launcher_env` reads those variables without
-torch), and passed explicitly to everything else. With none of them set the job runs as one
-process with no process group at all.
+"""Where this process sits in the job: a rank's `DistEnv`, built once from the variables a
+launcher (torchrun, the elastic agent, SLURM through submitit) set, and passed explicitly to
+everything else. With none of them set the job is one process with no process group.
 """
 
 import logging
@@ -46,10 +43,9 @@ class DistEnv:
 
 def share_cpus_in_submitit_task(cpus_per_task: int | None) -> int | None:
     """Inside a submitit task (one rank) whose OMP_NUM_THREADS nobody set: give its OpenMP pool
-    its CPU share, as torchrun does for its workers (SLURM's cpus-per-task, else the
-    launcher's `cpus_per_task`, else the machine's cores over the job's tasks). Full pools in
-    every task of jobs that the local executor starts side by side fight over the cores (2
-    jobs x 2 tasks on 2 cores: 30x slower steps). Returns the threads set, or None."""
+    its CPU share, as torchrun does (SLURM's cpus-per-task, else the launcher's
+    `cpus_per_task`, else the cores over the job's tasks): full pools in tasks side by side
+    fight over the cores. Returns the threads set, or None."""
     if "SUBMITIT_EXECUTOR" not in os.environ or "OMP_NUM_THREADS" in os.environ:
         return None
     share = int(os.environ.get("SLURM_CPUS_PER_TASK") or cpus_per_task or 0)

@@ -1,11 +1,9 @@
 """A rank's failure as one line: a dead peer, a timed-out collective, a dead DataLoader
 worker, a full disk, DDP's paragraphs.
 
-A rank's training (train.py) and its evaluation of a saved checkpoint (loop/evaluation.py) run
-under `translated` (`translated_evaluation`), which raises what `one_line` can say in one line,
-so a message is written once and reads the same whichever path raised it. Each rank also
-writes its first error to `<run dir>/errors/rank<r>.txt` (`write_rank_error`) when the
-self-launch made that dir; from those the launcher names the rank that failed first
+Training and evaluation run under `translated` / `translated_evaluation`, so a message is
+written once whichever path raised it. Each rank also writes its first error to
+`<run dir>/errors/rank<r>.txt`, from which the launcher names the rank that failed first
 (`worker_failed`), not one that only lost contact with it.
 """
 
@@ -22,32 +20,23 @@ from typing import Iterator
 from hydra_ddp.disk import _WRITE_ERRNOS, file_too_large, write_advice
 from hydra_ddp.errors import Stopped, UserError, first_line
 
-# The words of the two messages below that say a rank failed *because of* another one: the
-# launcher blames such a rank only when no rank said anything better (`worker_failed`).
+# Words of the messages that say a rank failed *because of* another one: the launcher blames
+# such a rank only when no rank said anything better (`worker_failed`).
 LOST_CONTACT = "lost contact with another rank"
-
-
 WAITED = "for another rank in a collective"
 
-
-# What a collective raises when another rank died mid-job: gloo's closed socket, and NCCL's
-# watchdog and communicator errors (the remote process exited or the network failed).
-# tests/test_error_messages.py produces each of these and of _TIMED_OUT's with the real call.
+# What a collective raises when another rank died mid-job (gloo's closed socket, NCCL's
+# watchdog); tests/test_error_messages.py produces each of these and of _TIMED_OUT's for real.
 _LOST_PEER = (
     "Connection closed by peer",
     "NCCL communicator was aborted",
     "remote process exited or there was a network error",
     "ncclRemoteError",
 )
-
-
 # gloo's read and write errors quote the OS (`Read error <peer>: <strerror>`): matched by the
 # OS's own text for these errnos, never a copy of it.
 _LOST_PEER_ERRNOS = (errno.ECONNRESET, errno.EPIPE)
-
-
-# What a collective raises when a peer is alive but stopped answering for dist.timeout_s:
-# gloo's wait, and NCCL's watchdog.
+# What a collective raises when a peer is alive but stopped answering for dist.timeout_s.
 _TIMED_OUT = (
     "Timed out waiting",
     "Application timeout caused pair closure",
@@ -66,14 +55,14 @@ def lost_peer(e: BaseException) -> bool:
 
 
 def timed_out(e: BaseException) -> bool:
-    """True for the error a collective raises when a peer stopped answering (alive but
-    stalled: SIGSTOP, a hung filesystem, a much slower rank) for longer than the timeout."""
+    """True for the error a collective raises when a live peer stopped answering (SIGSTOP, a
+    hung filesystem, a much slower rank) for longer than the timeout."""
     return isinstance(e, RuntimeError) and any(s in str(e) for s in _TIMED_OUT)
 
 
 def _loader_died(e: BaseException) -> bool:
-    """True for what a rank raises when one of its DataLoader worker processes was killed:
-    torch's own RuntimeError, or a broken connection while it fetched from that worker."""
+    """True when one of the rank's DataLoader workers was killed: torch's own RuntimeError, or a
+    broken connection while fetching from it."""
     if isinstance(e, RuntimeError) and "DataLoader worker" in str(e):
         return True
     if not isinstance(e, (ConnectionError, EOFError)):
@@ -88,13 +77,7 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
     if isinstance(e, UserError):
         return e
     if isinstance(e, RuntimeError) and "Expected to have finished reduction" in str(e):
-        # DDP's own message for this case is a paragraph about reductions and buckets.
-        return UserError(
-            "some model parameters got no gradient in a step and DDP was not told "
-            "to expect that: use ddp=unused_params (sets "
-            "ddp.find_unused_parameters=true), or make every parameter take part "
-            "in the loss"
-        )
+        return unused_parameters([])  # DDP's own is a paragraph about reductions and buckets
     if lost_peer(e):
         # Every survivor of a dead rank gets the same collective traceback, which says nothing
         # about the cause.
@@ -129,11 +112,9 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
 
 @contextlib.contextmanager
 def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
-    """Re-raise what `one_line` can say in one line as that UserError (the original chained
-    as its cause, so the rank's log file keeps the traceback). Under self-launch the error is
-    also written for the launcher (`write_rank_error`) here, before the process group is torn
-    down: the peers' "lost contact" comes after it, and the launcher may kill this rank soon
-    after."""
+    """Re-raise what `one_line` can say in one line as that UserError (the original chained as
+    its cause, for the rank's log). The error is recorded for the launcher here, before the
+    group is torn down: the peers' "lost contact" comes after it."""
     try:
         yield
     except Exception as e:
@@ -148,29 +129,10 @@ def unused_parameters(names: list[str]) -> UserError:
     """DDP's "Expected to have finished reduction" paragraph, with the parameters named."""
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     return UserError(
-        f"some model parameters got no gradient in a step ({shown}) and DDP was not told to "
+        f"some model parameters got no gradient in a step{f' ({shown})' if shown else ''} and "
+        "DDP was not told to "
         "expect that: use ddp=unused_params (sets ddp.find_unused_parameters=true), freeze "
         "them (requires_grad=False), or make every parameter take part in the loss"
-    )
-
-
-def evaluation_one_line(
-    e: BaseException, rank: int, timeout_s: float, output_dir: Path, doing: str
-) -> UserError:
-    """`one_line` for an exception raised while a rank evaluates or predicts (`doing`, e.g.
-    "predicting split test"): a lost peer suggests no restart (restarts resume training), and
-    any other error still names the rank and its cause, so the rank that failed says why."""
-    if lost_peer(e):
-        return UserError(
-            f"rank {rank} lost contact with another rank while {doing} ({first_line(e)}): that "
-            f"rank most likely failed, see its log in {output_dir} (eval_rank<r>.log) for why"
-        )
-    better = one_line(e, rank, timeout_s, output_dir)
-    if better is not None:
-        return better
-    return UserError(
-        f"rank {rank} failed while {doing}: {type(e).__name__}: {first_line(e)} (its "
-        "traceback is in this rank's log)"
     )
 
 
@@ -179,29 +141,36 @@ def translated_evaluation(
     rank: int, timeout_s: float, output_dir: Path, doing: list[str]
 ) -> Iterator[None]:
     """`translated` for evaluation and prediction: every exception becomes one line naming the
-    rank and what it was doing (`doing[0]`, updated by the caller as it moves on); the
-    traceback of one that is no UserError goes to the rank's log first. Recorded for the
-    launcher like `translated`'s, so its last line names the rank that failed first."""
+    rank and what it was doing (`doing[0]`, updated by the caller as it moves on). A lost peer
+    suggests no restart: restarts resume training."""
     try:
         yield
     except Exception as e:
-        if isinstance(e, UserError):
-            write_rank_error(
-                e, rank, Path(output_dir) / "errors"
-            )  # for the launcher, as `translated`
-            raise
-        if not lost_peer(e):
+        better = one_line(e, rank, timeout_s, output_dir)
+        if better is not e and not lost_peer(e):
             logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
                                              exc_info=e)  # fmt: skip
-        better = evaluation_one_line(e, rank, timeout_s, output_dir, doing[0])
+        if lost_peer(e):
+            better = UserError(
+                f"rank {rank} lost contact with another rank while {doing[0]} ({first_line(e)}): "
+                f"that rank most likely failed, see its log in {output_dir} (eval_rank<r>.log) "
+                "for why"
+            )
+        elif better is None:
+            better = UserError(
+                f"rank {rank} failed while {doing[0]}: {type(e).__name__}: {first_line(e)} (its "
+                "traceback is in this rank's log)"
+            )
         write_rank_error(better, rank, Path(output_dir) / "errors")
+        if better is e:
+            raise
         raise better from e
 
 
 def write_rank_error(e: BaseException, rank: int, errors_dir: Path) -> None:
-    """Write why this rank failed to `errors_dir/rank<r>.txt` (one line; the file's mtime is
-    when), for `worker_failed`. Only where the launcher made that dir (self-launch), and only
-    the rank's first error: what follows it (a failed teardown) is not the cause."""
+    """Write why this rank failed to `errors_dir/rank<r>.txt` (one line; its mtime says when)
+    for `worker_failed`: only where the self-launch made that dir, and only the rank's first
+    error (a failed teardown after it is not the cause)."""
     path = errors_dir / f"rank{rank}.txt"
     if isinstance(e, Stopped) or not errors_dir.is_dir() or path.exists():
         return
@@ -218,12 +187,10 @@ def worker_failed(
     exit_codes: dict[int, int], said_dir: Path, output_dir: Path, log_stem: str = "train"
 ) -> UserError:
     """The launcher's one line for a failed worker group (`exit_codes`: failed rank -> exit
-    code; the agent may list only the rank that exited first, or one it terminated itself).
-
-    It names the rank whose own error came first (`said_dir/rank<r>.txt`, by mtime), not one
-    that only lost contact with it or timed out waiting for it: a rank that failed on its own
-    comes first, then one that died without a word (a C++ abort, the OOM killer) when the others
-    only lost contact with it, then the first rank that timed out or lost contact."""
+    code, as the agent lists them). It names the rank whose own error came first
+    (`said_dir/rank<r>.txt`, by mtime); else one that died without a word (a C++ abort, the
+    OOM killer) while the others lost contact with it; else the first that timed out or lost
+    contact."""
     said: dict[int, tuple[int, str]] = {}
     for p in said_dir.glob("rank*.txt"):
         rank_text = p.stem[len("rank") :]

@@ -1,15 +1,9 @@
 """ddp=fsdp2: the model sharded with `torch.distributed.fsdp.fully_shard` (FSDP2).
 
-Each rank keeps only its shard (dim 0, about 1/N) of every parameter, of its gradient and of
-the optimizer state, as DTensors. A unit (ddp.shard_units, or the model's `fsdp_units`; the
-root is always one and takes what no other unit holds) is all-gathered for its forward and
-again for its backward, and its gradients are reduce-scattered, so a rank holds the whole of
-at most a unit or two at a time. The parameters the optimizer sees are the sharded ones: the
-optimizers are built after sharding (`wrap` replaces the module's parameters).
-
-What the rest of the template needs to know is here: the sync context for gradient
-accumulation is the wrapper's `set_requires_gradient_sync` (step.py), the checkpoints go
-through torch.distributed.checkpoint (dcp.py), and `state_bytes` counts what a rank holds.
+Each rank keeps its shard (about 1/N) of every parameter, gradient and optimizer state, as
+DTensors; a unit (ddp.shard_units, or the model's `fsdp_units`; the root takes the rest) is
+gathered whole only for its forward and backward. `wrap` replaces the module's parameters, so
+the optimizers are built after it.
 """
 
 from __future__ import annotations
@@ -32,9 +26,8 @@ _DTYPES = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16, DType.fp16: to
 
 def find_units(model: torch.nn.Module, cfg: DDPConfig) -> list[tuple[str, torch.nn.Module]]:
     """The modules that become units of their own, innermost first (fully_shard is applied
-    bottom-up): ddp.shard_units, else the model's `fsdp_units`. Each entry is a module class
-    name or an fnmatch pattern of module names; one that matches nothing is refused, naming
-    the classes and top-level modules there are."""
+    bottom-up): each entry a module class name or an fnmatch pattern of module names; one that
+    matches nothing is refused, naming the classes and top-level modules there are."""
     wanted = cfg.shard_units
     if wanted is None:
         wanted = list(getattr(model, "fsdp_units", None) or [])
@@ -91,16 +84,12 @@ def wrap(
         "reshard_after_forward": cfg.reshard_after_forward,
         "mp_policy": policy,
     }
-    # The root casts the model's floating inputs to param_dtype. Under autocast the units
-    # inside need not: autocast casts each op's inputs, and the cast FSDP2 would add walks
-    # every unit's arguments in Python on each forward, a host cost that adds up on a GPU
-    # (docs/fsdp2.md). Without autocast a unit of 16-bit parameters fed fp32 activations
-    # would fail in its first matmul, so there they keep the cast.
+    # Under autocast the units need not cast their inputs (autocast casts each op's), and
+    # FSDP2's cast walks every unit's arguments in Python each forward (docs/fsdp2.md).
+    # Without autocast a unit of 16-bit parameters fed fp32 activations would fail.
     unit_policy = dataclasses.replace(policy, cast_forward_inputs=not autocast)
     if cfg.cpu_offload:
-        # On a CPU job the shards are in CPU memory anyway: the policy's copies are no-ops, but
-        # its path (the optimizer stepping the offloaded shards and gradients) is the one a GPU
-        # job takes, so CI runs it. Pinned memory needs CUDA.
+        # On CPU the copies are no-ops, but CI runs the path a GPU job takes.
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     for module in (model, *also):
         mine = dict(module.named_modules())

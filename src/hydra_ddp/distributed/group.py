@@ -24,22 +24,20 @@ log = logging.getLogger(__name__)
 
 
 def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
-    """Start the process group when a launcher started this process. The device is set first
-    so NCCL binds each rank to its own GPU rather than every rank to GPU 0."""
+    """Start the process group when a launcher started this process, the device set first so
+    that NCCL binds each rank to its own GPU, not every rank to GPU 0."""
     if not env.launched:
         return
-    if env.device.type == "cuda":
-        torch.cuda.set_device(env.device)
+    use_device(env)
     backend = backend_for(cfg, env.device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     _check_resolves(os.environ.get("MASTER_ADDR", ""), env.rank)
     # A client of a port that accepts connections but never answers (another program's
-    # listener) waits in torch's store handshake with no timeout at all: give up from a
-    # thread (the wait releases the GIL), since the waiting call cannot be interrupted.
+    # listener) waits in torch's store handshake with no timeout: give up from a thread.
     watchdog = threading.Timer(
-        cfg.timeout_s + _WATCHDOG_MARGIN_S,
+        cfg.timeout_s + 10.0,
         _give_up,
         args=(
             f"rank {env.rank} could not join the process group at {where} within "
@@ -80,9 +78,6 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     )
 
 
-_WATCHDOG_MARGIN_S = 10.0
-
-
 def _check_resolves(host: str, rank: int) -> None:
     """A MASTER_ADDR that names no host would make every rank retry for dist.timeout_s and then
     blame the port: say so at once."""
@@ -104,17 +99,11 @@ def _give_up(message: str) -> None:
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun's shared agent store, a store private to this attempt of the worker group.
-
-    torchrun (TORCHELASTIC_USE_AGENT_STORE=True) hands every attempt the same store, and
-    init_process_group's env:// rendezvous uses the same key names each time, so after
-    `--max-restarts` restarts the group a new rank can read the dead attempt's addresses and
-    fail to connect (pytorch/pytorch#135712, still so in torch 2.13). A prefix naming the
-    attempt keeps each attempt's keys apart.
-    """
-    # Several agents (nodes) do not agree on the restart count (only the agent whose worker
-    # failed counts one), so the prefix would split the group: there the documented
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every attempt a fresh store instead.
+    """Under torchrun's shared agent store, a store private to this attempt of the worker group:
+    every attempt gets the same store and env:// uses the same keys each time, so after a
+    restart a rank can read the dead attempt's addresses (pytorch/pytorch#135712)."""
+    # Several agents (nodes) do not agree on the restart count, so the prefix would split the
+    # group: there the documented TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives a fresh store.
     if (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
@@ -130,23 +119,16 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"hydra_ddp/pg/{attempt}/", client)
 
 
-def destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @contextlib.contextmanager
 def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     """The process group's lifetime (none without a launcher), and its teardown order.
 
-    Run the code that builds the DDP wrapper in a function called inside this block, so the
-    wrapper dies with that function's frame, before the group. On an error the traceback keeps
-    the failed frames (and the wrapper) alive: they are cleared here first. Dropping the group's
-    last reference inside the wrapper's deallocation joins gloo's threads with the GIL held,
-    which deadlocks when one of them still frees a tensor (seen under load). The same holds
-    for fully_shard's state (ddp=fsdp2): its modules and DTensors hold the group through their
-    device mesh, and FSDP's hooks make reference cycles, so a garbage collection frees them
-    here, before the group, rather than at interpreter exit after it."""
+    Build the wrapper in a function called inside this block, so it dies with that frame,
+    before the group: dropping the group's last reference inside the wrapper's deallocation
+    joins gloo's threads with the GIL held, which deadlocks when one still frees a tensor. On
+    an error the traceback's frames (holding the wrapper) are cleared first, and a garbage
+    collection frees fully_shard's reference cycles (its DTensors hold the group) before the
+    group goes."""
     init_process_group(env, cfg)
     crash_log = _crash_trace_to_log() if env.launched else None
     try:
@@ -163,19 +145,15 @@ def process_group(env: DistEnv, cfg: DistConfig) -> Iterator[None]:
     finally:
         if crash_log is not None:
             faulthandler.disable()
-        # Without a group (one rank, no launcher) there is nothing to free before it, and a
-        # full collection walks every object torch made (0.3 s, each job of a sweep).
-        if env.distributed:
+        if env.distributed:  # without a group, nothing to free before it
             gc.collect()
-            destroy_process_group()
+            dist.destroy_process_group()
 
 
 def _crash_trace_to_log() -> Any:
-    """A rank that dies in a collective (gloo aborts the process when ranks disagree on sizes,
-    with its message on stderr only) leaves the Python stack of the call, the line that died,
-    in its own log file: faulthandler into the file the root logger writes (every thread's:
-    the abort comes from a gloo thread, the collective waits in the main one). Returns that
-    file, or None where the rank has no log file."""
+    """A rank that dies in a collective (gloo aborts the process, its message on stderr only)
+    leaves every thread's Python stack in its own log file: faulthandler into the root
+    logger's file, returned (None where the rank has none)."""
     for handler in logging.getLogger().handlers:
         stream = getattr(handler, "stream", None)
         if isinstance(handler, logging.FileHandler) and stream is not None:
@@ -195,8 +173,7 @@ def use_device(env: DistEnv) -> None:
 
 
 def barrier(env: DistEnv) -> None:
-    """Wait for every rank. Also run on the success path before teardown: torch 2.13's gloo can
-    abort at exit when a rank tears its group down right after the last collective (~1 in 3
-    plain scripts here, none with a barrier first)."""
+    """Wait for every rank. Also run before teardown: gloo can abort at exit when a rank tears
+    its group down right after the last collective."""
     if env.distributed:
         dist.barrier()

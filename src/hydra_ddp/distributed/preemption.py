@@ -1,17 +1,13 @@
 """Stopping on request: a preempted or interrupted job ends with a checkpoint, not a traceback.
 
-Schedulers ask a job to stop before they kill it: SLURM sends SIGTERM (scripts/
-slurm_example.sbatch turns its time-limit warning into SIGTERM for every rank; submitit uses
-SIGUSR2), torchrun's agent forwards SIGTERM/SIGINT to its workers and kills them 30 s later,
-and Ctrl-C sends SIGINT. The
-signal only sets a flag; at the next step boundary every rank learns whether any rank got one
-and, if so, all save one checkpoint together and stop with `Preempted` (exit status 128 +
-the signal's number, as a shell reports a process killed by it). Re-running the same command in
-the same output dir, or a SLURM/submitit requeue, resumes from that checkpoint exactly.
+Schedulers ask a job to stop before they kill it (SLURM's SIGTERM, submitit's SIGUSR2,
+torchrun forwarding SIGTERM/SIGINT 30 s before its kill, Ctrl-C). The signal only sets a flag;
+at the next step boundary every rank learns whether any rank got one, and all save one
+checkpoint together and stop with `Preempted` (exit status 128 + the signal, as a shell
+reports it). The same command in the same output dir, or a requeue, resumes exactly.
 
-A second request more than a second after the first stops at once: the usual "press Ctrl-C
-again" escape. (The first Ctrl-C of a self-launched job reaches each worker twice: from the
-terminal, and forwarded by the agent; those two count as one.)
+A second request more than a second after the first stops at once ("press Ctrl-C again"); the
+first Ctrl-C of a self-launched job reaches a worker twice (terminal and agent): one request.
 """
 
 from __future__ import annotations
@@ -87,14 +83,11 @@ class StopOnSignal:
     whether the ranks are to stop there.
 
     Ranks agree with a tiny blocking all-reduce, so a signal that reaches any rank during a step
-    stops every rank at the end of that step, however long the step is: the bound is one step
-    plus the checkpoint, inside the grace a launcher gives before it kills (an asynchronous
-    agreement, read one check later, would stop long steps too late for that grace). It is not
-    run every step: rank
-    0 sends, in the same all-reduce, how many steps to wait before the next one (about
-    `CHECK_EVERY_S` of steps, from its step time), so every rank checks at the same steps and
-    a 2 ms step does not pay for a collective each time. Under NCCL it runs on a gloo group of
-    its own: reading a CUDA tensor would sync the GPU.
+    stops every rank at its end, however long the step: within the grace a launcher gives (an
+    asynchronous agreement would stop long steps too late). Rank 0 sends in the same
+    all-reduce how many steps to wait before the next check (about `CHECK_EVERY_S`), so a 2 ms
+    step does not pay a collective each time. Under NCCL it runs on a gloo group of its own:
+    reading a CUDA tensor would sync the GPU.
     """
 
     def __init__(self, env: DistEnv, timeout_s: float = 1800.0) -> None:
@@ -128,8 +121,7 @@ class StopOnSignal:
         now = time.monotonic()
         if signum in self.signals and now - self._when > _REPEAT_WINDOW_S:
             # The same request twice: give the signal back its earlier meaning and deliver it
-            # again. (Another signal, e.g. a site's SIGTERM then submitit's SIGUSR2, is not a
-            # repeat: it is remembered, and its handler runs after the checkpoint.)
+            # again. (Another signal is no repeat: its handler runs after the checkpoint.)
             self.restore()
             signal.raise_signal(signum)
             return
@@ -168,9 +160,8 @@ class StopOnSignal:
         return agreed
 
     def chain(self) -> None:
-        """After the checkpoint: let the earlier Python handler of every signal received run
-        too, in order, e.g. submitit's, which requeues the SLURM job on its preemption signal
-        (even when the site's SIGTERM came first)."""
+        """After the checkpoint: run the earlier Python handler of every signal received, in
+        order, e.g. submitit's, which requeues the SLURM job."""
         for signum in self.signals:
             previous = self._previous.get(signum)
             if callable(previous) and previous is not signal.default_int_handler:
@@ -184,12 +175,8 @@ class StopOnSignal:
 
 def data_worker_init(worker_id: int) -> None:
     """A DataLoader worker's `worker_init_fn`: deaf to the stop signals, which its rank handles.
-
-    A signal to the whole job (a SLURM time limit or `scancel` signals every process of the
-    step, `kill -TERM -<pgid>` a process group) otherwise killed the workers at once, and the
-    rank, its batch gone, failed with `DataLoader worker ... is killed by signal` before the
-    checkpoint. The rank stops them as ever when it ends (SIGINT is torch's own business: the
-    worker loop already takes it quietly)."""
+    A signal to the whole job (a SLURM time limit, `scancel`) would otherwise kill the workers
+    and fail the rank before its checkpoint (SIGINT the worker loop already takes quietly)."""
     for name in STOP_SIGNALS:
         sig = getattr(signal, name, None)
         if sig is not None and sig != signal.SIGINT:

@@ -1,24 +1,14 @@
 """`python -m hydra_ddp.distributed.torchrun ARGS`: torchrun whose stop on a signal exits like
 its workers.
 
-torchrun's agent, on SIGTERM (a scheduler's stop) or SIGINT, forwards the signal to its
-workers and waits for them (`--shutdown-timeout`, 30 s by default), then lets torch's
-`SignalException` out of its main: a traceback and exit status 1, although the workers saved a
-checkpoint and exited 143 (130 for Ctrl-C). Its options cannot change that: a signal left out
-of `--signals-to-handle` kills the agent at once, without forwarding it or waiting for the
-checkpoint.
-
-This runs torchrun itself (`torch.distributed.run.main`, what the `torchrun` command runs, with
-the same arguments) and turns that exception into the status of a process stopped by the
-signal, 128 + its number, without a traceback or the agent's shutdown notes: the workers' own
-line (rank 0's `stopped on SIGTERM at step N of M with a checkpoint: ...`) is the last word.
-
-Its agent also handles SIGUSR1 and SIGUSR2 (submitit's and many SLURM sites' preemption signals),
-which torchrun's default `--signals-to-handle` leaves out: there they kill the agent at once,
-and a scheduler that reaps a job's processes when its main one exits loses the checkpoint. An
-explicit `--signals-to-handle` (or `PET_SIGNALS_TO_HANDLE`) still wins. Workers that stop on a
-signal sent to them alone (not to the agent) end the same way: their exit status, not the
-agent's `ChildFailedError` report.
+On SIGTERM or SIGINT torchrun's agent forwards the signal, waits for its workers (which save a
+checkpoint and exit 143 or 130), then lets torch's `SignalException` out: a traceback and
+status 1, which no option of torchrun changes. This runs `torch.distributed.run.main` with the
+same arguments and exits 128 + the signal instead, so the workers' own `stopped on SIGTERM at
+step N ...` line is the last word. Its agent also forwards SIGUSR1 and SIGUSR2 (submitit's and
+many SLURM sites' preemption signals), which torchrun's default `--signals-to-handle` leaves
+out: there they kill the agent at once and lose the checkpoint. An explicit
+`--signals-to-handle` (or `PET_SIGNALS_TO_HANDLE`) still wins.
 """
 
 from __future__ import annotations
@@ -44,8 +34,6 @@ _STOP_NOTES = (
 # the self-launch's LaunchConfig): torch's default, plus the USR signals the workers stop on.
 AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 _SIGNALS_OPTION = ("--signals-to-handle", "--signals_to_handle")
-
-
 _FAILED = "failed (exitcode: %s)"
 
 
