@@ -211,6 +211,19 @@ def link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename the whole folder `tmp` to `final`. A rename cannot replace a folder that holds
+    files, so an old `final` is moved aside first and deleted once the new one is in place: a
+    kill between the renames leaves both whole, and reader.left_by_swap finds the newest."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:

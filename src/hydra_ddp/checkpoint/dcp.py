@@ -25,7 +25,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hydra_ddp.checkpoint import state
-from hydra_ddp.checkpoint.checkpointer import Checkpointer, fsync_dir, link_or_copy, write_synced
+from hydra_ddp.checkpoint.checkpointer import (
+    Checkpointer,
+    fsync_dir,
+    link_or_copy,
+    swap_into_place,
+    write_synced,
+)
 from hydra_ddp.checkpoint.reader import (
     EXTRA,
     MANIFEST,
@@ -145,7 +151,7 @@ class DCPCheckpointer(Checkpointer):
                     files[p.name] = _entry(p)
             write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
             fsync_dir(tmp)
-            _swap_into_place(tmp, final)
+            swap_into_place(tmp, final)
             if name is None:
                 self._rotate(final.parent)
             log.info("checkpoint: %s", final)
@@ -212,20 +218,7 @@ def _link_as_best(folder: Path, step: int) -> None:
         link_or_copy(p, tmp / p.name)
     write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
     fsync_dir(tmp)
-    _swap_into_place(tmp, folder / f"best{SUFFIX}")
-
-
-def _swap_into_place(tmp: Path, final: Path) -> None:
-    """Rename the whole folder `tmp` to `final`. A rename cannot replace a folder that holds
-    files, so an old `final` is moved aside first and deleted once the new one is in place: a
-    kill between the renames leaves both whole, and reader.left_by_swap finds the newest."""
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_into_place(tmp, folder / f"best{SUFFIX}")
 
 
 def _entry(path: Path) -> list[int]:

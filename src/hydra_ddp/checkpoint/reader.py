@@ -79,8 +79,8 @@ def best(output_dir: Path) -> Path | None:
 
 
 def left_by_swap(final: Path) -> Path | None:
-    """When the folder `final` is missing, the whole one that a replacement of it (dcp.py's
-    `_swap_into_place`) killed between its two renames left: the new .<name>.tmp (whole once
+    """When the folder `final` is missing, the whole one that a replacement of it (checkpointer.py's
+    `swap_into_place`) killed between its two renames left: the new .<name>.tmp (whole once
     its manifest is written) before the old .<name>.old. A step's whole .tmp with no .old
     beside it is a save killed before its rename (it never had the name): not one."""
     tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
