@@ -55,7 +55,8 @@ class Checkpointer:
     ) -> None:
         self.output_dir, self.env, self.objects = Path(output_dir), env, objects
         self.interval, self.keep, self.total_steps = interval, keep, total_steps
-        self.members = state.held_members(objects, members)
+        held = ((m, m.get(objects)) for m in members)
+        self.members = [(m, obj) for m, obj in held if obj is not None]
 
     @property
     def step(self) -> int:
@@ -71,18 +72,25 @@ class Checkpointer:
 
     def save(self, name: str | None = None, background: bool = False) -> None:
         """Collective: checkpoints/step_<step>.pt, or checkpoints/<name> (best.pt). Rank 0 holds
-        the global state, every rank its per-rank state (gathered into the same file)."""
+        the global state; every rank's per-rank state is gathered into the same file."""
         self.wait()
-        agree(self.objects, self.env)  # collective
-        main, refused = None, None
-        if self.env.is_main:
-            try:  # what resume could not read is refused now, on every rank alike
-                main = checked(global_state([(m, o) for m, o in self.members if self._main(m)]))
-            except UserError as e:
-                refused = str(e)
-        ranks = gather_per_rank(self.members, self.env, refused)  # collective
+        # collective: the buffers each rank updates on its own (BatchNorm statistics) become
+        # rank 0's, so a checkpoint holds one rank's state
+        ema = [self.objects.ema.module] if self.objects.ema is not None else []
+        sync_buffers([self.objects.model, *ema], self.env)
+        main, mine, refused = None, None, None
+        try:  # what resume could not read is refused now, on every rank alike
+            if self.env.is_main:
+                main = checked(state_of([(m, o) for m, o in self.members if self._main(m)]))
+            mine = checked(to_cpu(state_of([(m, o) for m, o in self.members if m.per_rank])))
+        except UserError as e:
+            refused = str(e)
+        ranks = all_gather_objects((mine, refused), self.env)  # collective
+        refused = next((why for _, why in ranks if why), None)
+        if refused is not None:
+            raise UserError(refused)
         if main is not None:
-            main.update(world_size=self.env.world_size, rng=ranks)
+            main.update(world_size=self.env.world_size, rng=[rank for rank, _ in ranks])
         self._write(main, name, background)
 
     def _main(self, member: state.Member) -> bool:
@@ -126,16 +134,7 @@ class Checkpointer:
         state.load_members(self.members, load(path), self.env, path)
 
 
-# ---- the collectives of every save ----
-
-
-def agree(objects: state.CheckpointedObjects, env: DistEnv) -> None:
-    """Collective, first in every save: the model's and EMA's buffers (BatchNorm statistics,
-    updated by each rank on its own) become rank 0's, so a checkpoint holds one rank's state."""
-    sync_buffers([objects.model, *([objects.ema.module] if objects.ema is not None else [])], env)
-
-
-def global_state(members: list[tuple[state.Member, Any]]) -> dict[str, Any]:
+def state_of(members: list[tuple[state.Member, Any]]) -> dict[str, Any]:
     """The state of `members`, flat ones merged in."""
     out: dict[str, Any] = {}
     for member, obj in members:
@@ -144,23 +143,6 @@ def global_state(members: list[tuple[state.Member, Any]]) -> dict[str, Any]:
         else:
             out[member.name] = obj.state_dict()
     return out
-
-
-def gather_per_rank(
-    members: list[tuple[state.Member, Any]], env: DistEnv, refused: str | None = None
-) -> list[Any]:
-    """Collective: every rank's per-rank state, checked loadable, as the list `rng` holds; a
-    state one rank cannot save (or `refused`) is refused on every rank alike."""
-    mine = global_state([(m, obj) for m, obj in members if m.per_rank])
-    try:
-        mine = checked(to_cpu(mine))
-    except UserError as e:
-        refused = str(e)
-    ranks = all_gather_objects((mine, refused), env)
-    refused = next((why for _, why in ranks if why), None)
-    if refused is not None:
-        raise UserError(refused)
-    return [rank_state for rank_state, _ in ranks]
 
 
 # ---- the file ----
@@ -173,7 +155,12 @@ def save(
     file, fsync, rename (a kill mid-write leaves only a *.tmp); then the newest `keep` kept."""
     folder = checkpoint_dir(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(folder)
+    # Only rank 0 of the job holding the run dir writes here: another pid's file is a dead
+    # writer's.
+    for p in folder.iterdir():
+        m = _TMP.match(p.name)
+        if m and int(m.group(1)) != os.getpid():
+            p.unlink(missing_ok=True)
     final = folder / (name or f"step_{step:08d}.pt")
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     try:
@@ -187,9 +174,17 @@ def save(
         raise failed from e
     fsync_dir(folder)
     if name is None:
-        for _, old in [s for s in steps(folder) if s[1].suffix == ".pt"][:-keep]:
-            old.unlink(missing_ok=True)
+        rotate(folder, ".pt", keep)
     return final
+
+
+def rotate(folder: Path, suffix: str, keep: int) -> None:
+    """Only the newest `keep` step checkpoints of `suffix` (files or folders) are kept."""
+    for _, old in [s for s in steps(folder) if s[1].suffix == suffix][:-keep]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def write_synced(path: Path, content: Any) -> None:
@@ -230,15 +225,6 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_stale_tmp(folder: Path) -> None:
-    """Delete killed writers' temporary files: only rank 0 of the job holding the run dir
-    writes here, so another pid's file is a dead writer's."""
-    for p in folder.iterdir():
-        m = _TMP.match(p.name)
-        if m and int(m.group(1)) != os.getpid():
-            p.unlink(missing_ok=True)
 
 
 # ---- what a checkpoint may hold ----

@@ -29,6 +29,7 @@ from hydra_ddp.checkpoint.checkpointer import (
     Checkpointer,
     fsync_dir,
     link_or_copy,
+    rotate,
     swap_into_place,
     write_synced,
 )
@@ -41,7 +42,6 @@ from hydra_ddp.checkpoint.reader import (
     crc32,
     left_by_swap,
     read_archive,
-    steps,
 )
 from hydra_ddp.disk import remove_quietly, write_failed
 from hydra_ddp.distributed import all_gather_objects, barrier
@@ -84,7 +84,11 @@ class DCPCheckpointer(Checkpointer):
         tmp = folder / f".{final.name}.tmp"
         if main is not None:
             self._start_folder(folder, tmp)
-            self._write_extra(tmp / EXTRA, main)
+            try:
+                write_synced(tmp / EXTRA, main)
+            except (OSError, RuntimeError) as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise write_failed(e, tmp) from e
         barrier(self.env)  # the fresh tmp folder exists before any rank writes into it
         shards = self._shards()
         try:
@@ -153,13 +157,9 @@ class DCPCheckpointer(Checkpointer):
             fsync_dir(tmp)
             swap_into_place(tmp, final)
             if name is None:
-                self._rotate(final.parent)
+                rotate(final.parent, SUFFIX, self.keep)
             log.info("checkpoint: %s", final)
         barrier(self.env)  # nobody races ahead and dies before the folder is in place
-
-    def _rotate(self, folder: Path) -> None:
-        for _, old in [s for s in steps(folder) if s[1].suffix == SUFFIX][: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _start_folder(self, folder: Path, tmp: Path) -> None:
         """Rank 0: checkpoints/ exists, with no killed save's tmp folder left (`wait` ran), and a
@@ -177,20 +177,23 @@ class DCPCheckpointer(Checkpointer):
         except OSError as e:
             raise write_failed(e, tmp) from e
 
-    def _write_extra(self, path: Path, extra: dict[str, Any]) -> None:
-        try:
-            write_synced(path, extra)
-        except (OSError, RuntimeError) as e:
-            shutil.rmtree(path.parent, ignore_errors=True)
-            raise write_failed(e, path.parent) from e
-
     def _shards(self) -> dict[str, Any]:
         return {m.name: obj.state_dict() for m, obj in self.members if m.sharded}
 
     def keep_as_best(self, step: int) -> None:
         """Rank 0: step <step>'s folder is also best.dcp (hard links, where possible)."""
-        if self.env.is_main:
-            _link_as_best(checkpoint_dir(self.output_dir), step)
+        if not self.env.is_main:
+            return
+        folder = checkpoint_dir(self.output_dir)
+        source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for p in source.iterdir():
+            if p.name != MANIFEST:
+                link_or_copy(p, tmp / p.name)
+        write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
+        fsync_dir(tmp)
+        swap_into_place(tmp, folder / f"best{SUFFIX}")
 
     def _restore(self, path: Path) -> None:
         check_whole(path, "trainer.resume")
@@ -206,19 +209,6 @@ class DCPCheckpointer(Checkpointer):
                 "trained with (its run's .hydra/config.yaml), or trainer.resume=never"
             ) from e
         state.load_members(self.members, {**extra, **shards}, self.env, path)
-
-
-def _link_as_best(folder: Path, step: int) -> None:
-    source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for p in source.iterdir():
-        if p.name == MANIFEST:
-            continue
-        link_or_copy(p, tmp / p.name)
-    write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
-    fsync_dir(tmp)
-    swap_into_place(tmp, folder / f"best{SUFFIX}")
 
 
 def _entry(path: Path) -> list[int]:

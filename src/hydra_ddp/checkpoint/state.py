@@ -217,14 +217,6 @@ def members(extra: Iterable[Member] = ()) -> list[Member]:
     return table
 
 
-def held_members(
-    objects: CheckpointedObjects, table: Iterable[Member] = DEFAULT_MEMBERS
-) -> list[tuple[Member, Stateful]]:
-    """This job's members and their objects, in the table's order."""
-    found = ((m, m.get(objects)) for m in table)
-    return [(m, obj) for m, obj in found if obj is not None]
-
-
 _LOADING: ContextVar[Path | None] = ContextVar("checkpoint_loading", default=None)
 
 
@@ -258,8 +250,14 @@ def load_members(
                     found = next((s for s in (*ranks[:1], state) if _holds(s, member)), None)
             else:
                 found, where = state, ""
+            if not _holds(found, member) and member.required:
+                raise UserError(
+                    f"{path} holds no {member.name} state{where}, which this job needs: resume "
+                    "with the config it was trained with, or trainer.resume=never"
+                )
             if not _holds(found, member):
-                _missing(member, path, where)
+                # A checkpoint from before the feature was switched on (or of another world size).
+                log.warning("%s holds no %s state%s: starting it fresh", path, member.name, where)
                 continue
             try:
                 obj.load_state_dict(found if member.flat else found[member.name])
@@ -273,13 +271,3 @@ def load_members(
 
 def _holds(found: dict[str, Any] | None, member: Member) -> bool:
     return found is not None and (member.flat or member.name in found)
-
-
-def _missing(member: Member, path: Path, where: str) -> None:
-    if member.required:
-        raise UserError(
-            f"{path} holds no {member.name} state{where}, which this job needs: resume with "
-            "the config it was trained with, or trainer.resume=never"
-        )
-    # A checkpoint from before the feature was switched on (or of another world size).
-    log.warning("%s holds no %s state%s: starting it fresh", path, member.name, where)
