@@ -1,17 +1,12 @@
 """`trainer.init_from`: start a model from weights of any format, with `trainer.init_map`'s
 prefix renames, and one line saying what was loaded.
 
-What it may name beyond a checkpoint (reader.py): a Hugging Face `save_pretrained` folder
-(`model.safetensors`, a sharded `model.safetensors.index.json`, or `pytorch_model.bin`), a
-`.safetensors` file or index, a `torch.save` file holding a state dict (bare, or under `model`
-or `state_dict`, e.g. Lightning's).
-
-In two parts, so that bad input fails before any process group and a sharded model is loaded
-in place: `plan` matches names and shapes from the file's index alone (tensors read: none);
-`apply` copies the planned tensors into the whole model (DDP) or, after ddp=fsdp2's wrap, into
-each rank's shards (from a checkpoint folder through DCP, from any other file one memory-mapped
-tensor at a time). Tied tensors (a GPT's embedding and head) count as loaded when either name
-is: an HF or export file stores them once.
+Beyond a checkpoint (reader.py) it reads a Hugging Face `save_pretrained` folder, a
+`.safetensors` file or index, and a `torch.save` state dict (bare, or under `model` or
+`state_dict`, e.g. Lightning's). `plan` matches names and shapes from the file's index alone,
+so bad input fails before any process group; `apply` copies the tensors into the whole model,
+or after ddp=fsdp2's wrap into each rank's shards. Tied tensors (a GPT's embedding and head)
+count as loaded when either name is: an HF or export file stores them once.
 """
 
 from __future__ import annotations
