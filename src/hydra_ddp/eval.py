@@ -8,10 +8,9 @@
     torchrun --standalone --nproc_per_node=2 -m hydra_ddp.eval run=<dir>
 
 The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments override it with
-the training command line's grammar: `key=value`, `+key=value`, `++key=value`, `~key`), the
-checkpoint's weights are loaded (its EMA average when the run kept one, as the run evaluated),
-and the split is evaluated exactly as training does it, on any number of ranks. The metrics
-are printed and written to `<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/predict.py.
+the training command line's grammar), the checkpoint's weights (its EMA, when the run kept one)
+are loaded, and the split is evaluated as training does it, on any number of ranks, into
+`<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/predict.py.
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ USAGE = (
     "usage: python -m hydra_ddp.eval run=<run dir> [ckpt=last|best|<file>] [split=test|val] "
     "[predict=true [predict_key=<name>] [predict_pad=<value>]] [key=value | +key=value ...]"
 )
-
-
 _MINE = ("run", "ckpt", "split", "predict", "predict_key", "predict_pad")
 
 
@@ -88,7 +85,7 @@ def parse(argv: list[str]) -> tuple[Request, list[str]]:
 
 def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:
     """The run's composed config, typed, with `overrides` applied as on the training command
-    line (`key=value`, `+key=value` to add, `++key=value`, `~key` to delete)."""
+    line."""
     path = run_dir / ".hydra" / "config.yaml"
     # A FIFO there is no missing file: say what it is (and never open it: that waits for ever).
     check_regular(
@@ -123,7 +120,7 @@ _ABSENT = object()
 
 
 def _apply(cfg: DictConfig, override: Any) -> None:
-    """One parsed override, with Hydra's meaning (hydra's config loader applies them so too)."""
+    """One parsed override, with Hydra's meaning."""
     key, text = override.key_or_group, override.input_line
     if override.is_sweep_override():
         raise UserError(f"{text}: evaluation runs one job, not a sweep; give one value")

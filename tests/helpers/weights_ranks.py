@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hydra_ddp.checkpoint.init_from import apply, plan
-from hydra_ddp.checkpoint.reader import MANIFEST, crc32, open_weights
+from hydra_ddp.checkpoint.init_from import apply, open_weights, plan
+from hydra_ddp.checkpoint.reader import MANIFEST, crc32
 from hydra_ddp.config import DDPConfig, Wrapper
 from hydra_ddp.distributed.fsdp import full, wrap
 from hydra_ddp.models import GPT

@@ -1,18 +1,12 @@
-"""Writing checkpoints: a DistributedDataParallel run's single files, what every checkpoint may
-hold, and the checkpoints/ folder a run writes into.
+"""Writing checkpoints: `Checkpointer` (a DDP run's checkpoints/step_<step>.pt, written by
+global rank 0, atomically, the newest K kept; dcp.py's subclass writes ddp=fsdp2's folders),
+and what any checkpoint may hold.
 
-- `Checkpointer`: checkpoints/step_<step>.pt, written by global rank 0 with every member the
-  job declared (state.py); ddp=fsdp2's sharded folders are dcp.py's, with the same interface.
-- `save`: temporary file, fsync, rename, then the newest K kept; `keep_as_best`: best.pt.
-- `loadable`: state made plain at save. Resume and evaluation read checkpoints with
-  `torch.load(weights_only=True)`, which refuses any object whose class it does not know (it
-  would have to import and call code). So numpy scalars become Python numbers, numpy arrays
-  tensors (lists for arrays of strings or objects), tuple/dict/list subclasses (a namedtuple, a
-  defaultdict), frozensets and paths their plain counterparts. Anything else (a user's class,
-  an Enum, a datetime) is refused at save, in one line naming where it is, rather than found at
-  resume when the run can no longer be continued. Containers in which nothing changes are kept
-  as they are (a model's state_dict keeps its `_metadata`).
-- `check_folder`, `set_aside_checkpoints`: the folder before a run writes into it.
+Resume and evaluation read checkpoints with `torch.load(weights_only=True)`, which refuses any
+object whose class it does not know, so state is made plain at save (`loadable`): numpy values
+become numbers and tensors, a namedtuple a tuple, a path a string; anything else (a user's
+class, an Enum) is refused at save, in one line naming where it is, rather than found at
+resume when the run can no longer be continued.
 """
 
 from __future__ import annotations
@@ -42,16 +36,11 @@ _TMP = re.compile(r"^\.step_\d{8}\.pt\.(\d+)\.tmp$")
 
 class Checkpointer:
     """The training state on disk: `maybe_save` every trainer.ckpt_interval steps, `save` at
-    the end or on a stop signal, `restore` on resume.
-
-    `objects` are what this job checkpoints; what of them a checkpoint holds, and how, is
-    `members` (state.members: the defaults and the user's). Rank 0 saves the global members;
-    the per-rank ones (every rank's RNG and callback state, a comm hook's error feedback) are
-    gathered into the same file. Every rank first takes rank 0's buffers (`agree`). Saving
-    and restoring are collective: every rank calls them.
-    """
+    the end or on a stop signal, `restore` on resume; all collective. Rank 0 saves the global
+    members, with every rank's per-rank ones gathered into the same file."""
 
     sharded = False  # ddp=fsdp2's subclass writes and resumes checkpoint folders
+    async_save = False
 
     def __init__(
         self,
@@ -66,63 +55,71 @@ class Checkpointer:
     ) -> None:
         self.output_dir, self.env, self.objects = Path(output_dir), env, objects
         self.interval, self.keep, self.total_steps = interval, keep, total_steps
-        self.members = state.held_members(objects, members)
+        held = ((m, m.get(objects)) for m in members)
+        self.members = [(m, obj) for m, obj in held if obj is not None]
 
     @property
     def step(self) -> int:
-        """The optimizer steps the position has taken (0 without a position)."""
         position = self.objects.position
         return int(position.pos.step) if position is not None else 0
 
     def due(self, step: int) -> bool:
-        """Every `interval` steps (0: never); the end of the run saves anyway."""
         return bool(self.interval) and step % self.interval == 0 and step < self.total_steps
 
     def maybe_save(self) -> None:
-        """Collective."""
         if self.due(self.step):
-            self.save()
+            self.save(background=self.async_save)
 
-    def save(self, name: str | None = None) -> None:
-        """Collective: gather every rank's per-rank state, then global rank 0 alone writes
-        checkpoints/step_<step>.pt, or checkpoints/<name> (the best one, never rotated)."""
-        env = self.env
-        agree(self.objects, env)  # collective
-        main, refused = None, None
+    def save(self, name: str | None = None, background: bool = False) -> None:
+        """Collective: checkpoints/step_<step>.pt, or checkpoints/<name> (best.pt). Rank 0 holds
+        the global state; every rank's per-rank state is gathered into the same file."""
+        self.wait()
+        # collective: the buffers each rank updates on its own (BatchNorm statistics) become
+        # rank 0's, so a checkpoint holds one rank's state
+        ema = [self.objects.ema.module] if self.objects.ema is not None else []
+        sync_buffers([self.objects.model, *ema], self.env)
+        main, mine, refused = None, None, None
         try:  # what resume could not read is refused now, on every rank alike
-            if env.is_main:
-                main = checked(global_state([(m, o) for m, o in self.members if not m.per_rank]))
+            if self.env.is_main:
+                main = checked(state_of([(m, o) for m, o in self.members if self._main(m)]))
+            mine = checked(to_cpu(state_of([(m, o) for m, o in self.members if m.per_rank])))
         except UserError as e:
             refused = str(e)
-        ranks = gather_per_rank(self.members, env, refused)  # collective
+        ranks = all_gather_objects((mine, refused), self.env)  # collective
+        refused = next((why for _, why in ranks if why), None)
+        if refused is not None:
+            raise UserError(refused)
         if main is not None:
-            main.update(world_size=env.world_size, rng=ranks)
-            path = save(main, self.output_dir, self.step, self.keep, name)
-            log.info("checkpoint: %s", path)
-        # Nobody races ahead and dies before the file is complete.
-        barrier(env)
+            main.update(world_size=self.env.world_size, rng=[rank for rank, _ in ranks])
+        self._write(main, name, background)
+
+    def _main(self, member: state.Member) -> bool:
+        """A member that rank 0 writes."""
+        return not member.per_rank
+
+    def _write(self, main: dict[str, Any] | None, name: str | None, background: bool) -> None:
+        if main is not None:
+            log.info("checkpoint: %s", save(main, self.output_dir, self.step, self.keep, name))
+        barrier(self.env)  # nobody races ahead and dies before the file is complete
+
+    def wait(self) -> None:
+        """Complete a background save (every save here is written at once)."""
 
     def abandon(self) -> None:
-        """A failed job's background save given up (DCPCheckpointer's async saves; every save
-        here is written at once)."""
+        """A failed job's background save given up."""
 
     def keep_as_best(self, step: int) -> None:
-        """Rank 0: the checkpoint just saved at `step` is also checkpoints/best.pt: a hard link
-        where the file system has them (no second copy on disk), else a copy."""
+        """Rank 0: the checkpoint of `step` is also best.pt."""
         if not self.env.is_main:
             return
         folder = checkpoint_dir(self.output_dir)
-        source, tmp = folder / f"step_{step:08d}.pt", folder / f".best.pt.{os.getpid()}.tmp"
+        tmp = folder / f".best.pt.{os.getpid()}.tmp"
         tmp.unlink(missing_ok=True)
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copy2(source, tmp)
+        link_or_copy(folder / f"step_{step:08d}.pt", tmp)
         os.replace(tmp, folder / "best.pt")
 
     def restore(self, path: Path) -> None:
-        """Load the checkpoint at `path` into every member of this job (the position with its
-        resume arithmetic, this rank's RNG): the wrapper's own format, else one line."""
+        """Load the checkpoint at `path` (the wrapper's own format) into every member."""
         if is_sharded(path) != self.sharded:
             made_by, wrapper = (
                 ("a ddp=fsdp2", "fsdp2") if is_sharded(path) else ("a DDP", "default")
@@ -137,18 +134,8 @@ class Checkpointer:
         state.load_members(self.members, load(path), self.env, path)
 
 
-# ---- the collectives of every save ----
-
-
-def agree(objects: state.CheckpointedObjects, env: DistEnv) -> None:
-    """`# collective`, first in every save: what each rank holds a copy of and updates on its
-    own, the model's and the EMA's buffers (BatchNorm statistics), becomes rank 0's, so a
-    checkpoint holds one rank's state and not a mix of them (distributed/ddp.py)."""
-    sync_buffers([objects.model, *([objects.ema.module] if objects.ema is not None else [])], env)
-
-
-def global_state(members: list[tuple[state.Member, Any]]) -> dict[str, Any]:
-    """The state of `members` (the global ones of a checkpoint), flat ones merged in."""
+def state_of(members: list[tuple[state.Member, Any]]) -> dict[str, Any]:
+    """The state of `members`, flat ones merged in."""
     out: dict[str, Any] = {}
     for member, obj in members:
         if member.flat:
@@ -158,39 +145,22 @@ def global_state(members: list[tuple[state.Member, Any]]) -> dict[str, Any]:
     return out
 
 
-def gather_per_rank(
-    members: list[tuple[state.Member, Any]], env: DistEnv, refused: str | None = None
-) -> list[Any]:
-    """Collective: every rank's per-rank state, checked loadable, as the list `rng` holds;
-    a state one rank cannot save (or `refused`: why this rank cannot save) is refused on every
-    rank alike."""
-    mine = global_state([(m, obj) for m, obj in members if m.per_rank])
-    try:
-        mine = checked(to_cpu(mine))
-    except UserError as e:
-        refused = str(e)
-    ranks = all_gather_objects((mine, refused), env)
-    refused = next((why for _, why in ranks if why), None)
-    if refused is not None:
-        raise UserError(refused)
-    return [rank_state for rank_state, _ in ranks]
-
-
 # ---- the file ----
 
 
 def save(
     content: dict[str, Any], output_dir: Path, step: int, keep: int, name: str | None = None
 ) -> Path:
-    """Write `content` as checkpoints/step_<step>.pt (or checkpoints/<name>, never rotated):
-    temporary file, fsync, rename; then only the newest `keep` step files are kept.
-
-    A process killed mid-write leaves only a *.tmp file behind; the previous checkpoint stays
-    the newest complete one, and rename is atomic on POSIX file systems.
-    """
+    """Write `content` as checkpoints/step_<step>.pt (or <name>, never rotated): temporary
+    file, fsync, rename (a kill mid-write leaves only a *.tmp); then the newest `keep` kept."""
     folder = checkpoint_dir(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(folder)
+    # Only rank 0 of the job holding the run dir writes here: another pid's file is a dead
+    # writer's.
+    for p in folder.iterdir():
+        m = _TMP.match(p.name)
+        if m and int(m.group(1)) != os.getpid():
+            p.unlink(missing_ok=True)
     final = folder / (name or f"step_{step:08d}.pt")
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     try:
@@ -204,13 +174,21 @@ def save(
         raise failed from e
     fsync_dir(folder)
     if name is None:
-        for _, old in [s for s in steps(folder) if s[1].suffix == ".pt"][:-keep]:
-            old.unlink(missing_ok=True)
+        rotate(folder, ".pt", keep)
     return final
 
 
+def rotate(folder: Path, suffix: str, keep: int) -> None:
+    """Only the newest `keep` step checkpoints of `suffix` (files or folders) are kept."""
+    for _, old in [s for s in steps(folder) if s[1].suffix == suffix][:-keep]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
 def write_synced(path: Path, content: Any) -> None:
-    """`content` (bytes, or anything torch.save writes) in `path`, on disk when this returns."""
+    """`content` (bytes, or for torch.save) in `path`, on disk when this returns."""
     with open(path, "wb") as f:
         if isinstance(content, bytes):
             f.write(content)
@@ -220,22 +198,33 @@ def write_synced(path: Path, content: Any) -> None:
         os.fsync(f.fileno())
 
 
+def link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the file system has them (no second copy on disk), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename the whole folder `tmp` to `final`. A rename cannot replace a folder that holds
+    files, so an old `final` is moved aside first and deleted once the new one is in place: a
+    kill between the renames leaves both whole, and reader.left_by_swap finds the newest."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_stale_tmp(folder: Path) -> None:
-    """Delete temporary files left by writers that were killed mid-write. Only global rank 0
-    of the job that holds the run dir (rundir/claim.py) writes here: another pid's file is a
-    dead writer's."""
-    for p in folder.iterdir():
-        m = _TMP.match(p.name)
-        if m and int(m.group(1)) != os.getpid():
-            p.unlink(missing_ok=True)
 
 
 # ---- what a checkpoint may hold ----
@@ -250,16 +239,13 @@ _MAX_DEPTH = 200
 
 
 class Unloadable(Exception):
-    """A value weights_only would refuse: `where` is its key path, `kind` its type's name."""
-
     def __init__(self, where: str, kind: str) -> None:
         super().__init__(f"{where}: {kind}")
         self.where, self.kind = where, kind
 
 
 def checked(content: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's members made `loadable`; a member that cannot be is one UserError naming
-    it (for a callback: `callbacks.<name>` and the key in its state_dict)."""
+    """A checkpoint's members made `loadable`, or one UserError naming the member."""
     out: dict[str, Any] = {}
     for member, value in content.items():
         # The callbacks' states, by callback name: each is named on its own.
@@ -281,8 +267,8 @@ def checked(content: dict[str, Any]) -> dict[str, Any]:
 
 
 def loadable(value: Any, where: str = "", depth: int = 0) -> Any:
-    """`value` with everything made a type weights_only reads; raises Unloadable (naming the
-    key path from `where` on) for a value that has none."""
+    """`value` made of types weights_only reads; containers in which nothing changes are kept
+    as they are (a model's state_dict keeps its `_metadata`)."""
     if depth > _MAX_DEPTH:
         raise Unloadable(where, f"structure nested over {_MAX_DEPTH} deep (a cycle?)")
     if type(value) in _ATOMS or isinstance(value, _TORCH_ATOMS):
@@ -320,8 +306,8 @@ def loadable(value: Any, where: str = "", depth: int = 0) -> Any:
 
 
 def to_cpu(obj: Any) -> Any:
-    """`obj` with its tensors on the CPU: a CUDA tensor pickled by rank 1 would be unpickled
-    onto rank 1's GPU by rank 0's process."""
+    """`obj` with its tensors on the CPU: rank 0 would unpickle rank 1's CUDA tensor onto
+    rank 1's GPU."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):

@@ -1,22 +1,15 @@
-"""ddp=fsdp2's checkpoints: sharded, written by every rank through torch.distributed.checkpoint.
-
-A checkpoint is a folder, checkpoints/step_<step>.dcp/ (best.dcp/ for the best one):
+"""ddp=fsdp2's checkpoints: a folder, checkpoints/step_<step>.dcp/ (best.dcp/ for the best),
+written by every rank through torch.distributed.checkpoint:
 
     __<rank>_0.distcp  each rank's shards of the model, optimizer and EMA tensors (DCP's files)
     .metadata          DCP's index: which file holds which part of which tensor
     extra.pt           rank 0: position, schedules, scaler, monitor; every rank's RNG, callbacks
     manifest.json      written last: every other file's size and CRC-32
 
-The guarantees of the single-file checkpoints hold. Atomic: every rank writes into
-checkpoints/.<name>.tmp/, and rank 0 renames it once all have finished and the manifest is
-written, so a half-written checkpoint never has a checkpoint's name; best.dcp, replaced by a
-newer best, is swapped so that a kill at any moment leaves a whole best (`_swap_into_place`).
-Checked before resume:
-a folder whose files differ from its manifest is skipped for the newest intact one
-(reader.latest). The data position is kept in rows, and DCP reshards the model and the
-optimizer state on load, so a run resumes on another number of ranks. reader.load reads the
-whole model back without a process group: for `hydra_ddp.eval` and `hydra_ddp.export`
-(`trainer.init_from` reads each rank's parts: checkpoint/init_from.py).
+Atomic as the single files: every rank writes into checkpoints/.<name>.tmp/, and rank 0
+renames it once all have finished and the manifest is written. DCP reshards the model and the
+optimizer on load, and the position is kept in rows, so a run resumes on another number of
+ranks.
 """
 
 from __future__ import annotations
@@ -34,14 +27,12 @@ import torch.distributed.checkpoint as dcp
 from hydra_ddp.checkpoint import state
 from hydra_ddp.checkpoint.checkpointer import (
     Checkpointer,
-    agree,
-    checked,
     fsync_dir,
-    gather_per_rank,
-    global_state,
+    link_or_copy,
+    rotate,
+    swap_into_place,
     write_synced,
 )
-from hydra_ddp.checkpoint.folder import left_by_swap
 from hydra_ddp.checkpoint.reader import (
     EXTRA,
     MANIFEST,
@@ -49,8 +40,8 @@ from hydra_ddp.checkpoint.reader import (
     check_whole,
     checkpoint_dir,
     crc32,
+    left_by_swap,
     read_archive,
-    steps,
 )
 from hydra_ddp.disk import remove_quietly, write_failed
 from hydra_ddp.distributed import all_gather_objects, barrier
@@ -63,11 +54,9 @@ _ABANDON_WAIT_S = 30.0
 
 
 class DCPCheckpointer(Checkpointer):
-    """Checkpointer's cadence and interface (`maybe_save`, `save`, `keep_as_best`, `restore`),
-    with sharded checkpoint folders. `async_save` (trainer.async_ckpt): the periodic saves
-    are written in the background while training goes on (after a copy of this rank's shards
-    to CPU memory), and completed before the next save; the end-of-run, best and stop-signal
-    saves are written at once. Every method is collective."""
+    """Checkpointer's interface, with sharded folders. `async_save` (trainer.async_ckpt): the
+    periodic saves are written in the background and completed before the next save; the
+    end-of-run, best and stop-signal saves at once. Every method is collective."""
 
     sharded = True
 
@@ -83,29 +72,23 @@ class DCPCheckpointer(Checkpointer):
             else None
         )
 
-    # ---- saving ----
+    def _main(self, member: state.Member) -> bool:
+        return not (member.per_rank or member.sharded)
 
-    def maybe_save(self) -> None:
-        if self.due(self.step):
-            self.save(background=self.async_save)
-
-    def save(self, name: str | None = None, background: bool = False) -> None:
-        """Write step_<step>.dcp (or best.dcp for name=best.pt) from every rank."""
-        self.wait()
-        agree(self.objects, self.env)  # collective
+    def _write(self, main: dict[str, Any] | None, name: str | None, background: bool) -> None:
+        """step_<step>.dcp (best.dcp for name=best.pt), with `main` in extra.pt."""
         folder = checkpoint_dir(self.output_dir)
-        final = folder / (_dcp_name(name) or f"step_{self.step:08d}{SUFFIX}")
+        final = folder / (
+            f"step_{self.step:08d}{SUFFIX}" if name is None else name.removesuffix(".pt") + SUFFIX
+        )
         tmp = folder / f".{final.name}.tmp"
-        extra, refused = None, None
-        if self.env.is_main:
-            try:  # rank 0 alone holds this state: its refusal must stop every rank, here
-                extra = self._extra()
-            except UserError as e:
-                refused = str(e)
-        ranks = gather_per_rank(self.members, self.env, refused)  # collective
-        if self.env.is_main:
+        if main is not None:
             self._start_folder(folder, tmp)
-            self._write_extra(tmp / EXTRA, {**extra, "rng": ranks})
+            try:
+                write_synced(tmp / EXTRA, main)
+            except (OSError, RuntimeError) as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise write_failed(e, tmp) from e
         barrier(self.env)  # the fresh tmp folder exists before any rank writes into it
         shards = self._shards()
         try:
@@ -119,8 +102,7 @@ class DCPCheckpointer(Checkpointer):
         self._complete(tmp, final, name)
 
     def wait(self) -> None:
-        """Complete the background save, if one is under way (before the next save, and at
-        the end of the run)."""
+        """Complete the background save, if one is under way."""
         if self._pending is None:
             return
         future, tmp, final, name = self._pending
@@ -132,9 +114,8 @@ class DCPCheckpointer(Checkpointer):
         self._complete(tmp, final, name)
 
     def abandon(self) -> None:
-        """A job that failed with a background save under way: that save is not completed
-        (completing it needs every rank, and a rank may be gone), but its partial folder goes,
-        so a disk that filled up gets its space back. Not a collective."""
+        """Not a collective: a failed job's background save is not completed (a rank may be
+        gone), but its partial folder goes, so a full disk gets its space back."""
         if self._pending is None:
             return
         future, tmp, _, _ = self._pending
@@ -146,18 +127,15 @@ class DCPCheckpointer(Checkpointer):
         self._drop(tmp)
 
     def _drop(self, tmp: Path) -> None:
-        """A save's partial folder removed, this rank's shards first (a full disk needs the
-        space back even when rank 0 is gone)."""
+        """A save's partial folder removed, this rank's shards first (rank 0 may be gone)."""
         for p in tmp.glob(f"__{self.env.rank}_*"):
             remove_quietly(p)
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _failed(self, e: BaseException, tmp: Path, final: Path) -> UserError:
-        """A write of every rank's shards failed (DCP tells each rank, in a CheckpointException
-        that is no Exception: it got past every handler, a traceback from each rank): the
-        partial folder goes, so a full disk gets its space back, and one line names the OS's
-        cause. The rank's log keeps the library's message."""
+        """A write of the shards failed (DCP's CheckpointException, on each rank): the partial
+        folder goes, and one line names the OS's cause; the rank's log keeps DCP's message."""
         log.info("rank %d: the checkpoint write failed: %s", self.env.rank, first_line(e, 2000))
         # The free space is asked before it is given back, of checkpoints/: rank 0 may have
         # removed tmp already, and then no rank but it could tell a full disk.
@@ -166,8 +144,8 @@ class DCPCheckpointer(Checkpointer):
         return failed
 
     def _complete(self, tmp: Path, final: Path, name: str | None) -> None:
-        """Collective, after every rank's shards are written: CRC each rank's own files, then
-        rank 0 writes the manifest, renames the folder into place and rotates."""
+        """Collective: each rank CRCs its own files, then rank 0 writes the manifest, renames
+        the folder into place and rotates."""
         mine = {p.name: _entry(p) for p in tmp.glob(f"__{self.env.rank}_*.distcp")}
         shards = all_gather_objects(mine, self.env)
         if self.env.is_main:
@@ -177,20 +155,15 @@ class DCPCheckpointer(Checkpointer):
                     files[p.name] = _entry(p)
             write_synced(tmp / MANIFEST, json.dumps({"files": files}).encode())
             fsync_dir(tmp)
-            _swap_into_place(tmp, final)
+            swap_into_place(tmp, final)
             if name is None:
-                self._rotate(final.parent)
+                rotate(final.parent, SUFFIX, self.keep)
             log.info("checkpoint: %s", final)
         barrier(self.env)  # nobody races ahead and dies before the folder is in place
 
-    def _rotate(self, folder: Path) -> None:
-        for _, old in [s for s in steps(folder) if s[1].suffix == SUFFIX][: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-
     def _start_folder(self, folder: Path, tmp: Path) -> None:
-        """Rank 0: checkpoints/ exists, and no tmp folder of an earlier, killed save is left
-        (no other save is under way: `wait` ran); a checkpoint whose replacement was killed
-        half-way (`_swap_into_place`) is back under its name first."""
+        """Rank 0: checkpoints/ exists, with no killed save's tmp folder left (`wait` ran), and a
+        checkpoint whose replacement was killed half-way back under its name."""
         try:
             folder.mkdir(parents=True, exist_ok=True)
             left = [p for p in folder.iterdir() if p.name.endswith((".dcp.tmp", ".dcp.old"))]
@@ -204,36 +177,25 @@ class DCPCheckpointer(Checkpointer):
         except OSError as e:
             raise write_failed(e, tmp) from e
 
-    def _extra(self) -> dict[str, Any]:
-        """Rank 0: the global members that are not shards, made loadable with weights_only as
-        DDP's checkpoints (checkpointer.checked: a UserError for what cannot be)."""
-        extra = global_state([(m, o) for m, o in self.members if not (m.sharded or m.per_rank)])
-        extra.update(world_size=self.env.world_size)
-        return checked(extra)
-
-    def _write_extra(self, path: Path, extra: dict[str, Any]) -> None:
-        """Rank 0: extra.pt, with every rank's per-rank state (`rng`, checked at the gather)."""
-        try:
-            write_synced(path, extra)
-        except (OSError, RuntimeError) as e:
-            shutil.rmtree(path.parent, ignore_errors=True)
-            raise write_failed(e, path.parent) from e
-
     def _shards(self) -> dict[str, Any]:
-        """The sharded members as DCP state: each rank's DTensor shards (FQN keys, so a
-        checkpoint loads into any number of ranks)."""
         return {m.name: obj.state_dict() for m, obj in self.members if m.sharded}
 
     def keep_as_best(self, step: int) -> None:
-        """Rank 0: step <step>'s folder is also best.dcp (hard links: no second copy)."""
-        if self.env.is_main:
-            _link_as_best(checkpoint_dir(self.output_dir), step)
-
-    # ---- resuming ----
+        """Rank 0: step <step>'s folder is also best.dcp (hard links, where possible)."""
+        if not self.env.is_main:
+            return
+        folder = checkpoint_dir(self.output_dir)
+        source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for p in source.iterdir():
+            if p.name != MANIFEST:
+                link_or_copy(p, tmp / p.name)
+        write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
+        fsync_dir(tmp)
+        swap_into_place(tmp, folder / f"best{SUFFIX}")
 
     def _restore(self, path: Path) -> None:
-        """Load a checkpoint folder into every member of this job: model, optimizers and EMA
-        resharded to this job's ranks."""
         check_whole(path, "trainer.resume")
         extra = read_archive(path / EXTRA, "trainer.resume")
         shards = self._shards()
@@ -246,45 +208,7 @@ class DCPCheckpointer(Checkpointer):
                 f"({type(e).__name__}: {first_line(e)}): resume with the config it was "
                 "trained with (its run's .hydra/config.yaml), or trainer.resume=never"
             ) from e
-        # The shards and extra.pt are one checkpoint: each member loads, in the table's order,
-        # from where it was kept.
         state.load_members(self.members, {**extra, **shards}, self.env, path)
-
-
-def _link_as_best(folder: Path, step: int) -> None:
-    source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for p in source.iterdir():
-        if p.name == MANIFEST:
-            continue
-        try:
-            os.link(p, tmp / p.name)
-        except OSError:
-            shutil.copy2(p, tmp / p.name)
-    write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
-    fsync_dir(tmp)
-    _swap_into_place(tmp, folder / f"best{SUFFIX}")
-
-
-def _swap_into_place(tmp: Path, final: Path) -> None:
-    """Rename the complete folder `tmp` to `final` (best.dcp, being replaced). A rename
-    cannot replace a folder that holds files, so the old one is moved aside first and deleted
-    only once the new one is in place: a kill between the two renames leaves both whole
-    (`.best.dcp.old`, `.best.dcp.tmp` with its manifest), and `reader.best`
-    reads, and the next save puts back, the newest whole one."""
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _dcp_name(name: str | None) -> str | None:
-    """The loop's name for the best checkpoint (best.pt) as a folder name (best.dcp)."""
-    return None if name is None else name.removesuffix(".pt") + SUFFIX
 
 
 def _entry(path: Path) -> list[int]:

@@ -1,34 +1,170 @@
-"""`trainer.init_from`: start a model from weights of any format (reader.open_weights), with
-`trainer.init_map`'s prefix renames, and one line saying what was loaded.
+"""`trainer.init_from`: start a model from weights of any format, with `trainer.init_map`'s
+prefix renames, and one line saying what was loaded.
 
-In two parts, so that bad input fails before any process group and a sharded model is loaded
-in place: `plan` matches names and shapes from the file's index alone (tensors read: none), on
-the model as built (whole, or on the meta device); `apply` copies the planned tensors, into the
-whole model (DDP) or, after ddp=fsdp2's wrap, into each rank's shards: from a sharded checkpoint
-folder each rank reads its own parts through DCP, from any other file each rank reads one
-tensor at a time (memory-mapped) and keeps its own slice of it. Tied tensors (one parameter
-under two names, as a GPT's embedding and head) count as loaded when either name is: an HF or
-export file stores them once.
+Beyond a checkpoint (reader.py) it reads a Hugging Face `save_pretrained` folder, a
+`.safetensors` file or index, and a `torch.save` state dict (bare, or under `model` or
+`state_dict`, e.g. Lightning's). `plan` matches names and shapes from the file's index alone,
+so bad input fails before any process group; `apply` copies the tensors into the whole model,
+or after ddp=fsdp2's wrap into each rank's shards. Tied tensors (a GPT's embedding and head)
+count as loaded when either name is: an HF or export file stores them once.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import warnings
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hydra_ddp.checkpoint.reader import INIT_FROM, Weights, open_weights
-from hydra_ddp.errors import UserError
+from hydra_ddp.checkpoint.reader import dcp_index, dcp_tensors, is_sharded, named, read_archive
+from hydra_ddp.disk import check_regular
+from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.export_format import CONFIG, MARK, WEIGHTS, read_config
 
 log = logging.getLogger(__name__)
 
+INIT_FROM = "trainer.init_from"
+INDEX = "model.safetensors.index.json"
+# What save_pretrained writes, in the order from_pretrained prefers them.
+HF_FILES = (WEIGHTS, INDEX, "pytorch_model.bin")
 SHOWN = 3  # names shown per kind of mismatch in the load line
+
+
+# ---- the file ----
+
+
+@dataclass
+class Weights:
+    """Tensors in a file or folder: their names and shapes, and how to read one (on CPU)."""
+
+    path: Path
+    kind: str  # for the load line: "safetensors", "state dict", "checkpoint", ...
+    shapes: dict[str, torch.Size]
+    read: Callable[[str], torch.Tensor]
+    # A checkpoint folder: a sharded model reads its own parts through DCP instead.
+    dcp_folder: Path | None = None
+
+
+def open_weights(value: str, key: str = INIT_FROM) -> Weights:
+    """The weights `key=value` names, opened without reading them."""
+    path = Path(value)
+    if is_sharded(path) or path.name == "checkpoints" or (path / "checkpoints").is_dir():
+        return _from_checkpoint(named(value, key), key)
+    if not path.is_dir():
+        return _file(path, key)
+    config = _json(path / CONFIG, key) if (path / CONFIG).is_file() else {}
+    if MARK in config:  # an export: read_config says what a copy cut short lacks
+        read_config(path)
+    found = next((path / name for name in HF_FILES if (path / name).is_file()), None)
+    if found is not None:
+        return _file(found, key, "export" if MARK in config else "Hugging Face", shown=path)
+    raise UserError(
+        f"{key}={path}: the folder holds no weights (none of checkpoints/, {', '.join(HF_FILES)})"
+        ": save a model's with model.save_pretrained(folder), or give a weights file, an export "
+        "folder or a run dir"
+    )
+
+
+def _file(file: Path, key: str, kind: str = "safetensors", shown: Path | None = None) -> Weights:
+    """A weights file, by its name: a safetensors index or file, else a torch.save file."""
+    if file.name.endswith(".safetensors.index.json"):
+        return _index(file, key)
+    if file.suffix != ".safetensors":
+        return _from_checkpoint(named(str(file), key), key)
+    check_regular(file, "weights", f"point {key} at a .safetensors file")
+    if not file.is_file():
+        raise UserError(f"{key}={file}: no such file; give a weights file or folder")
+    return _safetensors([file], shown or file, kind, key)
+
+
+def _json(path: Path, key: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{key}: {path} is not readable JSON ({first_line(e, 120)})") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{key}: {path} holds no JSON object")
+    return data
+
+
+def _index(path: Path, key: str) -> Weights:
+    weight_map = _json(path, key).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{key}={path}: the index has no weight_map of tensor names to files")
+    files = {path.parent / str(file) for file in weight_map.values()}
+    gone = sorted(f.name for f in files if not f.is_file())
+    if gone:
+        raise UserError(
+            f"{key}={path}: the index names {', '.join(gone[:3])}, not in {path.parent}: "
+            "copy the whole save_pretrained folder"
+        )
+    return _safetensors(sorted(files), path.parent, "Hugging Face, sharded", key)
+
+
+def _safetensors(files: list[Path], path: Path, kind: str, key: str) -> Weights:
+    """Each tensor's shape from the safetensors headers, which safetensors checks against the
+    file's size: a header that lies is refused here, before any rank waits."""
+    shapes: dict[str, torch.Size] = {}
+    where: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    shapes[name], where[name] = torch.Size(f.get_slice(name).get_shape()), file
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(
+                f"{key}: {file} is not a readable safetensors file (its header does not "
+                f"describe the file: {first_line(e, 120)}); save it again, or give another file"
+            ) from e
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    return Weights(path=path, kind=kind, shapes=shapes, read=read)
+
+
+def _from_checkpoint(path: Path, key: str) -> Weights:
+    """A checkpoint (its model), or a torch.save file holding a state dict."""
+    if is_sharded(path):
+        index = dcp_index(path, key)
+        shapes = {k[len("model.") :]: torch.Size(m.size) for k, m in index.items()
+                  if k.startswith("model.")}  # fmt: skip
+        # A whole model's load reads every tensor at once.
+        whole = functools.cache(lambda: dcp_tensors(path, ("model",), key))
+        return Weights(path, "checkpoint, sharded", shapes, lambda n: whole()[f"model.{n}"], path)
+    # mmap: a tensor's bytes are read when used, so a rank copies only its own parts.
+    obj = read_archive(path, key, mmap=True)
+    kind = "state dict"
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and "step" in obj:
+        obj, kind = obj["model"], "checkpoint"
+    elif isinstance(obj, dict) and not _tensors(obj):
+        obj = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), {})
+    tensors = _tensors(obj) if isinstance(obj, dict) else {}
+    if not tensors:
+        raise UserError(
+            f"{key}={path} holds no state dict (no tensors by name, nor under a model or "
+            "state_dict entry): save one with torch.save(model.state_dict(), file)"
+        )
+    return Weights(path, kind, {k: v.shape for k, v in tensors.items()}, tensors.__getitem__)
+
+
+def _tensors(obj: dict) -> dict[str, torch.Tensor]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return {k: v for k, v in obj.items() if isinstance(k, str) and torch.is_tensor(v)}
+
+
+# ---- the model ----
 
 
 @dataclass
@@ -42,7 +178,6 @@ class LoadPlan:
     reshaped: list[str] = field(default_factory=list)  # same name, another shape: refused
 
     def summary(self) -> str:
-        """Counts, then the first few names of each kind of mismatch."""
         counts = (
             f"{len(self.pairs)} matched, {len(self.missing)} missing, "
             f"{len(self.unexpected)} unexpected, {len(self.reshaped)} reshaped-refused tensors"
@@ -52,7 +187,6 @@ class LoadPlan:
         return counts + "".join(f"; {what}: {_first(names)}" for what, names in kinds if names)
 
     def line(self) -> str:
-        """The load line."""
         return f"{INIT_FROM}: {self.weights.path} ({self.weights.kind}): {self.summary()}"
 
 
@@ -111,9 +245,9 @@ def for_fresh_run(
     strict: bool = True,
     sharded: bool = False,
 ) -> LoadPlan | None:
-    """trainer.init_from, before any process group: its names and shapes checked against
-    `model`, then loaded into it now, or (`sharded`: ddp=fsdp2) returned to be loaded into each
-    rank's shards after the wrap. Nothing when a checkpoint is resumed (`resume_from`)."""
+    """trainer.init_from, before any process group: planned against `model`, then loaded now,
+    or (`sharded`) returned to be applied to each rank's shards after the wrap. Nothing when
+    a checkpoint is resumed."""
     if not init_from:
         return None
     if resume_from is not None:
@@ -127,9 +261,8 @@ def for_fresh_run(
 
 
 def apply(model: torch.nn.Module, planned: LoadPlan, distributed: bool = False) -> None:
-    """Copy the planned tensors into `model`: whole, or (ddp=fsdp2, after the wrap) each rank
-    its own shards. Collective for a sharded model and a sharded checkpoint folder (every rank
-    calls it). Logs the load line."""
+    """Copy the planned tensors into `model`, and log the load line. Collective for a sharded
+    model and a checkpoint folder."""
     mine = model.state_dict()
     sharded = any(isinstance(mine[k], DTensor) for k in planned.pairs)
     folder = planned.weights.dcp_folder
@@ -180,10 +313,10 @@ def _part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _tied(model: torch.nn.Module) -> list[list[str]]:
     """Names that are one tensor (tied weights): each group of two or more."""
     groups: dict[int, list[str]] = {}
-    named = chain(
+    named_tensors = chain(
         model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
     )
-    for name, tensor in named:
+    for name, tensor in named_tensors:
         groups.setdefault(id(tensor), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
 

@@ -1,27 +1,11 @@
 """What a checkpoint holds: the members a job declares when it is built (`members`: the
-template's `DEFAULT_MEMBERS` and the user's), handed to both checkpointers.
+template's `DEFAULT_MEMBERS`, then the user's), handed to both checkpointers.
 
-Every member is an object with `state_dict()` / `load_state_dict(state)` (torch's
-`torch.distributed.checkpoint.stateful.Stateful`), taken from this job's
-`CheckpointedObjects` by its entry's `get`; a member the job lacks (no EMA, no comm hook) gets
-None and is neither saved nor loaded.
-Resume loads the members in the table's order. An entry says:
-
-    required   a checkpoint without it is refused; else (a feature switched on later) the
-               member starts fresh, with a warning
-    per_rank   every rank's own state, kept in the checkpoint's `rng` list (index: rank);
-               else global, saved by rank 0 (ddp=fsdp2: by every rank when `sharded`)
-    was_global per_rank, once global (the callbacks): a rank the checkpoint holds no state of
-               its own for takes rank 0's, and a checkpoint written when it was global gives
-               that one state to every rank
-    sharded    ddp=fsdp2 keeps it in DCP's shards (each rank its part); else in extra.pt
-    flat       its keys sit at the top level of the checkpoint (the position's step, epoch...),
-               and its load_state_dict is given the whole checkpoint (it reads what is there)
-
-Changing what the template's checkpoints hold is one entry of `DEFAULT_MEMBERS`. A user's own
-object joins through a callback (callbacks.py) whose `checkpoint_members()` returns its
-members, e.g. `[Member("counter", lambda objects: self.counter)]`: the job asks every callback
-when it is built, on every rank alike (loop/checkpointing.py).
+A member's `get` returns a torch `Stateful` from the job's `CheckpointedObjects`, or None when
+the job lacks it (no EMA, no comm hook): then it is neither saved nor loaded. Resume loads the
+members in the table's order. A user's object joins through a callback whose
+`checkpoint_members()` returns e.g. `[Member("counter", lambda objects: self.counter)]`
+(docs/extending.md).
 """
 
 from __future__ import annotations
@@ -31,7 +15,7 @@ import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -40,17 +24,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(kw_only=True)
@@ -73,14 +52,25 @@ class CheckpointedObjects:
 class Member:
     name: str  # its key in the checkpoint
     get: Callable[[CheckpointedObjects], Stateful | None]
+    # A checkpoint without it is refused; else (a feature switched on later) it starts fresh.
     required: bool = False
+    # Every rank's own state, in the checkpoint's `rng` list (by rank); else global, by rank 0.
     per_rank: bool = False
+    # ddp=fsdp2 keeps it in DCP's shards (each rank its part); else in extra.pt.
     sharded: bool = False
+    # Its keys sit at the checkpoint's top level, and it is given the whole checkpoint.
     flat: bool = False
-    # per_rank: also restored from a checkpoint of another world size (rank r's state, if any)
+    # per_rank: also restored from a checkpoint of another world size (rank r's state, if any).
     any_world: bool = False
-    # per_rank: rank 0's state, else the top-level one, for a rank without its own (see above)
+    # per_rank, once global: a rank without its own state takes rank 0's, else the top level's.
     was_global: bool = False
+
+
+class Calls:
+    """A Stateful made of two calls."""
+
+    def __init__(self, save: Callable[[], Any], load: Callable[[Any], Any]) -> None:
+        self.state_dict, self.load_state_dict = save, load
 
 
 class ModelState:
@@ -95,8 +85,8 @@ class ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.sharded:
             set_model_state_dict(self.model, state)
-            return
-        load_model_state(self.model, {"model": state}, loading_from())
+        else:
+            load_model_state(self.model, {"model": state}, loading_from())
 
 
 def load_model_state(
@@ -115,23 +105,9 @@ def load_model_state(
         ) from e
 
 
-class SchedulerState:
-    """The optimizers' schedules (one, or a dict by optimizer name)."""
-
-    def __init__(self, optimizers: Any) -> None:
-        self.optimizers = optimizers
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizers.scheduler_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizers.load_schedules(state)
-
-
 class OptimizerState:
-    """The optimizers (one as it always was, several as a dict by name; ddp=fsdp2: always by
-    name, each rank its shards). Loaded after the schedules, with this job's optim.* settings
-    applied to both (optim.load_optimizer_state), whichever the wrapper."""
+    """The optimizers (one as it always was, several by name; ddp=fsdp2: always by name, each
+    rank its shards), loaded with this job's optim.* settings (optim.load_optimizers)."""
 
     def __init__(self, optimizers: Any, model: torch.nn.Module, sharded: bool) -> None:
         self.optimizers, self.model, self.sharded = optimizers, model, sharded
@@ -157,70 +133,53 @@ class OptimizerState:
         self.optimizers.load_optimizers(state, loading_from(), into_shards)
 
 
-class EMAState:
-    """trainer.ema_decay's average: `module.<name>` and `n_averaged` (AveragedModel's layout);
-    ddp=fsdp2: its shards, with the count beside them (EMACount)."""
-
-    def __init__(self, ema: Any, sharded: bool) -> None:
-        self.ema, self.sharded = ema, sharded
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.ema.module) if self.sharded else self.ema.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sharded:
-            set_model_state_dict(self.ema.module, state)
-        else:
-            self.ema.load_state_dict(state)
-
-
-class EMACount:
-    """ddp=fsdp2: the average's update count, in extra.pt (a plain int is no shard)."""
-
-    def __init__(self, ema: Any) -> None:
-        self.ema = ema
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"ema_n_averaged": self.ema.n_averaged}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema.n_averaged = int(state.get("ema_n_averaged", 1))
-
-
-class RNGState:
-    """This rank's random number generators (dropout masks, augmentation)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def state_dict(self) -> dict[str, Any]:
-        mine = {"torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            mine["cuda"] = torch.cuda.get_rng_state(self.device)
-        return mine
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(state["torch"].cpu())
-        if self.device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"].cpu(), self.device)
-
-
 def _ema(objects: CheckpointedObjects) -> Stateful | None:
-    return EMAState(objects.ema, objects.sharded) if objects.ema is not None else None
+    """The average: AveragedModel's own layout; ddp=fsdp2: its shards (its count: _ema_count)."""
+    if objects.ema is None or not objects.sharded:
+        return objects.ema
+    return ModelState(objects.ema.module, sharded=True)
 
 
 def _ema_count(objects: CheckpointedObjects) -> Stateful | None:
-    return EMACount(objects.ema) if objects.ema is not None and objects.sharded else None
+    """ddp=fsdp2: the average's update count, in extra.pt (a plain int is no shard)."""
+    ema = objects.ema
+    if ema is None or not objects.sharded:
+        return None
+    return Calls(
+        lambda: {"ema_n_averaged": ema.n_averaged},
+        lambda state: setattr(ema, "n_averaged", int(state.get("ema_n_averaged", 1))),
+    )
 
 
 def _schedules(objects: CheckpointedObjects) -> Stateful | None:
-    return SchedulerState(objects.optimizers) if objects.optimizers is not None else None
+    optimizers = objects.optimizers
+    if optimizers is None:
+        return None
+    return Calls(optimizers.scheduler_state, optimizers.load_schedules)
 
 
 def _opt(objects: CheckpointedObjects) -> Stateful | None:
     if objects.optimizers is None:
         return None
     return OptimizerState(objects.optimizers, objects.model, objects.sharded)
+
+
+def _rng(objects: CheckpointedObjects) -> Stateful:
+    """This rank's random number generators (dropout masks, augmentation)."""
+    device = objects.device
+
+    def save() -> dict[str, Any]:
+        mine = {"torch": torch.get_rng_state()}
+        if device.type == "cuda":
+            mine["cuda"] = torch.cuda.get_rng_state(device)
+        return mine
+
+    def load(state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"].cpu())
+        if device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+    return Calls(save, load)
 
 
 # The template's members, in load order (the schedules before the optimizers).
@@ -235,15 +194,14 @@ DEFAULT_MEMBERS: tuple[Member, ...] = (
     # Each rank's callbacks keep their own state (a callback may count what its rank saw).
     Member("callbacks", lambda p: p.callbacks, per_rank=True, any_world=True, was_global=True),
     Member("position", lambda p: p.position, required=True, flat=True),
-    Member("rng", lambda p: RNGState(p.device), per_rank=True, flat=True, any_world=True),
+    Member("rng", _rng, per_rank=True, flat=True, any_world=True),
     Member("comm_hook", lambda p: p.comm_hook, per_rank=True),
 )
 
 
 def members(extra: Iterable[Member] = ()) -> list[Member]:
-    """A job's members: the defaults, then `extra` (the user's) in order; one of the user's
-    named as a default replaces it, where the default loads, and a later one of the same name
-    replaces an earlier one."""
+    """A job's members: the defaults, then `extra` (the user's) in order; one named as a default
+    replaces it, where the default loads."""
     table = list(DEFAULT_MEMBERS)
     for member in extra:
         if not isinstance(member, Member):
@@ -257,14 +215,6 @@ def members(extra: Iterable[Member] = ()) -> list[Member]:
         else:
             table.append(member)
     return table
-
-
-def held_members(
-    objects: CheckpointedObjects, table: Iterable[Member] = DEFAULT_MEMBERS
-) -> list[tuple[Member, Stateful]]:
-    """This job's members (`table`, from `members`) and their objects, in the table's order."""
-    found = ((m, m.get(objects)) for m in table)
-    return [(m, obj) for m, obj in found if obj is not None]
 
 
 _LOADING: ContextVar[Path | None] = ContextVar("checkpoint_loading", default=None)
@@ -300,8 +250,14 @@ def load_members(
                     found = next((s for s in (*ranks[:1], state) if _holds(s, member)), None)
             else:
                 found, where = state, ""
+            if not _holds(found, member) and member.required:
+                raise UserError(
+                    f"{path} holds no {member.name} state{where}, which this job needs: resume "
+                    "with the config it was trained with, or trainer.resume=never"
+                )
             if not _holds(found, member):
-                _missing(member, path, where)
+                # A checkpoint from before the feature was switched on (or of another world size).
+                log.warning("%s holds no %s state%s: starting it fresh", path, member.name, where)
                 continue
             try:
                 obj.load_state_dict(found if member.flat else found[member.name])
@@ -315,13 +271,3 @@ def load_members(
 
 def _holds(found: dict[str, Any] | None, member: Member) -> bool:
     return found is not None and (member.flat or member.name in found)
-
-
-def _missing(member: Member, path: Path, where: str) -> None:
-    if member.required:
-        raise UserError(
-            f"{path} holds no {member.name} state{where}, which this job needs: resume with "
-            "the config it was trained with, or trainer.resume=never"
-        )
-    # A checkpoint from before the feature was switched on (or of another world size).
-    log.warning("%s holds no %s state%s: starting it fresh", path, member.name, where)

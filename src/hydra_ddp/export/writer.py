@@ -1,17 +1,14 @@
-"""`python -m hydra_ddp.export`: a run's checkpoint as a folder anyone can load (folder.py).
+"""`python -m hydra_ddp.export`: a run's checkpoint as a folder anyone can load (export_format.py).
 
     python -m hydra_ddp.export run=outputs/2026-12-02/08-00-00     # newest checkpoint
     python -m hydra_ddp.export run=<dir> ckpt=best                 # or ckpt=<path>
     python -m hydra_ddp.export run=<dir> out=<folder> --format hf  # save_pretrained's layout
     python -m hydra_ddp.export run=<dir> weights=model             # not the EMA
 
-The model is rebuilt on the CPU from the run's .hydra/config.yaml and loaded with the
-checkpoint's weights (a ddp=fsdp2 run's shards assembled by DCP on the CPU: no GPU, no process
-group), then written to `<run>/export/<checkpoint name>/` (or `out=`): with `--format hf`,
-`save_pretrained` of a `transformers` model (`AutoModel.from_pretrained(folder)` reads it).
-When the run kept an EMA of the weights, the export holds the average (what the run evaluated)
-unless `weights=model`. The folder is written whole next to its place and then renamed into
-it; an earlier export there is replaced, anything else is refused.
+The model is rebuilt on the CPU from the run's .hydra/config.yaml (a ddp=fsdp2 run's shards
+assembled by DCP: no GPU, no process group) and written to `<run>/export/<checkpoint name>/`
+(or `out=`), whole, then renamed into place. When the run kept an EMA, the export holds the
+average (what the run evaluated) unless `weights=model`.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_model
 
 from hydra_ddp import checkpoint
+from hydra_ddp.checkpoint.checkpointer import swap_into_place
 from hydra_ddp.checkpoint.state import load_model_state
 from hydra_ddp.components import build
 from hydra_ddp.disk import why_write_failed
@@ -46,9 +44,9 @@ FORMATS = ("folder", "hf")
 
 
 def export(
-    run: Path,
+    run: Path | str,
     ckpt: str = "last",
-    out: Path | None = None,
+    out: Path | str | None = None,
     format: str = "folder",
     weights: str = "ema",
 ) -> Path:
@@ -85,7 +83,7 @@ def export(
             (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str) + "\n")
         if tokens:
             (tmp / VOCAB).write_text(json.dumps({"tokens": tokens}, ensure_ascii=False) + "\n")
-        _finish(tmp, out)
+        swap_into_place(tmp, out)
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(
@@ -98,7 +96,6 @@ def export(
 
 
 def _tokens(source: Any) -> list[str] | None:
-    """The data's vocabulary by id, where it has one (the text example's characters)."""
     chars = getattr(source, "chars", None)
     return list(chars) if isinstance(chars, (str, list)) and chars else None
 
@@ -126,14 +123,6 @@ def _start(out: Path) -> Path:
     return tmp
 
 
-def _finish(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.{os.getpid()}.old")
-        os.replace(out, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, out)
-
-
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(name)s][%(levelname)s] - %(message)s")
     try:
@@ -153,8 +142,6 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"--format {args['format']}: use folder (default) or hf. {USAGE}")
         if args.get("weights", "ema") not in ("ema", "model"):
             raise UserError(f"weights={args['weights']}: use ema (default) or model. {USAGE}")
-        out = args.get("out")
-        export(Path(args["run"]), args.get("ckpt", "last"), Path(out) if out else None,
-               args.get("format", "folder"), args.get("weights", "ema"))  # fmt: skip
+        export(**args)
     except Exception as e:
         sys.exit(exit_code(e, log))

@@ -1,7 +1,6 @@
 """One job's checkpoints: where it resumes from (`resume_point`, before any process group), what
-its checkpoints hold (`checkpointed`: the template's members and those of the user's callbacks,
-declared here, where the job is built), who writes them (`checkpointer_for`), and the resume
-itself (`resume`, `finished_summary`), on every rank alike."""
+they hold (`checkpointed`, declared where the job is built), who writes them
+(`checkpointer_for`), and the resume itself (`resume`, `finished_summary`)."""
 
 from __future__ import annotations
 
@@ -12,17 +11,12 @@ from typing import Any
 import torch
 
 from hydra_ddp import tracking
-from hydra_ddp.checkpoint import (
-    Checkpointer,
-    check_folder,
-    resolve_resume,
-    set_aside_checkpoints,
-    state,
-)
+from hydra_ddp.checkpoint import Checkpointer, checkpoint_dir, resolve_resume, state
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
 from hydra_ddp.distributed import DistEnv, all_gather_objects
+from hydra_ddp.errors import UserError
 from hydra_ddp.loop.monitor import Monitor, monitor_key
 from hydra_ddp.loop.position import Counting, Position, PositionState
 from hydra_ddp.loop.wrapping import Wrapped
@@ -38,13 +32,32 @@ log = logging.getLogger(__name__)
 def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console) -> Path | None:
     """The checkpoint trainer.resume names in the output dir (None: a fresh run); under
     trainer.resume=never, rank 0 first sets the earlier run's checkpoints and stats aside."""
-    check_folder(run.output_dir)
+    folder = checkpoint_dir(run.output_dir)
+    if folder.exists() and not folder.is_dir():  # refused before the job trains for nothing
+        raise UserError(
+            f"{folder} exists but is not a directory, so no checkpoint could be "
+            "saved: move it away, or choose another hydra.run.dir"
+        )
     with console.said_by_main("hydra_ddp.checkpoint.reader"):  # "skipping <damaged>": once
         found = resolve_resume(cfg.trainer.resume, run.output_dir)
     if cfg.trainer.resume == "never" and env.is_main:
-        set_aside_checkpoints(run.output_dir)
+        set_aside_checkpoints(folder)
         tracking.set_aside_stats(run.output_dir)  # the stats files and summary.json
     return found
+
+
+def set_aside_checkpoints(folder: Path) -> None:
+    """Move the checkpoints of an earlier run to checkpoints.before-<n>/ (nothing made earlier
+    is deleted), so the new run's rotation and a later resume see only its own."""
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    n = 1
+    while (aside := folder.with_name(f"checkpoints.before-{n}")).exists():
+        n += 1
+    folder.rename(aside)
+    log.warning(
+        "trainer.resume=never: the checkpoints already in %s were moved to %s", folder, aside
+    )
 
 
 def checkpointed(job: RankJob, wrapped: Wrapped) -> state.CheckpointedObjects:
@@ -65,9 +78,8 @@ def checkpointed(job: RankJob, wrapped: Wrapped) -> state.CheckpointedObjects:
 
 
 def checkpointer_for(job: RankJob, objects: state.CheckpointedObjects) -> Checkpointer:
-    """The job's checkpointer, holding the members declared here: the template's
-    (state.DEFAULT_MEMBERS) and every callback's `checkpoint_members()`. ddp=fsdp2: sharded
-    folders, every rank writing its own shards (dcp.py); else single files."""
+    """The job's checkpointer (ddp=fsdp2: sharded folders), holding the template's members and
+    every callback's `checkpoint_members()`."""
     tcfg = job.cfg.trainer
     members = state.members(job.callbacks.checkpoint_members())
     common: dict[str, Any] = dict(
