@@ -1,17 +1,12 @@
-"""Validation during training, judged by the monitor: the best checkpoint and early stopping;
-and the evaluation of a saved checkpoint (`evaluate_run`, behind `python -m hydra_ddp.eval`).
-
-`Evaluator.due(step)` says when (every trainer.eval_interval steps; the end of the run
-validates anyway), `validate` runs the exact distributed evaluation, records it, and keeps the
-step's checkpoint as checkpoints/best.pt when the monitor improves. `finish` is the end of the
-run: the last validation, the last checkpoint, and the test split.
+"""Validation during training, judged by the monitor (`Evaluator`), and the evaluation of a
+saved checkpoint (`evaluate_run`, behind `python -m hydra_ddp.eval`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -38,35 +33,24 @@ from hydra_ddp.tracking.console import Console
 log = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True)
 class Evaluator:
-    def __init__(
-        self,
-        *,
-        env: DistEnv,
-        splits: dict[str, EvalData],
-        model: torch.nn.Module,
-        loss_fn: Callable,
-        metrics: Mapping[str, Metric],
-        autocast: contextlib.AbstractContextManager,
-        limit: int,
-        interval: int,
-        total_steps: int,
-        monitor: Monitor,
-        checkpointer: Checkpointer,
-        tracker: Tracker,
-        console: Console,
-        pruning: Pruning | None = None,
-    ) -> None:
-        """`model` is the module evaluated: the raw one, or the EMA average; `pruning`: the
-        trial of a pruning sweep this job is (pruning.py)."""
-        self.env, self.splits, self.model = env, splits, model
-        self.scoring = (loss_fn, metrics, autocast, limit)
-        self.interval, self.total_steps = interval, total_steps
-        self.monitor, self.checkpointer = monitor, checkpointer
-        self.tracker, self.console = tracker, console
-        self.pruning = pruning
-        self.last: dict[str, float] = {}  # the newest validation's metrics
-        self._improved = False  # the final validation improved the monitor (see finish)
+    env: DistEnv
+    splits: dict[str, EvalData]
+    model: torch.nn.Module  # the module evaluated: the raw one, or the EMA average
+    loss_fn: Callable
+    metrics: Mapping[str, Metric]
+    autocast: contextlib.AbstractContextManager
+    limit: int
+    interval: int
+    total_steps: int
+    monitor: Monitor
+    checkpointer: Checkpointer
+    tracker: Tracker
+    console: Console
+    pruning: Pruning | None = None
+    last: dict[str, float] = field(default_factory=dict)  # the newest validation's metrics
+    _improved: bool = False  # the final validation improved the monitor (see finish)
 
     def due(self, step: int) -> bool:
         """Every `interval` steps (0: never); the end of the run validates anyway."""
@@ -74,19 +58,19 @@ class Evaluator:
 
     @property
     def stopped(self) -> bool:
-        """Early stopping has stopped the run (the monitor's patience ran out at a validation,
-        or a pruning sweep's pruner stopped it)."""
+        """Early stopping (or a pruning sweep's pruner) has stopped the run."""
         return self.monitor.stopped_early
 
     def evaluate(self, split: str) -> dict[str, float]:
         """Collective: the loss and metrics of `split`, exact over all ranks, every rank with
         rank 0's buffers (BatchNorm statistics): those the checkpoint saves."""
         sync_buffers([self.model], self.env)  # collective
-        return evaluate(self.model, self.splits[split], self.env, *self.scoring)
+        scoring = (self.loss_fn, self.metrics, self.autocast, self.limit)
+        return evaluate(self.model, self.splits[split], self.env, *scoring)
 
     def validate(self, position: Any) -> dict[str, float]:
         """Collective: validate at `position`; keep its checkpoint as best.pt if the monitor
-        improved; stop early (see `stopped`) after too many evaluations without."""
+        improved; stop early after too many evaluations without."""
         val = self.last = self.evaluate("val")
         self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
         self.console.info_main("step %d | val %s", position.step, _fmt(val))
@@ -102,10 +86,8 @@ class Evaluator:
 
     def final_validation(self, position: Any) -> dict[str, float]:
         """Collective, at the end of the run: validate (unless early stopping just did) and
-        tell the monitor. The loop calls `on_eval_end` next, then `finish`, so the last
-        checkpoint holds the callbacks' state after the last evaluation."""
-        # The last validation goes into the monitor before the last checkpoint, so a run
-        # resumed from it (a longer one) continues with the right best score and patience.
+        tell the monitor before the last checkpoint (`finish`, after the loop's `on_eval_end`),
+        so a longer run resumed from it continues with the right best score and patience."""
         self._improved = False
         if not self.monitor.stopped_early:  # else the loop evaluated this very step already
             self.last = self.evaluate("val")
@@ -113,9 +95,8 @@ class Evaluator:
         return self.last
 
     def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
-        """Collective, after `final_validation` and its callbacks: save the last checkpoint
-        (kept as best.pt too when the last validation improved), and test. Returns (val, test)
-        metrics."""
+        """Collective: save the last checkpoint (kept as best.pt too when the last validation
+        improved), and test. Returns (val, test) metrics."""
         self.checkpointer.save()
         if self._improved:
             self.checkpointer.keep_as_best(position.step)
@@ -151,7 +132,7 @@ class Request:
 
 def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request) -> dict:
     """One rank's share: rebuild the model and the split, load the checkpoint, evaluate (and
-    predict). Returns the metrics (the same on every rank)."""
+    predict). Returns the metrics, the same on every rank."""
     use_device(env)
     path, state = checkpoint.read_picked(request.run, request.ckpt)
     source = build(cfg.data, "data")

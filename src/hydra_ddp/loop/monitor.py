@@ -1,13 +1,7 @@
-"""The validation metric that judges a run: best score, best checkpoint, early stopping.
-
-`trainer.monitor` (`val/loss`, `val/acc`, ...) with `trainer.monitor_mode` (min or max) is read
-at every evaluation. An improvement makes that step the best one (its checkpoint is kept as
-`checkpoints/best.pt`, never rotated away); `trainer.early_stop_patience` evaluations in a row
-without one end the run. The state lives in the checkpoint, so a resumed run keeps its best
-score and its patience count. Validation metrics are reduced over ranks, so every rank reaches
-the same decision; rank 0's is still the one taken (see `Monitor.update`). A job that is a
-trial of a pruning sweep (pruning.py) is stopped the same way when the sweep's pruner says so
-(`Monitor.prune`; `pruned: true` in summary.json).
+"""The validation metric that judges a run (`trainer.monitor`, `trainer.monitor_mode`): the
+best step (its checkpoint kept as `checkpoints/best.pt`), early stopping after
+`trainer.early_stop_patience` evaluations without an improvement, and a pruning sweep's stop
+(pruning.py). Checkpointed, so a resumed run keeps its best score and its patience count.
 """
 
 from __future__ import annotations
@@ -24,10 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def monitor_key(cfg: TrainConfig) -> str:
-    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`).
-
-    Raises a UserError naming the available ones (the loss and each `metrics.*` name) when the
-    job does not compute it, so a typo fails before training instead of after it."""
+    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`); a
+    name the job does not compute fails before training, not after it."""
     available = ["loss", *cfg.metrics]
     key = cfg.trainer.monitor[len("val/") :]
     if key not in available:

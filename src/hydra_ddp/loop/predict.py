@@ -1,18 +1,6 @@
 """Predictions of a whole split, one per row in the split's order, gathered on rank 0
-(`python -m hydra_ddp.eval run=<dir> predict=true`).
-
-What is kept of each batch's output:
-
-- a tensor: itself; a Hugging Face output object, or a dict with `logits`: its logits;
-- a tuple or list: each of its tensors;
-- a dict without `logits`: every tensor entry with one row per batch row (a scalar such as a
-  loss is left out, and named in the log); `predict_key=<name>`: that entry only.
-
-An entry whose shape changes from batch to batch (text padded to each batch's longest) is kept
-as one tensor per row (a list, each row as its batch padded it), or with `predict_pad=<value>`
-padded to the split's longest with that value. `predictions_<split>.pt` holds the output's
-structure (a tensor, a tuple, or a dict of name -> tensor or list), and
-`predictions_<split>.json` says what it holds: the rows, each entry's shape, the pad value.
+(`python -m hydra_ddp.eval run=<dir> predict=true`; what is kept of an output, and the files
+written: docs/make_it_yours.md).
 """
 
 from __future__ import annotations
@@ -35,7 +23,9 @@ def prediction_entries(
     output: Any, rows: int, key: str | None
 ) -> tuple[str, dict[str, torch.Tensor], list]:
     """The kind of `output` (tensor, tuple, dict), its entries kept for prediction, by name
-    ("" for a tensor, "0", "1", ... for a tuple's), and the names of those left out."""
+    ("" for a tensor, "0", "1", ... for a tuple's), and the names of those left out: a tensor
+    or the logits (of a Hugging Face output, or a dict) whole, else each tensor entry with one
+    row per batch row, or `key`'s alone."""
     if key is not None:
         if isinstance(output, Mapping):
             value = output.get(key)

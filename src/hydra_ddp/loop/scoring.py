@@ -1,15 +1,10 @@
 """Scoring a split: the loss and every metric over all of its rows, exact across ranks.
 
 Each rank adds up its batches' sums (`Metric.sums`, the loss weighted by its targets) on its
-device; one `sum_by_name` adds them across ranks, and each metric's `compute` turns the totals
-into the number reported. Only sums cross ranks, so the result does not depend on how the rows
-were split, and a rank that holds no rows of a split takes part all the same.
-
-Every rank walks through the same number of batches, batch i the same size on each
-(data/eval_batches.py), so a loss or metric that gathers pairs its collectives across ranks; a
-rank's padded batch runs like the others but its sums are not counted. A metric with
-`gathers = True` computes the sums of the whole global batch (`gather_for_metrics`), the same on
-every rank: rank 0's are counted, once.
+device, and only those sums cross ranks, so the result does not depend on how the rows were
+split. Every rank walks through as many batches (data/eval_batches.py), so a metric that
+gathers pairs its collectives; a padded batch runs but is not counted, and the sums of a metric
+with `gathers = True` (the whole global batch's, on every rank) are counted on rank 0 only.
 """
 
 from __future__ import annotations
@@ -39,12 +34,9 @@ def evaluate(
     autocast: AbstractContextManager,
     limit: int = 0,
 ) -> dict[str, float]:
-    """The loss and every metric over a whole split, every row counted once across ranks
-    (over the first `limit` batches of each rank only, when `limit` > 0). Collective.
-
-    `model` must be the unwrapped module: a DDP forward may broadcast buffers, a collective
-    that would hang when ranks hold different numbers of evaluation batches.
-    """
+    """Collective: the loss and every metric over a whole split (the first `limit` batches of
+    each rank, when > 0). `model` must be the unwrapped module: a DDP forward may broadcast
+    buffers, a collective that would hang when ranks hold different numbers of batches."""
     was_training = model.training
     model.eval()
     try:
@@ -78,8 +70,7 @@ def score(
     rank: int = 0,
 ) -> dict[str, torch.Tensor]:
     """This rank's sums over its batches of a split (`loss`: [loss x weight, weight], the weight
-    being the batch's targets or rows, then each metric's `sums`), left on `device`: nothing is
-    read back to the host here."""
+    being the batch's targets or rows; each metric's `sums`), left on `device`."""
     objective = loss_fn if isinstance(loss_fn, BatchLoss) else BatchLoss(loss_fn)
     callers = {name: Caller(m.sums) for name, m in metrics.items()}
     # A metric that gathers has the global batch's sums on every rank: rank 0's count.
