@@ -11,7 +11,7 @@ The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments over
 the training command line's grammar: `key=value`, `+key=value`, `++key=value`, `~key`), the
 checkpoint's weights are loaded (its EMA average when the run kept one, as the run evaluated),
 and the split is evaluated exactly as training does it, on any number of ranks. The metrics
-are printed and written to `<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/predict.py.
+are printed and written to `<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/scoring.py.
 """
 
 from __future__ import annotations

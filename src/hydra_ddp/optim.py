@@ -123,16 +123,14 @@ class Optimizers:
         self,
         optimizers: dict[str, Any],
         schedulers: dict[str, Any],
-        group_labels: dict[str, list[str]] | None = None,
-        timings: dict[str, str] | None = None,
+        group_labels: dict[str, list[str]],
+        timings: dict[str, str],
     ) -> None:
         """`group_labels`: by optimizer, the name of each of its param groups in the logged
-        learning rates (default: the group's index). `timings`: by optimizer, when its
-        schedule steps (`_timing`; default: after each optimizer step)."""
+        learning rates; `timings`: by optimizer, when its schedule steps (`_timing`)."""
         self.optimizers, self.schedulers = optimizers, schedulers
         self.single = list(optimizers) == ["default"]
-        self.group_labels = group_labels or {}
-        self.timings = {name: (timings or {}).get(name, "step") for name in schedulers}
+        self.group_labels, self.timings = group_labels, timings
 
     @classmethod
     def build(cls, cfg: Mapping[str, Any], scheduler_cfg: Any, model: torch.nn.Module,

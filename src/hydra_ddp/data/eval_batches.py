@@ -8,7 +8,7 @@ gets the same batches, batch i the same size on every rank. The batch boundaries
 of the batch size and every rank's row count, so each batch is, on each rank, either all real rows
 or all padding: a padded batch repeats rows of the rank's own (the model sees real data) and counts
 for nothing: its loss and sums are left out (loop/scoring.py), its predictions too
-(loop/predict.py), and `gather_for_metrics` leaves it out of what it gathers. Without uneven shares
+(loop/scoring.py), and `gather_for_metrics` leaves it out of what it gathers. Without uneven shares
 nothing is padded and the batches are those of a plain sequential pass.
 """
 

@@ -29,7 +29,6 @@ from hydra_ddp.distributed import DistEnv, all_gather_floats, all_reduce_sum
 from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
 from hydra_ddp.loop.evaluation import Evaluator
-from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.wrapping import EMA, Wrapped
@@ -223,7 +222,7 @@ def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
     # a finished run extended with a larger trainer.max_steps continues their counters.
     val, test = loop.evaluator.finish(pos)  # collective
-    summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
+    summary = _summary(loop, start_step, wall, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
     if loop.meter is not None:  # the memory plan, checked by this run
         planned = memory.of_this_run(
@@ -275,17 +274,10 @@ def _context_at(ctx: Context, pos: Position, **fields_: Any) -> Context:
     return ctx
 
 
-def _summary(
-    job: RankJob,
-    pos: Position,
-    start_step: int,
-    wall: float,
-    stats: StepStats,
-    val: dict[str, float],
-    test: dict[str, float],
-) -> dict[str, Any]:
+def _summary(loop: Loop, start_step: int, wall: float, val: dict, test: dict) -> dict[str, Any]:
     """Collective: the job's summary.json, the same on every rank."""
-    cfg, env, unit = job.cfg, job.env, job.components.source.unit
+    job, env, pos, stats = loop.job, loop.env, loop.pos, loop.stats
+    unit = job.components.source.unit
     samples = all_reduce_sum([float(stats.total_samples)], env)[0]
     held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
     # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
@@ -302,7 +294,7 @@ def _summary(
         "state_bytes_per_rank": [int(b[0]) for b in all_gather_floats([state], env)],
         "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": job.train_data.policy.name,
-        "objective": val[monitor_key(cfg)],  # trainer.monitor
+        "objective": val[loop.evaluator.monitor.metric],  # trainer.monitor
     }
     # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
     for split, metrics in (("val", val), ("test", test)):

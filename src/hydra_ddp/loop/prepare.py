@@ -19,7 +19,7 @@ from hydra_ddp.config import TrainConfig, Wrapper
 from hydra_ddp.data import EvalData, TrainData, check_source
 from hydra_ddp.distributed import DistEnv, use_device
 from hydra_ddp.loop.checkpointing import resume_point
-from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.loop.evaluation import monitor_key
 from hydra_ddp.loop.position import epoch_length, total_epochs
 from hydra_ddp.rank_job import RankJob, build_components
 from hydra_ddp.rundir import provenance
