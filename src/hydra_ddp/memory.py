@@ -125,12 +125,12 @@ def count(cfg: TrainConfig, source: DataSource) -> Counted:
         return _count(cfg, source, torch.device("cpu"))
 
 
-def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
-         distributed: bool | None = None, device: str = "cpu") -> MemoryPlan:  # fmt: skip
-    """One rank's plan under `wrapper` on `world_size` ranks, at trainer.batch_size, on
-    `device` (cpu or cuda); `distributed`: with a process group (default: more than one rank),
-    so wrapped."""
-    wrapped = world_size > 1 if distributed is None else distributed
+def plan_memory(
+    counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper, device: str = "cpu"
+) -> MemoryPlan:
+    """One rank's plan under `wrapper` on `world_size` ranks (wrapped when more than one), at
+    trainer.batch_size, on `device` (cpu or cuda)."""
+    wrapped = world_size > 1
     (b1, a1), (b2, a2) = sorted(counted.activations.items())
     half = cfg.trainer.precision in (Precision.bf16, Precision.fp16)
     if wrapper == Wrapper.fsdp2:
