@@ -138,44 +138,22 @@ def plan_memory(
     scale = 0.5 if half else 1.0  # 16-bit autocast: the saved floats take half the bytes
     sharded = wrapper == Wrapper.fsdp2 and wrapped
     shard = world_size if sharded else 1
-    return _plan(
-        cfg,
-        wrapper,
-        world_size,
-        wrapped,
-        device,
-        where=counted.where,
-        batch_size=b1,
-        params=-(-counted.params // shard),
-        grads=-(-counted.trainable // shard),
-        optimizer=-(-counted.optimizer // shard),
-        gathered=gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0,
-        activations=int(a1 * scale),
-        activations_per_row=(a2 - a1) / (b2 - b1) * scale,
-        hook_state=counted.hook_state,
-    ).at(cfg.trainer.batch_size)
-
-
-def _plan(
-    cfg: TrainConfig,
-    wrapper: Wrapper,
-    world_size: int,
-    wrapped: bool,
-    device: str,
-    hook_state: int,
-    **rows: Any,
-) -> MemoryPlan:
-    """A plan from a rank's own rows, plus what DDP adds when the model is wrapped in it (its
-    buckets, a comm hook's state) and the CUDA workspaces."""
     ddp = wrapper == Wrapper.ddp and wrapped and cfg.ddp.enabled
     return MemoryPlan(
         wrapper=wrapper.value,
         world_size=world_size,
-        buckets=rows["grads"] if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
-        hook_state=hook_state if ddp else 0,
+        batch_size=b1,
+        params=-(-counted.params // shard),
+        grads=-(-counted.trainable // shard),
+        optimizer=-(-counted.optimizer // shard),
+        buckets=counted.trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
+        gathered=gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0,
+        activations=int(a1 * scale),
+        activations_per_row=(a2 - a1) / (b2 - b1) * scale,
+        where=counted.where,
+        hook_state=counted.hook_state if ddp else 0,
         workspaces=workspace_bytes(cfg, device, ddp),
-        **rows,
-    )
+    ).at(cfg.trainer.batch_size)
 
 
 def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counted:
@@ -273,21 +251,22 @@ def of_this_run(
             unit_bytes = [_own_bytes(unit, units) for _, unit in units]
             root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
             gathered = gathered_bytes(root, unit_bytes, cfg)
-        return _plan(
-            cfg,
-            cfg.ddp.wrapper,
-            env.world_size,
-            env.distributed,
-            env.device.type,
-            where="run",
+        ddp = cfg.ddp.wrapper == Wrapper.ddp and env.distributed and cfg.ddp.enabled
+        trainable = sum(_local_bytes(p) for p in params if p.requires_grad)
+        return MemoryPlan(
+            wrapper=cfg.ddp.wrapper.value,
+            world_size=env.world_size,
             batch_size=cfg.trainer.batch_size,
             params=sum(_local_bytes(t) for t in (*params, *model.buffers())),
-            grads=sum(_local_bytes(p) for p in params if p.requires_grad),
+            grads=trainable,
             optimizer=sum(_state_bytes(o) for o in optimizers),
+            buckets=trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
             gathered=gathered,
             activations=meter.activations,
             activations_per_row=meter.activations / max(meter.rows, 1),
-            hook_state=powersgd_bytes(params, cfg),
+            where="run",
+            hook_state=powersgd_bytes(params, cfg) if ddp else 0,
+            workspaces=workspace_bytes(cfg, env.device.type, ddp),
         )
     except Exception as e:
         log.warning("no memory plan in summary.json: %s: %s", type(e).__name__, e)
