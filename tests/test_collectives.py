@@ -22,7 +22,7 @@ from hydra_ddp.config import MonitorMode, TrainerConfig
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.distributed.preemption import StopOnSignal
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.monitor import Monitor
+from hydra_ddp.loop.evaluation import Monitor
 from hydra_ddp.loop.scoring import evaluate
 from hydra_ddp.metrics import Accuracy, MeanSquaredError
 

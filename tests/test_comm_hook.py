@@ -41,7 +41,7 @@ def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
     for rank in (0, 1):
         hook = saved[rank]["comm_hook"]
         assert hook["iter"] == 6 and hook["error_dict"], "error feedback is saved per rank"
-    # The memory plan counts that state (memory_rules.powersgd_bytes): what it keeps between
+    # The memory plan counts that state (memory.powersgd_bytes): what it keeps between
     # steps (the error feedback, the factors P and Q) and, while it runs on the one bucket of
     # this small model, two more bucket-sized tensors; no CUDA workspaces on a CPU job.
     kept = {k: sum(t.numel() * t.element_size() for t in hook[k].values())

@@ -17,8 +17,8 @@ import torch
 from hydra_ddp.config import NanPolicy
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.scoring import score
+from hydra_ddp.loop.wrapping import EMA
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.metrics import (
     Accuracy,

@@ -16,8 +16,7 @@ from helpers.gathering_metric import GatheredAccuracy
 from hydra_ddp.data import EvalData, InMemoryArrays
 from hydra_ddp.data.view import boundaries
 from hydra_ddp.distributed import DistEnv
-from hydra_ddp.loop.predict import predict
-from hydra_ddp.loop.scoring import evaluate
+from hydra_ddp.loop.scoring import evaluate, predict
 from hydra_ddp.losses import CrossEntropy
 from hydra_ddp.metrics import Accuracy
 

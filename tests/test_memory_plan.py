@@ -17,7 +17,7 @@ from helpers.inproc import train_here, train_ranks, typed
 from torch.profiler import ProfilerActivity, profile
 
 from hydra_ddp import memory
-from hydra_ddp import memory_rules as rules
+from hydra_ddp import memory as rules
 from hydra_ddp.components import build
 from hydra_ddp.config import Wrapper
 from hydra_ddp.distributed.fsdp import local
@@ -150,7 +150,7 @@ def test_plan_of_a_wider_gpt_and_the_command(tmp_path):
 
 
 def test_the_cuda_terms_are_zero_on_cpu_and_follow_torch():
-    """The cuBLAS workspaces (memory_rules.py): none on a CPU job, whichever the wrapper; on
+    """The cuBLAS workspaces (memory.py): none on a CPU job, whichever the wrapper; on
     CUDA two (the forward's thread and the backward's), and with PowerSGD one on each of
     torch's 32 pool streams too; CUBLAS_WORKSPACE_CONFIG as torch reads it; the measured
     window runs through PowerSGD's warm-up on CUDA only."""

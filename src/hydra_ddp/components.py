@@ -1,17 +1,11 @@
-"""Building what a user swaps in: data, model, optimizer, scheduler, loss and metrics.
-
-Each is a `_target_` (a class or function, e.g. `hydra_ddp.models.MLP` or `torch.optim.AdamW`)
-plus its keyword arguments in `conf/<group>/<name>.yaml`, built by `hydra.utils.instantiate`.
-Adding one is a module of yours plus one YAML; nothing here changes.
+"""Building what a user swaps in (data, model, optimizer, scheduler, loss, metrics): a
+`_target_` plus its keyword arguments, built by `hydra.utils.instantiate`.
 
 What only the template knows at run time reaches a component by name: `build` passes each
 `runtime` keyword to the target when its signature has a parameter of that name and the YAML
-did not set it. That is how a model gets `in_features` / `out_features` / `vocab_size` from the
-data (`DataSource.spec`), an optimizer its `params`, and a scheduler its `optimizer` and
-`total_steps`.
-
-Arguments are checked against the target's signature before it is called, so a typo'd or
-missing argument fails in one line that names the config key and what the target accepts.
+did not set it (a model's `in_features` from the data, an optimizer's `params`). Arguments are
+checked against the signature first, so a typo'd or missing one fails in one line that names
+the config key and what the target accepts.
 """
 
 from __future__ import annotations
@@ -95,7 +89,7 @@ def _arguments(
     runtime: dict[str, Any],
 ) -> dict[str, Any]:
     """The `runtime` keywords `target`'s signature asks for, after checking the config's
-    arguments against it: an unknown one, a missing one, a text for a number, in one line."""
+    arguments against it (an unknown one, a missing one)."""
     names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
     accepted = ", ".join(names) or "no arguments"
@@ -141,8 +135,8 @@ def _merged_hint(key: str, unknown: list[str], names: list[str]) -> str:
 
 def _text_for_a_number(key: str, target: str, cfg: Mapping[str, Any], obj: Any) -> None:
     """After the call failed: a text given for an argument whose default is a number
-    (`optim.lr=abc`, a typo in a sweep), which the library's own error names neither by key
-    nor by value. Only then: a component may take a text there on purpose."""
+    (`optim.lr=abc`), which the library's own error names neither by key nor by value. Only
+    then: a component may take a text there on purpose."""
     for p in _parameters(obj) or []:
         value = cfg.get(p.name)
         number = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)

@@ -10,7 +10,7 @@
 The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments override it with
 the training command line's grammar), the checkpoint's weights (its EMA, when the run kept one)
 are loaded, and the split is evaluated as training does it, on any number of ranks, into
-`<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/predict.py.
+`<run>/eval_<split>.json`; predictions: see hydra_ddp/loop/scoring.py.
 """
 
 from __future__ import annotations

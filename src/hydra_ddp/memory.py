@@ -1,33 +1,16 @@
-"""The memory plan: what one rank holds while training, counted before the job runs, and the
-measured peak it is checked against at the end of every run (summary.json).
+"""The memory plan: what one rank holds while training, counted before the job runs
+(`python -m hydra_ddp.plan`), and the measured peak every run checks it against (summary.json).
 
-A rank's bytes, as DeepSpeed's `estimate_zero2/zero3_model_states_mem_needs` counts them, plus
-what those leave out (activations, DDP's buckets):
+Its rows are DeepSpeed's model-state estimate (parameters, gradients, optimizer state) plus what
+that leaves out: DDP's buckets, FSDP2's gathered units, activations, PowerSGD's state and the
+cuBLAS workspaces of a CUDA job. The rules for the last three follow torch's documented
+behaviour or source; what each row counts, and how well the plan holds: docs/memory_plan.md.
 
-    params       parameters and buffers (ddp=fsdp2: this rank's shards)
-    grads        one gradient per trainable parameter (fsdp2: sharded)
-    optimizer    the optimizer's state after a step (fsdp2: sharded)
-    buckets      DDP's gradient buckets (a copy of the gradients unless
-                 ddp.gradient_as_bucket_view), with a process group only
-    gathered     fsdp2: the unit-sized buffers FSDP2 holds at once in the backward (see
-                 `gathered_bytes`): the root gathered whole and its unsharded gradients, and of
-                 the largest other unit up to four copies (its gathered parameters, its
-                 unsharded gradients, the next unit's all-gather buffer, the previous unit's
-                 reduce-scatter input), in ddp.param_dtype
-    activations  what the forward saves for the backward, at trainer.batch_size
-    hook_state   ddp=powersgd: PowerSGD's error feedback and low-rank factors (`powersgd_bytes`)
-    workspaces   CUDA: the cuBLAS workspaces torch keeps once a step has run (`workspace_bytes`)
-
-Measured, not assumed: the model and its optimizers are built on the meta device (no memory,
-any size) from the job's own config, one training step runs there through the job's step
-function, and the optimizer state it creates and the tensors autograd saves are counted. The
-activations are counted at two small batch sizes and extrapolated (they grow linearly with the
-batch). A model whose forward cannot run on the meta device (it reads a tensor's value) is run
-on the CPU with a small batch instead.
-
-The peak a step reaches is `params + optimizer + buckets + gathered + hook_state + workspaces +
-max(activations, grads)`: the gradients are made during the backward as the activations are
-freed, and freed after the optimizer step (zero_grad(set_to_none=True)).
+Measured, not assumed: the job's own model, optimizers and step function run one step (on the
+CPU, or the meta device for a big model) at two small batch sizes, and the optimizer state and
+the tensors autograd saved are counted; activations are extrapolated linearly in the batch.
+The gradients are made as the activations are freed and freed after the step, so the peak is
+everything else plus the larger of the two.
 """
 
 from __future__ import annotations
@@ -35,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +30,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from hydra_ddp.batches import to_device
 from hydra_ddp.components import build
-from hydra_ddp.config import DType, Precision, TrainConfig, Wrapper
+from hydra_ddp.config import COMM_HOOKS, DType, Precision, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
-from hydra_ddp.memory_rules import gathered_bytes, powersgd_bytes, workspace_bytes
 from hydra_ddp.rank_job import build_components
 from hydra_ddp.step import StepTools
 from hydra_ddp.tracking.peak import PeakMeter
@@ -62,6 +46,9 @@ _HALF = {DType.bf16, DType.fp16}
 # Models up to this size are counted on the CPU, for real (it is faster than the meta device,
 # whose operators run in Python); bigger ones on the meta device.
 _CPU_LIMIT = 256 * 2**20
+# torch's pool of CUDA streams a future's callbacks run on: 32 per device and priority, handed
+# out in turn (c10/cuda/CUDAStream.h).
+_POOL_STREAMS = 32
 
 
 @dataclass
@@ -78,7 +65,7 @@ class MemoryPlan:
     gathered: int
     activations: int
     activations_per_row: float
-    where: str  # where the step ran to count them: meta or cpu
+    where: str  # where the step ran to count them: meta, cpu, or this run's own step
     hook_state: int = 0
     workspaces: int = 0
 
@@ -107,14 +94,10 @@ class MemoryPlan:
             lo, hi = (mid, hi) if self.at(mid).peak <= device_bytes else (lo, mid)
         return lo
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "peak": self.peak}
-
 
 @dataclass
 class Counted:
-    """What one step on the meta device (or the CPU) counted, for the whole model (no
-    sharding): the pieces `plan_memory` divides and combines."""
+    """What one step counted, for the whole model (no sharding)."""
 
     params: int
     values: int  # parameters, counted
@@ -129,8 +112,8 @@ class Counted:
 
 def count(cfg: TrainConfig, source: DataSource) -> Counted:
     """Build the job's model and optimizers, run a step at each probe batch size and count: on
-    the CPU for a model of up to `_CPU_LIMIT` bytes (fast), else on the meta device (no memory,
-    any size), and on the CPU too when the model cannot run on the meta device."""
+    the CPU for a model of up to `_CPU_LIMIT` bytes, else on the meta device, and on the CPU
+    after all when the model cannot run on the meta device."""
     with torch.device("meta"):
         size = sum(_nbytes(p) for p in build(cfg.model, "model", **source.spec).parameters())
     if size <= _CPU_LIMIT:
@@ -142,25 +125,20 @@ def count(cfg: TrainConfig, source: DataSource) -> Counted:
         return _count(cfg, source, torch.device("cpu"))
 
 
-def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper,
-         distributed: bool | None = None, device: str = "cpu") -> MemoryPlan:  # fmt: skip
-    """One rank's plan under `wrapper` on `world_size` ranks, at trainer.batch_size, on
-    `device` (cpu or cuda); `distributed`: with a process group (default: more than one rank),
-    so wrapped."""
-    wrapped = world_size > 1 if distributed is None else distributed
+def plan_memory(
+    counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper, device: str = "cpu"
+) -> MemoryPlan:
+    """One rank's plan under `wrapper` on `world_size` ranks (wrapped when more than one), at
+    trainer.batch_size, on `device` (cpu or cuda)."""
+    wrapped = world_size > 1
     (b1, a1), (b2, a2) = sorted(counted.activations.items())
-    per_row = (a2 - a1) / (b2 - b1)
     half = cfg.trainer.precision in (Precision.bf16, Precision.fp16)
-    sharded = wrapper == Wrapper.fsdp2 and wrapped
     if wrapper == Wrapper.fsdp2:
         half = half or cfg.ddp.param_dtype in _HALF
     scale = 0.5 if half else 1.0  # 16-bit autocast: the saved floats take half the bytes
+    sharded = wrapper == Wrapper.fsdp2 and wrapped
     shard = world_size if sharded else 1
-    gathered = gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0
-    buckets = 0
     ddp = wrapper == Wrapper.ddp and wrapped and cfg.ddp.enabled
-    if ddp:
-        buckets = 0 if cfg.ddp.gradient_as_bucket_view else counted.trainable
     return MemoryPlan(
         wrapper=wrapper.value,
         world_size=world_size,
@@ -168,10 +146,10 @@ def plan_memory(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wr
         params=-(-counted.params // shard),
         grads=-(-counted.trainable // shard),
         optimizer=-(-counted.optimizer // shard),
-        buckets=buckets,
-        gathered=gathered,
+        buckets=counted.trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
+        gathered=gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0,
         activations=int(a1 * scale),
-        activations_per_row=per_row * scale,
+        activations_per_row=(a2 - a1) / (b2 - b1) * scale,
         where=counted.where,
         hook_state=counted.hook_state if ddp else 0,
         workspaces=workspace_bytes(cfg, device, ddp),
@@ -196,7 +174,8 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
         own = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
         model.train()
         for rows in _PROBE_ROWS:
-            batch = to_device(_first_batch(cfg, source, rows), device)
+            data = TrainData(source, cfg.sampler, DistEnv(), rows, cfg.sampler_seed, 0)
+            batch = to_device(next(iter(data.epoch(0))), device)
             saved: dict[int, int] = {}
 
             def pack(t: torch.Tensor, saved: dict = saved) -> torch.Tensor:
@@ -208,11 +187,10 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
             with saved_tensors_hooks(pack, lambda t: t):
                 components.step_fn(tools, model, [batch], components.loss, optimizers)
             acts[rows] = sum(saved.values())
-    tensors = [*model.parameters(), *model.buffers()]
     units = find_units(model, cfg.ddp)
     unit_bytes = [_own_bytes(unit, units) for _, unit in units]
     return Counted(
-        params=sum(_nbytes(t) for t in tensors),
+        params=sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())),
         values=sum(p.numel() for p in model.parameters()),
         trainable=sum(_nbytes(p) for p in model.parameters() if p.requires_grad),
         optimizer=sum(_state_bytes(o) for o in optimizers.values()),
@@ -222,11 +200,6 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
         where=device.type,
         hook_state=powersgd_bytes([*model.parameters()], cfg),
     )
-
-
-def _first_batch(cfg: TrainConfig, source: DataSource, rows: int) -> Any:
-    data = TrainData(source, cfg.sampler, DistEnv(), rows, cfg.sampler_seed, 0)
-    return next(iter(data.epoch(0)))
 
 
 def _unfused(optim: Any) -> Any:
@@ -244,6 +217,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    return _nbytes(local(t))
+
+
 def _own_bytes(unit: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> int:
     """A unit's parameters that no unit inside it holds."""
     inner = {id(p) for _, u in units if u is not unit for p in u.parameters()}
@@ -252,10 +229,7 @@ def _own_bytes(unit: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
-        _nbytes(local(v))
-        for s in optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
+        _local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
 
 
@@ -263,41 +237,37 @@ def of_this_run(
     cfg: TrainConfig, env: DistEnv, model: torch.nn.Module, optimizers: Any, meter: PeakMeter
 ) -> MemoryPlan | None:
     """The plan's sum for this run, from what it holds (this rank's shards, its optimizer
-    state) and what its own step saved for the backward (`meter.saving`), with no step or
-    data read of its own: a user's model and data see nothing more than training did."""
+    state) and what its own step saved for the backward (`meter.saving`): no step or data read
+    of its own, so a user's model and data see nothing more than training did. None, with a
+    warning, when it cannot be counted: the run's results matter more than its plan."""
     if meter.activations is None:
         return None
-    params = [*model.parameters()]
-    trainable = sum(_local_bytes(p) for p in params if p.requires_grad)
-    sharded = cfg.ddp.wrapper == Wrapper.fsdp2 and env.distributed
-    gathered = 0
-    if sharded:  # the units as fully_shard made them (their classes renamed FSDP<name>)
-        units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
-        unit_bytes = [_own_bytes(unit, units) for _, unit in units]
-        root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
-        gathered = gathered_bytes(root, unit_bytes, cfg)
-    ddp = cfg.ddp.wrapper == Wrapper.ddp and env.distributed and cfg.ddp.enabled
-    return MemoryPlan(
-        wrapper=cfg.ddp.wrapper.value,
-        world_size=env.world_size,
-        batch_size=cfg.trainer.batch_size,
-        params=sum(_local_bytes(t) for t in (*params, *model.buffers())),
-        grads=trainable,
-        optimizer=sum(_state_bytes(o) for o in optimizers),
-        buckets=trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
-        gathered=gathered,
-        activations=meter.activations,
-        activations_per_row=meter.activations / max(meter.rows, 1),
-        where="run",
-        hook_state=powersgd_bytes(params, cfg) if ddp else 0,
-        workspaces=workspace_bytes(cfg, env.device.type, ddp),
-    )
-
-
-def of_this_run_or_none(*args: Any) -> MemoryPlan | None:
-    """`of_this_run`, or None with a warning: the run's results matter more than its plan."""
     try:
-        return of_this_run(*args)
+        params = [*model.parameters()]
+        gathered = 0
+        if cfg.ddp.wrapper == Wrapper.fsdp2 and env.distributed:
+            # The units as fully_shard made them (their classes renamed FSDP<name>).
+            units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
+            unit_bytes = [_own_bytes(unit, units) for _, unit in units]
+            root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
+            gathered = gathered_bytes(root, unit_bytes, cfg)
+        ddp = cfg.ddp.wrapper == Wrapper.ddp and env.distributed and cfg.ddp.enabled
+        trainable = sum(_local_bytes(p) for p in params if p.requires_grad)
+        return MemoryPlan(
+            wrapper=cfg.ddp.wrapper.value,
+            world_size=env.world_size,
+            batch_size=cfg.trainer.batch_size,
+            params=sum(_local_bytes(t) for t in (*params, *model.buffers())),
+            grads=trainable,
+            optimizer=sum(_state_bytes(o) for o in optimizers),
+            buckets=trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
+            gathered=gathered,
+            activations=meter.activations,
+            activations_per_row=meter.activations / max(meter.rows, 1),
+            where="run",
+            hook_state=powersgd_bytes(params, cfg) if ddp else 0,
+            workspaces=workspace_bytes(cfg, env.device.type, ddp),
+        )
     except Exception as e:
         log.warning("no memory plan in summary.json: %s: %s", type(e).__name__, e)
         return None
@@ -308,7 +278,9 @@ def memory_summary(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMete
     measured peak (tracking/peak.py), and the largest over the plan."""
     peaks = [int(p[0]) for p in all_gather_floats([meter.peak() or -1], env)]
     out: dict[str, Any] = {
-        "memory_plan": plan_of_run.as_dict() if plan_of_run else None,
+        "memory_plan": {**dataclasses.asdict(plan_of_run), "peak": plan_of_run.peak}
+        if plan_of_run
+        else None,
         "memory_peak_per_rank": [p if p >= 0 else None for p in peaks],
         "memory_peak_measure": meter.method,
     }
@@ -317,5 +289,88 @@ def memory_summary(plan_of_run: MemoryPlan | None, env: DistEnv, meter: PeakMete
     return out
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    return _nbytes(local(t))
+# What torch allocates beyond the model's and the optimizer's tensors: the rules, each from the
+# library's documented behaviour or its source, are laid out in docs/memory_plan.md.
+
+
+def gathered_bytes(root: int, units: list[int], cfg: TrainConfig) -> int:
+    """The unit-sized buffers fully_shard holds at once on a rank at the backward's peak, from
+    the whole bytes of the root's own parameters and of each other unit's (torch 2.13): the
+    root and its unsharded gradients, and of the largest unit up to four copies (two with one
+    unit, three with two), or every unit without ddp.reshard_after_forward. In
+    ddp.param_dtype (autograd makes the gradients in the gathered parameters' dtype)."""
+    largest = max(units, default=0)
+    if cfg.ddp.reshard_after_forward:
+        held = min(len(units) + 1, 4) * largest if units else 0
+    else:
+        held = sum(units) + min(len(units), 2) * largest
+    scale = 0.5 if cfg.ddp.param_dtype in _HALF else 1.0
+    return int(scale * (2 * root + held))
+
+
+def powersgd(cfg: TrainConfig) -> tuple[int, int] | None:
+    """(rank, start_iter) where ddp.comm_hook is the template's PowerSGD, else None."""
+    hook = cfg.ddp.comm_hook
+    if isinstance(hook, str) and COMM_HOOKS.get(hook) == "PowerSGD":
+        return cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter
+    if isinstance(hook, dict) and str(hook.get("_target_", "")).endswith("comm_hooks.PowerSGD"):
+        return int(hook["rank"]), int(hook["start_iter"])
+    return None
+
+
+def powersgd_bytes(parameters: list[torch.Tensor], cfg: TrainConfig) -> int:
+    """PowerSGD's state: its error feedback (a copy of the gradients), a bucket and its new
+    error while the hook runs on it, and the low-rank factors P (n x r) and Q (m x r) it keeps
+    of each gradient it compresses (those where (n + m) r is under half of n m)."""
+    found = powersgd(cfg)
+    if found is None:
+        return 0
+    grads = [p for p in parameters if p.requires_grad]
+    errors = sum(_nbytes(p) for p in grads)
+    factors = 0
+    for p in grads:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, found[0])
+        if 2 * (n + m) * r < n * m:
+            factors += (n + m) * r * p.element_size()
+    return errors + 2 * min(errors, int(cfg.ddp.bucket_cap_mb * 2**20)) + factors
+
+
+def workspace_bytes(cfg: TrainConfig, device: str, ddp: bool) -> int:
+    """The cuBLAS workspaces a job on `device` keeps (0 on CPU); `ddp`: wrapped in DDP with a
+    process group (PowerSGD runs only there)."""
+    return workspaces(cfg, ddp) * cublas_workspace_size() if device == "cuda" else 0
+
+
+def workspaces(cfg: TrainConfig, ddp: bool) -> int:
+    """cuBLAS workspaces a CUDA job keeps, one per handle and stream that ran a matmul: the
+    forward's and autograd's backward thread's, and PowerSGD's on each of torch's pool streams."""
+    return 2 + (_POOL_STREAMS if ddp and powersgd(cfg) else 0)
+
+
+def cublas_workspace_size() -> int:
+    """One cuBLAS workspace on the current GPU: torch's own answer (torch >= 2.13), else
+    CUBLAS_WORKSPACE_CONFIG's, else torch's default: 32 MiB on Hopper, else 8 MiB + 128 KiB."""
+    query = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+    if query is not None:
+        return int(query())
+    configured = workspace_config(os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if configured is not None:
+        return configured
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    return 32 * 2**20 if hopper else (4096 * 2 + 16 * 8) * 2**10
+
+
+def workspace_config(text: str) -> int | None:
+    """The bytes CUBLAS_WORKSPACE_CONFIG sets (`:4096:8`: 8 x 4096 KiB), None if it sets none."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", text)
+    return sum(int(size) * int(count) for size, count in pairs) * 2**10 if pairs else None
+
+
+def window_steps(cfg: TrainConfig, device: torch.device) -> int:
+    """The steps the measured peak covers after the first: 4 (a steady step repeats itself),
+    and on CUDA with PowerSGD until its callbacks, three a step on the next pool stream in
+    turn, have run on every one of them (its workspaces all made)."""
+    found = powersgd(cfg) if device.type == "cuda" and cfg.ddp.wrapper == Wrapper.ddp else None
+    return PeakMeter.STEPS if found is None else found[1] + _POOL_STREAMS + 1

@@ -1,21 +1,11 @@
 """The optimizers: parameter groups, several named optimizers, the example schedules.
 
-The optimizer is a component (`optim._target_`, e.g. torch.optim.AdamW), built with the groups
-below as its `params`; the schedule is one too (`scheduler._target_`), built with the optimizer
-and the run's total number of optimizer steps. Two keys in `optim` are the template's:
-
-- `param_groups`: a list of `{params: <name pattern(s)>, lr: ..., weight_decay: ...}`; the
-  parameters whose names match a pattern (fnmatch, e.g. `head.*`) get that group's settings;
-  the rest keep the optimizer's. Biases and norm weights take no weight decay unless a group
-  sets one.
-- several optimizers: `optim` without a `_target_` of its own is a dict of named optimizers,
-  each with `params` (its pattern(s); together they must cover every trainable parameter, each
-  once) and optionally its own `scheduler`. A GAN: `optim=gan`.
-
-Two keys of a `scheduler` are the template's too, as in Lightning: `interval: step | epoch`
-(when it steps: after each optimizer step, the default, or at each epoch's end; an epoch-stepped
-schedule gets the run's epochs as `total_steps`), and `monitor: val/<metric>` (a schedule like
-ReduceLROnPlateau, stepped after each validation with that metric's value).
+The optimizer and its schedule are components (`optim._target_`, `scheduler._target_`); the
+template's own keys (docs/configuration.md, docs/make_it_yours.md): `optim.param_groups` (name
+patterns with their own settings; biases and norm weights take no weight decay unless a group
+sets one), several named optimizers (`optim` without a `_target_`: each with `params` and
+optionally its own `scheduler`; a GAN: `optim=gan`), and a scheduler's `interval: step | epoch`
+or `monitor: val/<metric>` (stepped after each validation with that metric, as in Lightning).
 """
 
 from __future__ import annotations
@@ -24,8 +14,6 @@ import fnmatch
 import functools
 import logging
 import math
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -99,34 +87,18 @@ def _match(
     return hit, [(n, p) for n, p in named if not any(fnmatch.fnmatchcase(n, q) for q in pats)]
 
 
-class ScheduleInterval(Enum):
-    """scheduler.interval: when a schedule steps."""
-
-    step = "step"  # after each optimizer step
-    epoch = "epoch"  # at the end of each epoch
-
-
-@dataclass
-class Timing:
-    """When one schedule steps: by `interval`, or after each validation with the metric
-    `monitor` (the key of the validation results: `val/loss` -> `loss`)."""
-
-    interval: ScheduleInterval = ScheduleInterval.step
-    monitor: str | None = None
-
-
-def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> Timing:
-    """Take the template's keys `interval` and `monitor` out of a scheduler's config `sched`
-    (the rest builds the schedule), checked: one line naming the key when wrong."""
+def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> str:
+    """When a schedule steps: `step`, `epoch`, or `val/<metric>` (after each validation, with
+    that metric's value). Takes the template's keys `interval` and `monitor` out of the
+    scheduler's config `sched` (the rest builds the schedule), checked."""
     interval, monitor = sched.pop("interval", None), sched.pop("monitor", None)
-    choices = [i.value for i in ScheduleInterval]
-    if interval is not None and interval not in choices:
+    if interval is not None and interval not in ("step", "epoch"):
         raise UserError(
-            f"{key}.interval={interval!r} is not one of {', '.join(choices)}: step after each "
+            f"{key}.interval={interval!r} is not one of step, epoch: step after each "
             "optimizer step (the default) or at each epoch's end"
         )
     if monitor is None:
-        return Timing(ScheduleInterval(interval or "step"))
+        return interval or "step"
     if interval is not None:
         raise UserError(
             f"{key}: give interval or monitor, not both: a schedule with a monitor steps after "
@@ -138,7 +110,7 @@ def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> T
             f"{key}.monitor={monitor} is not a validation metric of this job: use one of "
             f"{', '.join('val/' + m for m in metrics)} (the loss and the metrics config group)"
         )
-    return Timing(monitor=name)
+    return f"val/{name}"
 
 
 class Optimizers:
@@ -151,16 +123,14 @@ class Optimizers:
         self,
         optimizers: dict[str, Any],
         schedulers: dict[str, Any],
-        group_labels: dict[str, list[str]] | None = None,
-        timings: dict[str, Timing] | None = None,
+        group_labels: dict[str, list[str]],
+        timings: dict[str, str],
     ) -> None:
         """`group_labels`: by optimizer, the name of each of its param groups in the logged
-        learning rates (default: the group's index). `timings`: by optimizer, when its
-        schedule steps (default: after each optimizer step)."""
+        learning rates; `timings`: by optimizer, when its schedule steps (`_timing`)."""
         self.optimizers, self.schedulers = optimizers, schedulers
         self.single = list(optimizers) == ["default"]
-        self.group_labels = group_labels or {}
-        self.timings = {name: (timings or {}).get(name, Timing()) for name in schedulers}
+        self.group_labels, self.timings = group_labels, timings
 
     @classmethod
     def build(cls, cfg: Mapping[str, Any], scheduler_cfg: Any, model: torch.nn.Module,
@@ -171,7 +141,7 @@ class Optimizers:
         from hydra_ddp.components import build
 
         labels: dict[str, list[str]] = {}
-        timings: dict[str, Timing] = {}
+        timings: dict[str, str] = {}
 
         def one(key: str, spec: Mapping[str, Any], named: list) -> tuple[Any, Any]:
             spec = dict(spec)
@@ -183,8 +153,8 @@ class Optimizers:
             name = key.partition(".")[2] or "default"
             mine = labels.setdefault(name, [])
             opt = build(spec, key, params=_grouped(named, groups, f"{key}.param_groups", mine))
-            timing = timings[name] = _timing(sched, sched_key, metrics) if sched else Timing()
-            by_epoch = timing.interval == ScheduleInterval.epoch and total_epochs is not None
+            timing = timings[name] = _timing(sched, sched_key, metrics) if sched else "step"
+            by_epoch = timing == "epoch" and total_epochs is not None
             length = total_epochs if by_epoch else total_steps
             return opt, build(sched, sched_key, optimizer=opt, total_steps=length)
 
@@ -215,21 +185,20 @@ class Optimizers:
 
     def step_schedules(self) -> None:
         """After each optimizer step: the schedules stepped by step (the default)."""
-        self._step(Timing(ScheduleInterval.step))
+        self._step("step")
 
     def end_epoch(self) -> None:
         """At each epoch's end: the schedules with `interval: epoch`."""
-        self._step(Timing(ScheduleInterval.epoch))
+        self._step("epoch")
 
     def after_validation(self, metrics: Mapping[str, float]) -> None:
         """After each validation (`metrics`: its results, `loss`, `acc`, ...): the schedules
         with a `monitor`, stepped with that metric's value (the same on every rank)."""
         for name, scheduler in self.schedulers.items():
-            monitor = self.timings[name].monitor
-            if monitor is not None:
-                scheduler.step(metrics[monitor])
+            if self.timings[name].startswith("val/"):
+                scheduler.step(metrics[self.timings[name].removeprefix("val/")])
 
-    def _step(self, when: Timing) -> None:
+    def _step(self, when: str) -> None:
         for name, scheduler in self.schedulers.items():
             if self.timings[name] == when:
                 scheduler.step()

@@ -3,13 +3,9 @@
     python -m hydra_ddp.plan experiment=text_gpt dist.nproc_per_node=8 --device-mem 16GiB
     python -m hydra_ddp.plan model.hidden=4096 trainer.precision=bf16 --ranks 4
 
-Takes the overrides of `python -m hydra_ddp.train` (composed from the same config dir, typed
-and checked the same way) and prints one rank's bytes of parameters, gradients, optimizer state,
-DDP buckets, fsdp2's gathered units and activations, for `ddp` and `ddp=fsdp2` at the job's
-ranks (--ranks, else WORLD_SIZE, else dist.nproc_per_node) and precision, and the largest
-trainer.batch_size whose peak fits --device-mem (default: the visible GPU's memory). No process
-group, no training: the model and its optimizers are built on the meta device and one step is
-counted there (hydra_ddp/memory.py). docs/memory_plan.md says what is counted and how well.
+Takes the overrides of `python -m hydra_ddp.train`, composed and checked the same way, and
+prints one rank's bytes under `ddp` and `ddp=fsdp2` side by side, and the largest
+trainer.batch_size whose peak fits --device-mem; no process group, no training (memory.py).
 """
 
 from __future__ import annotations
@@ -25,11 +21,10 @@ from hydra.errors import HydraException
 
 from hydra_ddp import memory
 from hydra_ddp.components import build
-from hydra_ddp.config import Device, Precision, TrainConfig, Wrapper, register_configs
+from hydra_ddp.config import Device, Precision, TrainConfig, Wrapper
 from hydra_ddp.errors import UserError, config_error
 from hydra_ddp.launch.command import config_dir
 from hydra_ddp.launch.runner import to_typed
-from hydra_ddp.rundir.paths import register_resolvers
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _ROWS = (
@@ -64,32 +59,9 @@ def device_memory(given: str | None) -> tuple[int | None, str]:
     return None, "none given (no GPU visible): pass --device-mem, e.g. --device-mem 16GiB"
 
 
-def compose_typed(overrides: list[str]) -> TrainConfig:
-    """The config `python -m hydra_ddp.train overrides...` trains with."""
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return to_typed(compose("train", overrides=overrides))
-
-
-def world_size(cfg: TrainConfig, ranks: int | None) -> int:
-    if ranks is not None:
-        return ranks
-    return int(os.environ.get("WORLD_SIZE", cfg.dist.nproc_per_node))
-
-
 def job_device(cfg: TrainConfig) -> str:
     """cuda where the job would train on a GPU here (dist.device, a visible GPU), else cpu."""
     return "cuda" if torch.cuda.is_available() and cfg.dist.device != Device.cpu else "cpu"
-
-
-def plans(cfg: TrainConfig, ranks: int) -> tuple[memory.Counted, list[memory.MemoryPlan]]:
-    counted = memory.count(cfg, build(cfg.data, "data"))
-    device = job_device(cfg)
-    return counted, [
-        memory.plan_memory(counted, cfg, ranks, w, device=device)
-        for w in (Wrapper.ddp, Wrapper.fsdp2)
-    ]
 
 
 def mib(n: float) -> str:
@@ -134,8 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         mem, mem_from = device_memory(args.device_mem)
-        cfg = compose_typed(overrides)
-        counted, rows = plans(cfg, world_size(cfg, args.ranks))
+        # The config `python -m hydra_ddp.train overrides...` trains with (Hydra's configs and
+        # resolvers were registered when launch.command was imported).
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            cfg = to_typed(compose("train", overrides=overrides))
+        ranks = args.ranks
+        if ranks is None:
+            ranks = int(os.environ.get("WORLD_SIZE", cfg.dist.nproc_per_node))
+        counted = memory.count(cfg, build(cfg.data, "data"))
+        rows = [
+            memory.plan_memory(counted, cfg, ranks, w, device=job_device(cfg))
+            for w in (Wrapper.ddp, Wrapper.fsdp2)
+        ]
     except HydraException as e:  # an override Hydra cannot apply: its own words, on one line
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         return 2

@@ -1,9 +1,6 @@
-"""What one rank's job is made of: the user's components (`Components`, `build_components`)
-and everything else the rank builds before its process group starts (`RankJob`).
-
-loop/prepare.py builds a `RankJob` in the order train.py calls it and loop/fit.py runs it; the
-memory plan (memory.py) and the checks before launch (launch/runner.py) build the components
-alone. Kept below the loop so that all of them import it downwards."""
+"""What one rank's job is made of: the user's components (`build_components`, which the memory
+plan and the checks before launch build alone) and the rest the rank builds before its process
+group (`RankJob`, by loop/prepare.py). Below the loop, so that all of them import it downwards."""
 
 from __future__ import annotations
 
@@ -67,8 +64,7 @@ def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
 
 @dataclass(kw_only=True)
 class RankJob:
-    """Everything one rank needs, built before the process group starts: bad input fails
-    here, once per rank, before any rank waits for another."""
+    """Everything one rank needs, built before the process group starts."""
 
     cfg: TrainConfig
     env: DistEnv

@@ -1,13 +1,7 @@
-"""The training step, and what it needs from the precision setting.
-
-`default_step` is the step the loop runs (unless `step._target_` or the model's
-`training_step` replaces it), with the loop's `StepTools`: forward, loss, backward (with
-`no_sync()` on all but the last micro-batch), unscale, clip, optimizer step. Nothing in it
-reads a value back from the device unless `skip_non_finite` asks for it: on a GPU every such
-read stalls the launch queue until the device catches up. The loop checks the step's health
-the same way, later (`NonFiniteCheck`). `train_step` is that step as one call with plain
-arguments, for the benchmarks and tests that run a step without the loop; the loop does not
-call it.
+"""The training step: `default_step` (unless `step._target_` or the model's `training_step`
+replaces it), written with the loop's `StepTools`. Nothing in it reads a value back from the
+device unless `skip_non_finite` asks for it: on a GPU every such read stalls the launch queue
+until the device catches up, so the loop checks the step's health later (`NonFiniteCheck`).
 """
 
 from __future__ import annotations
@@ -46,16 +40,10 @@ def scaler_for(precision: Precision, device: torch.device) -> torch.amp.GradScal
 class StepTools:
     """The template's step machinery, as helpers for a step of your own (`step._target_`):
     mixed precision, `no_sync()` gradient accumulation, unscale-then-clip, skipping a step with
-    non-finite gradients. `default_step` below is the loop's step written with them:
-
-        losses = tools.backward(model, micro_batches, objective)   # forward + backward
-        grad_norm = tools.step(optimizer)                          # unscale, clip, step
-
-    and the loop calls `tools.update()` (the fp16 scaler's) once after the step.
+    non-finite gradients (`default_step` shows their use; the loop calls `update()` after).
 
     `max_norm` (trainer.grad_clip) is one threshold for every optimizer, or a map of optimizer
-    name -> threshold (an optimizer it leaves out is not clipped); `optimizers` gives the
-    names of the job's optimizers, so `step(optimizer)` finds its own threshold.
+    name -> threshold (one it leaves out is not clipped); `optimizers` names the job's.
     """
 
     def __init__(
@@ -80,8 +68,8 @@ class StepTools:
                 )
         self.grad_norms: list[torch.Tensor] = []  # of this step's `step` calls
         # Set by the loop for the callbacks: `before_step(name)` runs in `step` with the
-        # gradients present (on_before_optimizer_step); with `keep_outputs`, `backward` keeps
-        # each micro-batch's output, detached, in `outputs` for on_step_end (the loop empties it).
+        # gradients present; with `keep_outputs`, `backward` keeps each micro-batch's output,
+        # detached, in `outputs` for on_step_end (the loop empties it).
         self.before_step: Callable[[str], None] | None = None
         self.keep_outputs = False
         self.outputs: list[Any] = []
@@ -102,10 +90,9 @@ class StepTools:
     def backward(
         self, model: torch.nn.Module, micro_batches: Sequence[Any], objective: Callable
     ) -> dict[str, torch.Tensor]:
-        """Forward and backward over `micro_batches`, gradients accumulated (all-reduced by DDP
-        on the last one only). `objective(output, batch, model) -> (loss, extras)` (an
-        batches.BatchLoss, or a plain `loss(output, target)`). Returns the mean `loss` and
-        extras over the micro-batches, detached, on the device."""
+        """Forward and backward over `micro_batches`, gradients accumulated (synced on the last
+        one only). `objective(output, batch, model) -> (loss, extras)` (a batches.BatchLoss, or
+        a plain `loss(output, target)`). Returns the mean `loss` and extras, on the device."""
         if not isinstance(objective, BatchLoss):
             objective = BatchLoss(objective)
         model.zero_grad(set_to_none=True)
@@ -128,10 +115,9 @@ class StepTools:
     def step(
         self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Unscale (fp16), call `before_step` (the callbacks), clip the gradient norm of
-        `parameters` (default: the optimizer's) to this optimizer's threshold (`clip_for`),
-        step unless the norm is non-finite (with `skip_non_finite`), and zero the gradients.
-        Returns the norm before clipping, on the device."""
+        """Unscale (fp16), run `before_step` (the callbacks), clip `parameters` (default: the
+        optimizer's) to `clip_for(optimizer)`, step unless the norm is non-finite (with
+        `skip_non_finite`), zero the gradients. Returns the norm before clipping."""
         if parameters is None:
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
@@ -150,8 +136,8 @@ class StepTools:
         return grad_norm
 
     def update(self) -> torch.Tensor:
-        """After the step: the fp16 scaler's update; returns the step's gradient norm (of all
-        its `step` calls together) and starts the next step's list."""
+        """After the step: the fp16 scaler's update; returns the gradient norm of all the step's
+        `step` calls together."""
         self.scaler.update()
         norms, self.grad_norms = self.grad_norms, []
         if len(norms) == 1:
@@ -199,9 +185,8 @@ def _unused_parameter_names(model: Any, message: str) -> list[str]:
 
 @contextlib.contextmanager
 def no_sync(model: torch.nn.Module) -> Iterator[None]:
-    """Accumulate this micro-batch's gradients without syncing them over the ranks: DDP's
-    `no_sync()`, FSDP2's `set_requires_gradient_sync(False)` (FSDP2 has no `no_sync`; it
-    would reduce-scatter every micro-batch), nothing for an unwrapped model."""
+    """Accumulate this micro-batch's gradients without syncing them: DDP's `no_sync()`, FSDP2's
+    `set_requires_gradient_sync(False)` (it has no `no_sync`), nothing for an unwrapped model."""
     if hasattr(model, "no_sync"):
         with model.no_sync():
             yield
@@ -222,9 +207,8 @@ def default_step(
     objective: Callable,
     optimizers: dict[str, torch.optim.Optimizer],
 ) -> dict[str, torch.Tensor]:
-    """The step the loop runs unless `step._target_` names another with this signature (the
-    contract: `hydra_ddp.protocols.Step`): one backward over the micro-batches, then every
-    optimizer steps. Returns `loss` and extras."""
+    """The step the loop runs unless `step._target_` names another (`hydra_ddp.protocols.Step`):
+    one backward over the micro-batches, then every optimizer steps. Returns `loss` and extras."""
     losses = tools.backward(model, micro_batches, objective)
     for optimizer in optimizers.values():
         tools.step(optimizer)
@@ -241,29 +225,18 @@ def train_step(
     max_norm: float,
     skip_non_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`default_step` and the scaler's update as one call, outside the loop (benchmarks,
-    tests): one optimizer step over `micro_batches` (gradient accumulation when more than
-    one): forward, loss, backward (with `no_sync()` on all but the last micro-batch), unscale,
-    clip, optimizer step.
-
-    Returns the mean loss and the gradient norm before clipping, both left on the device.
-
-    Host-device syncs: none, except that `skip_non_finite` (trainer.nan_policy=skip) reads the
-    gradient norm to decide whether to apply the update (one sync per step; fp16's GradScaler
-    skips overflowed steps on the device by itself with a fused optimizer). With it off, a
-    non-finite step is applied and the loop's `NonFiniteCheck` stops the run at the next log
-    interval, evaluation or checkpoint, before anything is saved.
-    """
+    """`default_step` and the scaler's update as one call with plain arguments, for the
+    benchmarks and tests that run a step without the loop. Returns the mean loss and the
+    gradient norm before clipping, both left on the device."""
     tools = StepTools(scaler, autocast, max_norm, skip_non_finite)
     losses = default_step(tools, model, micro_batches, loss_fn, {"default": optimizer})
     return losses["loss"], tools.update()
 
 
 class NonFiniteCheck:
-    """trainer.nan_policy: notice a non-finite loss or gradient norm without a host sync per
-    step. `observe` keeps, on the device, the first step whose gradient norm and the first
-    whose loss went non-finite; `check` (collective) reads them at a step every rank reaches
-    (log interval, evaluation, checkpoint) and stops or warns naming the step and ranks."""
+    """trainer.nan_policy without a host sync per step: `observe` keeps, on the device, the
+    first step whose gradient norm and the first whose loss went non-finite; `check`
+    (collective) reads them at a step every rank reaches and stops or warns."""
 
     _NONE = 2**62
 
@@ -276,8 +249,7 @@ class NonFiniteCheck:
         torch.minimum(self._first, torch.where(finite, self._NONE, step), out=self._first)
 
     def check(self) -> None:
-        """Collective. Raise (nan_policy=stop) or log each skipped step (skip) since the last
-        check."""
+        """Collective: raise (nan_policy=stop) or log the skipped step (skip)."""
         firsts = all_gather_floats(self._first.tolist(), self.env)
         self._first.fill_(self._NONE)
         step = int(min(min(f) for f in firsts))

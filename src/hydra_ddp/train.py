@@ -4,11 +4,10 @@
     python -m hydra_ddp.train dist.nproc_per_node=2                        # the job starts them
     python -m hydra_ddp.train -m dist.nproc_per_node=2 model=mlp,cnn       # a sweep of DDP jobs
 
-`main` composes the config (Hydra: conf/ and the command line) and runs `train` on each rank,
-here or in workers it starts; the checks before launch, the launchers and the exit codes are
-hydra_ddp/launch/'s. `train` is the design, each step a call into the module that owns it.
-A call marked `# collective` must be reached by every rank at the same step (it talks to the
-other ranks); putting one under `if env.is_main:` hangs the job.
+`main` composes the config and runs `train` on each rank (the checks before launch, the
+launchers and the exit codes are hydra_ddp/launch/'s). `train` is the design, each step a call
+into the module that owns it. A call marked `# collective` must be reached by every rank at the
+same step; putting one under `if env.is_main:` hangs the job.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def main(config_path: str | None = None, config_name: str = "train") -> None:
 def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
     """One rank's share of the job; returns the job summary (the same on every rank)."""
     # The job's modules (torch among them) are imported where a job runs, not with this file:
-    # a sweep's launching process (`-m` on Ray or SLURM) imports it to name the job, and its
-    # start, without torch, is shorter by 2-4 s (more from a cluster's shared file system).
+    # a sweep's launching process (`-m` on Ray or SLURM) imports it, and starts faster without.
     from hydra_ddp.distributed import process_group
     from hydra_ddp.distributed.failures import translated
     from hydra_ddp.distributed.preemption import exit_with_parent
@@ -46,8 +44,8 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 
     # Before any process group, so bad input fails once per rank, before any rank waits.
     console = start_rank(cfg, env)  # device, seed, determinism; other ranks quiet
-    # The data and its sampling policy (which rows this rank reads, in what order), then the
-    # model, loss, optimizers, callbacks and resume point. Nothing of it stays in this frame.
+    # The data and its sampling policy, then the model, loss, optimizers, callbacks and resume
+    # point. Nothing of it stays in this frame.
     jobs = [prepare(cfg, env, run, console, build_data(cfg, env))]
     if env.launched:
         exit_with_parent()
@@ -60,8 +58,7 @@ def train(cfg: TrainConfig, env: DistEnv, run: RunInfo) -> dict[str, Any]:
 
 
 def _train_in_group(job: RankJob) -> dict[str, Any]:
-    """Everything after the process group is up. Its frame holds the wrapped model, which so
-    dies when it returns, before the process group."""
+    """Everything after the process group is up; the wrapped model dies with its frame."""
     from hydra_ddp.loop.checkpointing import (
         checkpointed,
         checkpointer_for,

@@ -28,7 +28,7 @@ from hydra_ddp.distributed import DistEnv
 # Steps this long make the ranks look for a stop signal at every boundary, so the stop lands
 # on the step asked for.
 from hydra_ddp.distributed.preemption import CHECK_EVERY_S
-from hydra_ddp.loop.predict import predict
+from hydra_ddp.loop.scoring import predict
 from hydra_ddp.step import autocast_for
 
 

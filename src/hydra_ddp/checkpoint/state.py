@@ -39,7 +39,7 @@ class CheckpointedObjects:
     model: torch.nn.Module
     optimizers: Any = None  # optim.Optimizers: the optimizers and their schedules
     scaler: Any = None
-    ema: Any = None  # loop.ema.EMA
+    ema: Any = None  # loop.wrapping.EMA
     monitor: Any = None
     callbacks: Any = None
     position: Any = None  # loop.position.PositionState: the position and its resume arithmetic

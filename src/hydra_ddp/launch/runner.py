@@ -43,7 +43,7 @@ from hydra_ddp.launcher_env import (
     under_launcher,
     under_submitit,
 )
-from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.loop.evaluation import monitor_key
 from hydra_ddp.protocols import Sink, missing_members
 from hydra_ddp.rank_job import build_components
 from hydra_ddp.rundir import claim, sweeps

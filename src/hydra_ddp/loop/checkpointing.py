@@ -17,7 +17,7 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.monitor import Monitor, monitor_key
+from hydra_ddp.loop.evaluation import Monitor, monitor_key
 from hydra_ddp.loop.position import Counting, Position, PositionState
 from hydra_ddp.loop.wrapping import Wrapped
 from hydra_ddp.rank_job import RankJob

@@ -1,17 +1,15 @@
-"""Validation during training, judged by the monitor: the best checkpoint and early stopping;
-and the evaluation of a saved checkpoint (`evaluate_run`, behind `python -m hydra_ddp.eval`).
-
-`Evaluator.due(step)` says when (every trainer.eval_interval steps; the end of the run
-validates anyway), `validate` runs the exact distributed evaluation, records it, and keeps the
-step's checkpoint as checkpoints/best.pt when the monitor improves. `finish` is the end of the
-run: the last validation, the last checkpoint, and the test split.
+"""Validation during training (`Evaluator`), judged by the metric `trainer.monitor` names
+(`Monitor`: the best step, its checkpoint kept as `checkpoints/best.pt`, early stopping after
+`trainer.early_stop_patience` evaluations without an improvement, a pruning sweep's stop), and
+the evaluation of a saved checkpoint (`evaluate_run`, behind `python -m hydra_ddp.eval`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -20,15 +18,14 @@ import torch
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import Checkpointer
 from hydra_ddp.components import build
-from hydra_ddp.config import TrainConfig
+from hydra_ddp.config import MonitorMode, TrainConfig, TrainerConfig
 from hydra_ddp.data import EvalData
-from hydra_ddp.distributed import DistEnv, process_group, use_device
+from hydra_ddp.distributed import DistEnv, all_gather_objects, process_group, use_device
 from hydra_ddp.distributed.ddp import sync_buffers
 from hydra_ddp.distributed.failures import translated_evaluation
-from hydra_ddp.loop.monitor import Monitor
-from hydra_ddp.loop.predict import predict
+from hydra_ddp.errors import UserError
 from hydra_ddp.loop.pruning import Pruning
-from hydra_ddp.loop.scoring import evaluate
+from hydra_ddp.loop.scoring import evaluate, predict
 from hydra_ddp.metrics import Metric
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import autocast_for
@@ -38,35 +35,112 @@ from hydra_ddp.tracking.console import Console
 log = logging.getLogger(__name__)
 
 
+def monitor_key(cfg: TrainConfig) -> str:
+    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`); a
+    name the job does not compute fails before training, not after it."""
+    available = ["loss", *cfg.metrics]
+    key = cfg.trainer.monitor[len("val/") :]
+    if key not in available:
+        raise UserError(
+            f"trainer.monitor={cfg.trainer.monitor} is not a validation metric of this job: "
+            f"use one of {', '.join('val/' + name for name in available)} (the loss and the "
+            "metrics config group)"
+        )
+    return key
+
+
+class Monitor:
+    def __init__(self, tcfg: TrainerConfig, metric: str) -> None:
+        self.name = tcfg.monitor
+        self.metric = metric  # the key in the evaluation's results: `val/acc` -> `acc`
+        self.maximize = tcfg.monitor_mode == MonitorMode.max
+        self.patience = tcfg.early_stop_patience
+        self.best = math.nan
+        self.best_step = 0
+        self.bad_evals = 0  # evaluations in a row without an improvement
+        self.stopped_early = False
+        self.pruned = False  # stopped by a pruning sweep's pruner (pruning.py)
+
+    def update(self, step: int, val: dict[str, float], env: DistEnv) -> bool:
+        """Record an evaluation at `step`; True when it is the best so far."""
+        value = val[self.metric]
+        improved = math.isfinite(value) and (
+            math.isnan(self.best) or (value > self.best if self.maximize else value < self.best)
+        )
+        # Bit-equal on every rank in practice, but a stop that one rank alone takes would hang
+        # the others: rank 0 decides for all.
+        improved = bool(all_gather_objects(improved, env)[0])
+        if improved:
+            self.best, self.best_step, self.bad_evals = value, step, 0
+        else:
+            self.bad_evals += 1
+        return improved
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.bad_evals >= self.patience
+
+    def stop(self, step: int) -> None:
+        self.stopped_early = True
+        log.info(
+            "early stop at step %d: %s has not improved for %d evaluation(s) "
+            "(trainer.early_stop_patience); best %.6g at step %d",
+            step,
+            self.name,
+            self.bad_evals,
+            self.best,
+            self.best_step,
+        )
+
+    def prune(self, step: int, value: float) -> None:
+        """A pruning sweep stops this trial at `step`: it ends as an early stop does."""
+        self.stopped_early = self.pruned = True
+        log.info(
+            "pruned at step %d: the sweep's pruner (hydra.sweeper.pruner) stops this trial at "
+            "%s %.6g; best %.6g at step %d",
+            step,
+            self.name,
+            value,
+            self.best,
+            self.best_step,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "monitor": self.name,
+            "best": None if math.isnan(self.best) else self.best,
+            "best_step": self.best_step,
+            "stopped_early": self.stopped_early,
+            "pruned": self.pruned,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = float(state["best"])
+        self.best_step = int(state["best_step"])
+        self.bad_evals = int(state["bad_evals"])
+
+
+@dataclass(kw_only=True)
 class Evaluator:
-    def __init__(
-        self,
-        *,
-        env: DistEnv,
-        splits: dict[str, EvalData],
-        model: torch.nn.Module,
-        loss_fn: Callable,
-        metrics: Mapping[str, Metric],
-        autocast: contextlib.AbstractContextManager,
-        limit: int,
-        interval: int,
-        total_steps: int,
-        monitor: Monitor,
-        checkpointer: Checkpointer,
-        tracker: Tracker,
-        console: Console,
-        pruning: Pruning | None = None,
-    ) -> None:
-        """`model` is the module evaluated: the raw one, or the EMA average; `pruning`: the
-        trial of a pruning sweep this job is (pruning.py)."""
-        self.env, self.splits, self.model = env, splits, model
-        self.scoring = (loss_fn, metrics, autocast, limit)
-        self.interval, self.total_steps = interval, total_steps
-        self.monitor, self.checkpointer = monitor, checkpointer
-        self.tracker, self.console = tracker, console
-        self.pruning = pruning
-        self.last: dict[str, float] = {}  # the newest validation's metrics
-        self._improved = False  # the final validation improved the monitor (see finish)
+    env: DistEnv
+    splits: dict[str, EvalData]
+    model: torch.nn.Module  # the module evaluated: the raw one, or the EMA average
+    loss_fn: Callable
+    metrics: Mapping[str, Metric]
+    autocast: contextlib.AbstractContextManager
+    limit: int
+    interval: int
+    total_steps: int
+    monitor: Monitor
+    checkpointer: Checkpointer
+    tracker: Tracker
+    console: Console
+    pruning: Pruning | None = None
+    last: dict[str, float] = field(default_factory=dict)  # the newest validation's metrics
+    _improved: bool = False  # the final validation improved the monitor (see finish)
 
     def due(self, step: int) -> bool:
         """Every `interval` steps (0: never); the end of the run validates anyway."""
@@ -74,19 +148,19 @@ class Evaluator:
 
     @property
     def stopped(self) -> bool:
-        """Early stopping has stopped the run (the monitor's patience ran out at a validation,
-        or a pruning sweep's pruner stopped it)."""
+        """Early stopping (or a pruning sweep's pruner) has stopped the run."""
         return self.monitor.stopped_early
 
     def evaluate(self, split: str) -> dict[str, float]:
         """Collective: the loss and metrics of `split`, exact over all ranks, every rank with
         rank 0's buffers (BatchNorm statistics): those the checkpoint saves."""
         sync_buffers([self.model], self.env)  # collective
-        return evaluate(self.model, self.splits[split], self.env, *self.scoring)
+        scoring = (self.loss_fn, self.metrics, self.autocast, self.limit)
+        return evaluate(self.model, self.splits[split], self.env, *scoring)
 
     def validate(self, position: Any) -> dict[str, float]:
         """Collective: validate at `position`; keep its checkpoint as best.pt if the monitor
-        improved; stop early (see `stopped`) after too many evaluations without."""
+        improved; stop early after too many evaluations without."""
         val = self.last = self.evaluate("val")
         self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
         self.console.info_main("step %d | val %s", position.step, _fmt(val))
@@ -102,10 +176,8 @@ class Evaluator:
 
     def final_validation(self, position: Any) -> dict[str, float]:
         """Collective, at the end of the run: validate (unless early stopping just did) and
-        tell the monitor. The loop calls `on_eval_end` next, then `finish`, so the last
-        checkpoint holds the callbacks' state after the last evaluation."""
-        # The last validation goes into the monitor before the last checkpoint, so a run
-        # resumed from it (a longer one) continues with the right best score and patience.
+        tell the monitor before the last checkpoint (`finish`, after the loop's `on_eval_end`),
+        so a longer run resumed from it continues with the right best score and patience."""
         self._improved = False
         if not self.monitor.stopped_early:  # else the loop evaluated this very step already
             self.last = self.evaluate("val")
@@ -113,9 +185,8 @@ class Evaluator:
         return self.last
 
     def finish(self, position: Any) -> tuple[dict[str, float], dict[str, float]]:
-        """Collective, after `final_validation` and its callbacks: save the last checkpoint
-        (kept as best.pt too when the last validation improved), and test. Returns (val, test)
-        metrics."""
+        """Collective: save the last checkpoint (kept as best.pt too when the last validation
+        improved), and test. Returns (val, test) metrics."""
         self.checkpointer.save()
         if self._improved:
             self.checkpointer.keep_as_best(position.step)
@@ -151,7 +222,7 @@ class Request:
 
 def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request) -> dict:
     """One rank's share: rebuild the model and the split, load the checkpoint, evaluate (and
-    predict). Returns the metrics (the same on every rank)."""
+    predict). Returns the metrics, the same on every rank."""
     use_device(env)
     path, state = checkpoint.read_picked(request.run, request.ckpt)
     source = build(cfg.data, "data")

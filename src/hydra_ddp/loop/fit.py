@@ -1,21 +1,10 @@
 """The training loop: `build_loop` gathers what it works with, `fit` runs the steps,
-`finish_run` ends the run (last validation, last checkpoint, test, summary). It calls each
-periodic concern explicitly, in order; each one decides its own cadence (`due(step)`) and owns
-its state:
+`finish_run` ends the run (last validation, last checkpoint, test, summary). Each periodic
+concern is an object that decides its own cadence (`due(step)`) and owns its state, called
+explicitly in order (the table: docs/extending.md). Only the loop moves the position.
 
-    stopper      preemption.StopOnSignal   a stop signal: checkpoint, then exit
-    step_fn      step.py                   forward, loss, backward, clip, optimizer step
-    health       step.NonFiniteCheck       trainer.nan_policy, without a sync per step
-    ema          ema.EMA                   trainer.ema_decay
-    profiler     profiling.py              trainer.profile_steps
-    stats        stats.StepStats           per-rank stats, console, W&B (tracking.Tracker)
-    callbacks    callbacks.Callbacks       the user's hooks
-    evaluator    evaluation.Evaluator      validation, monitor, best checkpoint, early stop
-    checkpointer checkpoint.Checkpointer   checkpoints every trainer.ckpt_interval steps
-
-Only the loop moves the position (`pos`): the batch iterator says where each batch was drawn
-from. A call marked `# collective` must be reached by every rank at the same step (it talks to
-the other ranks); putting one under `if env.is_main:` hangs the job.
+A call marked `# collective` must be reached by every rank at the same step; putting one under
+`if env.is_main:` hangs the job.
 """
 
 from __future__ import annotations
@@ -25,9 +14,11 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from hydra_ddp import memory
 from hydra_ddp.batches import rows, to_device
@@ -37,14 +28,10 @@ from hydra_ddp.config import NanPolicy, TrainerConfig
 from hydra_ddp.distributed import DistEnv, all_gather_floats, all_reduce_sum
 from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
-from hydra_ddp.loop.ema import EMA
 from hydra_ddp.loop.evaluation import Evaluator
-from hydra_ddp.loop.monitor import monitor_key
 from hydra_ddp.loop.position import Position, batches
-from hydra_ddp.loop.profiling import step_profiler
 from hydra_ddp.loop.pruning import Pruning
-from hydra_ddp.loop.wrapping import Wrapped
-from hydra_ddp.memory_rules import window_steps
+from hydra_ddp.loop.wrapping import EMA, Wrapped
 from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import NonFiniteCheck, StepTools, autocast_for
@@ -73,7 +60,7 @@ class Loop:
     tracker: Tracker
     health: NonFiniteCheck
     stopper: StopOnSignal
-    profiler: Any
+    profiler: profile | None  # trainer.profile_steps
     ctx: Context
     meter: PeakMeter | None = None  # this rank's peak memory, from fit's start
 
@@ -110,12 +97,15 @@ def build_loop(
         skip_non_finite=tcfg.nan_policy == NanPolicy.skip, raw_model=model,
         optimizers=job.components.optimizers.optimizers,
     )  # fmt: skip
+    profiler = None
+    if tcfg.profile_steps > 0:
+        profiler = scope.enter_context(step_profiler(tcfg, env, run.output_dir))
     loop = Loop(
         env=env, tcfg=tcfg, job=job, pos=pos, raw_model=model, step_model=wrapped.step_model,
         tools=tools, ema=ema, checkpointer=checkpointer, evaluator=evaluator, stats=stats,
         tracker=tracker, health=NonFiniteCheck(env, tcfg.nan_policy),
         stopper=StopOnSignal(env, cfg.dist.timeout_s),
-        profiler=scope.enter_context(step_profiler(tcfg, env, run.output_dir)),
+        profiler=profiler,
         ctx=Context(env.rank, env.world_size, model, run.output_dir, _sink=tracker.log_values),
     )  # fmt: skip
     scope.callback(loop.stopper.restore)  # the signal handlers as they were before
@@ -135,7 +125,7 @@ def fit(loop: Loop) -> float:
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
-    loop.meter = PeakMeter(env.device, window_steps(job.cfg, env.device))
+    loop.meter = PeakMeter(env.device, memory.window_steps(job.cfg, env.device))
     held = functools.partial(held_bytes, loop.raw_model, components.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
@@ -161,7 +151,8 @@ def fit(loop: Loop) -> float:
         components.optimizers.step_schedules()
         if loop.ema is not None:
             loop.ema.update(loop.raw_model)
-        loop.profiler.step()
+        if loop.profiler is not None:
+            loop.profiler.step()
         loop.meter.step(held)
         pos.step += 1
         batch_rows = sum(micro_rows)
@@ -203,8 +194,16 @@ def _periodic(loop: Loop, grad_norm: Any) -> None:
 
 
 def _log_stats(loop: Loop, grad_norm: Any) -> None:
-    lrs = loop.job.components.optimizers.learning_rates()
-    loop.stats.log(loop.pos.step, grad_norm, lrs, **_data_stats(loop.job, loop.pos))
+    job, pos = loop.job, loop.pos
+    loop.stats.log(
+        pos.step,
+        grad_norm,
+        job.components.optimizers.learning_rates(),
+        samples_seen=pos.samples_seen,
+        data_rows=job.train_data.rows_held,
+        data_bytes=job.train_data.bytes_held,
+        epoch=pos.epoch,
+    )
 
 
 def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
@@ -223,10 +222,10 @@ def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
     # a finished run extended with a larger trainer.max_steps continues their counters.
     val, test = loop.evaluator.finish(pos)  # collective
-    summary = _summary(job, pos, start_step, wall, loop.stats, val, test)  # collective
+    summary = _summary(loop, start_step, wall, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
     if loop.meter is not None:  # the memory plan, checked by this run
-        planned = memory.of_this_run_or_none(
+        planned = memory.of_this_run(
             job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
         )
         summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
@@ -275,28 +274,14 @@ def _context_at(ctx: Context, pos: Position, **fields_: Any) -> Context:
     return ctx
 
 
-def _data_stats(job: RankJob, pos: Position) -> dict[str, int]:
-    return {
-        "samples_seen": pos.samples_seen,
-        "data_rows": job.train_data.rows_held,
-        "data_bytes": job.train_data.bytes_held,
-        "epoch": pos.epoch,
-    }
-
-
-def _summary(
-    job: RankJob,
-    pos: Position,
-    start_step: int,
-    wall: float,
-    stats: StepStats,
-    val: dict[str, float],
-    test: dict[str, float],
-) -> dict[str, Any]:
+def _summary(loop: Loop, start_step: int, wall: float, val: dict, test: dict) -> dict[str, Any]:
     """Collective: the job's summary.json, the same on every rank."""
-    cfg, env, unit = job.cfg, job.env, job.components.source.unit
+    job, env, pos, stats = loop.job, loop.env, loop.pos, loop.stats
+    unit = job.components.source.unit
     samples = all_reduce_sum([float(stats.total_samples)], env)[0]
     held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
+    # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
+    state = state_bytes(job.components.model, job.components.optimizers.optimizers.values())
     summary: dict[str, Any] = {
         "world_size": env.world_size,
         "steps": pos.step,
@@ -306,17 +291,10 @@ def _summary(
         f"{unit}_per_s": samples / max(wall, 1e-9),
         "wall_time_s": wall,
         "rows_held_per_rank": [int(h[0]) for h in held],
-        # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
-        "state_bytes_per_rank": [
-            int(b[0])
-            for b in all_gather_floats(
-                [state_bytes(job.components.model, job.components.optimizers.optimizers.values())],
-                env,
-            )
-        ],  # fmt: skip
+        "state_bytes_per_rank": [int(b[0]) for b in all_gather_floats([state], env)],
         "bytes_held_per_rank": [int(h[1]) for h in held],
         "sampler": job.train_data.policy.name,
-        "objective": val[monitor_key(cfg)],  # trainer.monitor
+        "objective": val[loop.evaluator.monitor.metric],  # trainer.monitor
     }
     # val_loss, val_acc, test_ppl, ...: the loss and every configured metric of both splits.
     for split, metrics in (("val", val), ("test", test)):
@@ -334,3 +312,40 @@ def json_safe(summary: dict[str, Any]) -> dict[str, Any]:
 
 def _prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
     return {f"{split}/{k}": v for k, v in metrics.items()}
+
+
+def step_profiler(tcfg: TrainerConfig, env: DistEnv, output_dir: Path) -> profile:
+    """trainer.profile_steps: torch.profiler over a window of training steps, on every rank,
+    each writing `profile/rank<r>.pt.trace.json` (a Chrome trace) and logging its slowest ops,
+    so a slow rank can be compared with the others at a glance."""
+    cuda = env.device.type == "cuda"
+    folder = Path(output_dir) / "profile"
+
+    def ready(prof: profile) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{env.rank}.pt.trace.json"
+        prof.export_chrome_trace(str(path))
+        log.info(
+            "profile of steps %d-%d on rank %d (trace: %s; open in ui.perfetto.dev):\n%s",
+            tcfg.profile_start + 1,
+            tcfg.profile_start + tcfg.profile_steps,
+            env.rank,
+            path,
+            prof.key_averages().table(
+                sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15
+            ),
+        )
+
+    return profile(
+        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
+        # One warm-up step inside the skipped ones: the profiler's own start-up stays out of
+        # the recorded window.
+        schedule=schedule(
+            skip_first=max(tcfg.profile_start - 1, 0),
+            wait=0,
+            warmup=1 if tcfg.profile_start > 0 else 0,
+            active=tcfg.profile_steps,
+            repeat=1,
+        ),
+        on_trace_ready=ready,
+    )

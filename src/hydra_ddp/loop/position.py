@@ -1,9 +1,6 @@
-"""Where the loop is (`Position`), the batches from there on (`batches`), and the position as
-a checkpoint member with its resume arithmetic (`PositionState`): a resumed run continues
-mid-epoch, also with another batch size, world size or sampler.
-
-Only the loop moves the position: `batches` yields each batch with the place it was drawn
-from, and the loop records it (`Position.drawn`)."""
+"""Where the loop is (`Position`, moved only by the loop), the batches from there on
+(`batches`), and the position as a checkpoint member (`PositionState`): a resumed run continues
+mid-epoch, also with another batch size, world size or sampler."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Position:
-    """The one copy, saved in checkpoints (the sampler is told epoch and batch at each epoch
-    start)."""
+    """The one copy, saved in checkpoints."""
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0
@@ -30,9 +26,9 @@ class Position:
     samples_seen: int = 0  # by this rank
 
     def drawn(self, epoch: int, batch_in_epoch: int) -> None:
-        """A batch was drawn: batch `batch_in_epoch` (from 1) of `epoch`. The epoch moves on
-        only when the next epoch's first batch is drawn, so a position at the end of epoch e
-        has batch_in_epoch == its length (see `epochs_done`)."""
+        """Batch `batch_in_epoch` (from 1) of `epoch` was drawn. The epoch moves on only when
+        the next epoch's first batch is drawn: at the end of an epoch, batch_in_epoch is its
+        length."""
         self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
 
     def epochs_done(self, length: int) -> int:
@@ -53,9 +49,8 @@ def total_epochs(total_steps: int, grad_accum: int, micro_batches_per_epoch: int
 
 
 def batches(data: TrainData, start: Position, tcfg: TrainerConfig) -> Iterator[tuple]:
-    """(epoch, batch_in_epoch, batch) from `start` on, forever (the sampler reshuffles for each
-    epoch); batch_in_epoch counts from 1. trainer.overfit_batches: the first N batches of epoch
-    0, every epoch; trainer.limit_train_batches: each epoch ends after N batches."""
+    """(epoch, batch_in_epoch, batch) from `start` on, forever; batch_in_epoch counts from 1.
+    trainer.overfit_batches: the first N batches of epoch 0, every epoch."""
     length = epoch_length(data.micro_batches_per_epoch, tcfg)
     fixed = list(itertools.islice(data.epoch(0), length)) if tcfg.overfit_batches else None
     epoch, done = start.epoch, start.batch_in_epoch
@@ -83,8 +78,8 @@ class Counting:
 
 
 class PositionState:
-    """The checkpoint member `position` (flat: `step`, `epoch`, ... at the checkpoint's top
-    level, with the world size, batch size and sampler settings the rows were counted in)."""
+    """The checkpoint member `position`: `step`, `epoch`, ... at the checkpoint's top level,
+    with the world size, batch size and sampler settings the rows were counted in."""
 
     def __init__(self, pos: Position, counting: Counting) -> None:
         self.pos, self.counting = pos, counting
@@ -127,10 +122,9 @@ class PositionState:
 def continue_epoch(pos: Position, here: Counting, saved: epoch_rows.Setup, path: Any) -> None:
     """Continue the epoch from its first unseen row when the checkpoint counted batches of
     another size or over another number of ranks. Rows of an epoch are consumed as a prefix of
-    its order (strided: batch k of every rank covers positions [k·B·W, (k+1)·B·W)), so the
-    new position is exact when the rows done divide into new batches; otherwise the rest of
-    the last partial batch is trained again, and the log says how many rows. Other sampler
-    settings: the log says how many rows of the epoch are read twice or skipped (epoch_rows)."""
+    its order, so this is exact when the rows done divide into new batches; else the rest of
+    the last partial batch is trained again. The log says how many rows are trained again, or,
+    under other sampler settings, read twice or skipped (epoch_rows)."""
     tcfg = here.tcfg
     world, batch_size, done = saved.world_size, saved.batch_size, pos.batch_in_epoch
     # A checkpoint from before the settings were recorded: taken to have this job's.

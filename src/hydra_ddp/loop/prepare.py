@@ -1,10 +1,6 @@
-"""One rank's job, built in the order train.py calls it.
-
-Before any process group, so that bad input fails once per rank before any rank waits for
-another: `start_rank` (device, seed, console), `build_data` (the data and its sampling policy),
-`prepare` (the user's components, the step counts, the callbacks, the resume point and
-trainer.init_from). After the group is up and the model wrapped: `start_tracker` (provenance,
-the tracker's sinks) and `begin` (what is said and switched on before the first step).
+"""One rank's job, built in the order train.py calls it: `start_rank`, `build_data` and
+`prepare` before any process group (bad input fails once per rank, before any rank waits for
+another); `start_tracker` and `begin` once the group is up and the model wrapped.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from hydra_ddp.config import TrainConfig, Wrapper
 from hydra_ddp.data import EvalData, TrainData, check_source
 from hydra_ddp.distributed import DistEnv, use_device
 from hydra_ddp.loop.checkpointing import resume_point
-from hydra_ddp.loop.monitor import monitor_key
+from hydra_ddp.loop.evaluation import monitor_key
 from hydra_ddp.loop.position import epoch_length, total_epochs
 from hydra_ddp.rank_job import RankJob, build_components
 from hydra_ddp.rundir import provenance
@@ -68,8 +64,8 @@ def prepare(
     console: Console,
     data: tuple[TrainData, dict[str, EvalData]],
 ) -> RankJob:
-    """Everything else the rank builds before its process group: the user's components (the
-    model on its device), the step counts, the callbacks, the resume point, trainer.init_from."""
+    """The rest of the rank's job: the user's components (the model on its device), the step
+    counts, the callbacks, the resume point, trainer.init_from."""
     tcfg, (train_data, evals) = cfg.trainer, data
     per_epoch = epoch_length(train_data.micro_batches_per_epoch, tcfg)  # micro-batches
     # trainer.epochs counts passes over the data: its micro-batches, whatever grad_accum is;

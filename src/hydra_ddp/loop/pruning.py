@@ -1,11 +1,9 @@
 """A job that is one trial of a pruning Optuna sweep (`hydra/sweeper=optuna_pruned`): it
 reports the monitored metric at every evaluation and stops when the study's pruner says so.
 
-The sweeper (src/hydra_plugins/hydra_ddp_optuna) names the study's storage, the study and the
-job's trial in three variables of `hydra.job.env_set`, which every process of the job inherits.
-Global rank 0 alone reports, through Optuna's `Trial`; the others follow its decision, as they
-follow the monitor's (monitor.py). A pruned job ends like an early stop (summary.json says
-`pruned: true`) and marks its trial with the step, from which the sweeper tells Optuna.
+The sweeper names the study's storage, the study and the job's trial in three variables of
+`hydra.job.env_set`. Global rank 0 alone reports, through Optuna's `Trial`; the others follow
+its decision. A pruned job ends like an early stop and marks its trial with the step.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from hydra_ddp.launcher_env import OPTUNA_TRIAL_ENV as TRIAL_ENV
 if TYPE_CHECKING:
     from hydra_ddp.distributed import DistEnv
 
-# The storage variable holds an Optuna storage URL, or the JSON of a storage's config
-# (`_target_` and arguments).
 # Study attribute: the pruner's config (`_target_` and arguments), set by the sweeper, so each
 # job builds the same pruner (Optuna keeps the pruner out of the storage).
 PRUNER_ATTR = "pruner"
@@ -55,13 +51,13 @@ class Pruning:
         # process, which runs no job and so never imports torch.
         from hydra_ddp.distributed import all_gather_objects
 
-        # One rank alone stopping would leave the others waiting in a collective: rank 0's
-        # decision is everyone's (the same path as the monitor's).
+        # One rank alone stopping would leave the others waiting in a collective.
         return bool(all_gather_objects(pruned, self.env)[0])
 
 
 def _trial() -> Any:
-    """This job's trial, with the sweep's pruner, from the variables the sweeper set."""
+    """This job's trial, with the sweep's pruner. The storage variable holds an Optuna storage
+    URL, or the JSON of a storage's config (`_target_` and arguments)."""
     import optuna
     from hydra.utils import instantiate
 

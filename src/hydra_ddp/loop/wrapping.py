@@ -1,22 +1,65 @@
-"""The model as the loop runs it: wrapped in DDP or FSDP2 (distributed/ddp.py, fsdp.py) once
-the process group is up, with what the wrap changes around it: the EMA built before it,
-trainer.init_from loaded into the shards after it, the optimizers rebuilt on FSDP2's new
-parameters, and torch.compile."""
+"""The model as the loop runs it: wrapped in DDP or FSDP2 once the process group is up, with
+what the wrap changes around it: the EMA built before it, trainer.init_from loaded into the
+shards after it, the optimizers rebuilt on FSDP2's new parameters, and torch.compile."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from hydra_ddp.checkpoint.init_from import apply
 from hydra_ddp.config import Precision, Wrapper
 from hydra_ddp.distributed.ddp import wrap_model
-from hydra_ddp.loop.ema import EMA
+from hydra_ddp.distributed.fsdp import local, reshard
 from hydra_ddp.loop.position import total_epochs
 from hydra_ddp.optim import Optimizers
 from hydra_ddp.rank_job import RankJob
+
+
+class EMA:
+    """`trainer.ema_decay`: a moving average of the weights (buffers too, as
+    `AveragedModel(use_buffers=True)`), evaluated and checkpointed while the raw weights train.
+
+    Not torch's `AveragedModel`: it keeps its update count in a tensor and compares it on every
+    update, a host-device sync per step on a GPU; here the count is an int and an update only
+    queues kernels. The checkpoint keeps `AveragedModel`'s layout (`module.<name>`,
+    `n_averaged`)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.module = copy.deepcopy(model)
+        self.module.requires_grad_(False)
+        self.decay = decay
+        self.n_averaged = 0
+        self._average = get_ema_multi_avg_fn(decay)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """After each optimizer step; the first copies the weights (as AveragedModel does)."""
+        mine = [*reshard(self.module).parameters(), *self.module.buffers()]
+        theirs = [*reshard(model).parameters(), *model.buffers()]
+        # ddp=fsdp2: both are sharded alike, so each rank averages its own shards.
+        pairs = [(local(a).detach(), local(b).detach()) for a, b in zip(mine, theirs)]
+        floats = [(a, b) for a, b in pairs if a.is_floating_point()]
+        if self.n_averaged and floats:
+            self._average([a for a, _ in floats], [b for _, b in floats], None)
+        for a, b in pairs:  # the first update, and integer buffers (batch counts): the latest
+            if not self.n_averaged or not a.is_floating_point():
+                a.copy_(b)
+        self.n_averaged += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {f"module.{k}": v for k, v in self.module.state_dict().items()}
+        state["n_averaged"] = torch.tensor(self.n_averaged, dtype=torch.long)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        weights = {k[len("module.") :]: v for k, v in state.items() if k.startswith("module.")}
+        self.module.load_state_dict(weights)
+        self.n_averaged = int(state["n_averaged"])
 
 
 @dataclass

@@ -4,7 +4,7 @@
 (status, objective, metrics, and for a failed job why and where its logs are; a job a pruning
 sweep stopped early is PRUNED, with the step it reached, and counts as no failure); a sweep
 over seeds adds its seed groups (seed_groups.py). Job dir names are paths.sweep_subdir's; each
-job's objective is the metric `trainer.monitor` names (monitor.monitor_key). The values of
+job's objective is the metric `trainer.monitor` names (loop.evaluation.monitor_key). The values of
 secret keys (redact.py) are blanked in the report, its table and the journal, as in the job dir
 names, and in the Optuna sweeper's optimization_results.yaml.
 """
