@@ -1,9 +1,6 @@
 """The sweep's side of `hydra/launcher=ray`: start (or join) Ray, check that every job fits a
-node, hand each job to Ray as a task, collect what the jobs return, and stop them all on a stop
-signal (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2: what schedulers send before they kill).
-
-Ray does the scheduling: a task asks for the job's CPUs and GPUs and waits in Ray's queue until
-a node has them free. What runs inside a task is _task.py's.
+node, hand each job to Ray as a task (_task.py) asking for its CPUs and GPUs, collect what the
+jobs return, and stop them all on a stop signal.
 """
 
 from __future__ import annotations
@@ -38,8 +35,6 @@ _POLL_S = 0.5
 
 @dataclass
 class RayJob:
-    """One job of the sweep as the launcher sees it."""
-
     num: int
     overrides: list[str]
     config: DictConfig  # the job's own config (Hydra's sweep config)
@@ -51,15 +46,15 @@ class RayJob:
 
 
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) -> list[JobReturn]:
-    """Run one batch of jobs (all of a basic sweep, `n_jobs` trials of Optuna's) side by side
-    on Ray and return their results in order."""
+    """Run one batch of jobs (a basic sweep's all, Optuna's `n_jobs` trials) on Ray; their
+    results in order."""
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     # Resolved here once: `${now:}` must name the same dir in every job's process.
     sweep_dir = str(config.hydra.sweep.dir)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
-    session = launcher.session  # started at the launcher's setup (`prepare`)
+    session = launcher.session
     session.stop_file = os.path.join(sweep_dir, ".stop_requested")
     Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
     log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), session.where, sweep_dir)
@@ -68,8 +63,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     returns: dict[int, JobReturn] = {}
     stop = launcher.stop
     with stop.launching():
-        # Each job is composed (a tenth of a second or so), checked and handed to Ray in turn:
-        # the first ones run while the later ones are composed.
+        # Composed and handed to Ray in turn: the first ones run while the later are composed.
         for i, overrides in enumerate(job_overrides):
             job = _job(launcher, list(overrides), first + i, sweep_dir)
             jobs.append(job)
@@ -90,8 +84,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     return [returns[j.num] for j in jobs]
 
 
-# Keys that do nothing, kept so that a command line that sets them still runs (with a warning:
-# config.py).
+# Keys that do nothing, kept so that a command line that sets them still runs, with a warning.
 _IGNORED_KEYS = {
     "warm_start": "every job starts as a fresh interpreter",
     "warm_idle_s": "no process outlives the sweep",
@@ -109,7 +102,6 @@ def prepare(launcher: Any) -> None:
 
 
 def ignored_keys(params: dict[str, Any]) -> list[str]:
-    """A line for each key of `_IGNORED_KEYS` that is set."""
     return [
         f"hydra.launcher.{key} is ignored ({why}): drop it"
         for key, why in _IGNORED_KEYS.items()
@@ -127,9 +119,8 @@ def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> RayJo
 
 
 def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
-    """A job's ranks, the CPUs and GPUs it asks Ray for, and each rank's OpenMP threads, from
-    its config. GPUs -1: `gpus_per_job=null`, decided by `fit_to_nodes` once Ray tells whether
-    there are any."""
+    """A job's ranks, its CPUs and GPUs for Ray, each rank's OpenMP threads (its share of the
+    CPUs). GPUs -1: `gpus_per_job=null`, settled by `fit_to_nodes`."""
     nproc = int(OmegaConf.select(config, "dist.nproc_per_node", default=1) or 1)
     cpus = OmegaConf.select(config, "hydra.launcher.cpus_per_job", default=None)
     cpus = float(nproc if cpus is None else cpus)
@@ -137,15 +128,13 @@ def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
     device = str(OmegaConf.select(config, "dist.device", default="auto"))
     if gpus is None:
         gpus = -1.0 if device.split(".")[-1] != "cpu" else 0.0
-    # Each rank's OpenMP pool: its share of the job's CPUs, at least one thread.
     threads = max(1, math.floor(cpus / nproc))
     return nproc, cpus, float(gpus), threads
 
 
 def fit_to_nodes(jobs: list[RayJob], nodes: list[dict[str, float]], where: str) -> None:
-    """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs) and check that
-    every job fits on one node (`nodes`: each live node's resources, as ray.nodes() gives
-    them); else a UserError, where Ray would queue the job forever."""
+    """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs); a UserError for
+    a job no node fits (Ray would queue it forever)."""
     most = {
         kind: max((float(r.get(kind, 0.0)) for r in nodes), default=0.0) for kind in ("CPU", "GPU")
     }
@@ -165,7 +154,6 @@ def _resources(job: RayJob) -> str:
 
 
 def _spec(launcher: Any, job: RayJob) -> bytes:
-    """What the job's process needs to run it as Hydra's own launchers do (run_job)."""
     return cloudpickle.dumps(
         {
             "hydra_context": launcher.hydra_context,
@@ -177,45 +165,37 @@ def _spec(launcher: Any, job: RayJob) -> bytes:
 
 
 class Session:
-    """The Ray this sweep runs on: started here (and stopped at the end), or a running cluster
-    it joined (left running)."""
+    """The Ray this sweep runs on: started here (stopped at the end), or a cluster it joined."""
 
     def __init__(self, params: dict[str, Any], where: str) -> None:
         self.params = params
         self.where = where
-        # Created on a stop request; every job's task looks for it (_task.run).
         self.stop_file = ""
 
     @classmethod
     def start(cls, params: dict[str, Any]) -> Session:
         import ray
 
-        # No telemetry and no dashboard: a sweep needs neither, and a machine without internet
-        # (a compute node) would wait on the first.
+        # No telemetry: a compute node without internet would wait on it.
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray starts its workers at niceness 15, and a job inherits it: on a machine shared
-        # with other work (and no per-session scheduling groups) the jobs then get a sliver
-        # of the cores. A job is the work, as Ray's own job submission treats it (niceness 0).
-        # For a cluster, set it where `ray start` runs: RAY_worker_niceness=0 ray start ...
+        # Ray starts its workers at niceness 15, and a job would inherit it: on a shared
+        # machine it would get a sliver of the cores. (A cluster: set it at `ray start`.)
         os.environ.setdefault("RAY_worker_niceness", "0")
         address = params.get("address")
         extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
-        # Each job logs to its own dir (and the report at the end names failed jobs' logs):
-        # interleaved lines of jobs running side by side on the console help no one.
+        # Each job logs to its own dir; interleaved lines of parallel jobs help no one.
         extra.setdefault("log_to_driver", False)
         if address:
             if "RAY_AUTH_MODE" not in os.environ and _have_token():
-                # What `ray start` sets up by default (Ray >= 2.5x), which ray.init(address=)
-                # does not assume by itself.
+                # What `ray start` sets up by default, which ray.init(address=) does not assume.
                 os.environ["RAY_AUTH_MODE"] = "token"
             ray.init(address=str(address), logging_level=logging.WARNING, **extra)
             where = f"the Ray cluster at {address}"
         else:
-            # Ray's minimum: a sweep passes only small task arguments through the object store.
+            # Ray's minimum: only small task arguments go through the object store.
             extra.setdefault("object_store_memory", 80 * 1024 * 1024)
             ray.init(
-                # "local": a new Ray, even where `ray start` runs one on this machine (which
-                # ray.init() would join).
+                # A new Ray, even where `ray start` runs one here (which ray.init() would join).
                 address="local",
                 num_cpus=params.get("num_cpus"),
                 num_gpus=params.get("num_gpus"),
@@ -225,7 +205,7 @@ class Session:
             )
             where = "a Ray started for this sweep"
         session = cls(params, where)
-        # Also on an exit through an error: no Ray process outlives the sweep.
+        # Also on an error's exit: no Ray process outlives the sweep.
         atexit.register(session.stop)
         return session
 
@@ -236,7 +216,6 @@ class Session:
             ray.shutdown()  # a joined cluster keeps running; only this driver goes
 
     def nodes(self) -> list[dict[str, float]]:
-        """Each live node's resources, as Ray sees them now (for fit_to_nodes)."""
         import ray
 
         return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
@@ -256,8 +235,8 @@ class Session:
         return remote.remote(spec, env, os.getcwd(), grace, stop_file)
 
     def wait(self, jobs: list[RayJob], stop: StopRequests) -> dict[int, JobReturn]:
-        """Each job's result as it ends; on a stop request, ask the running ones to stop (they
-        save a checkpoint), drop the queued ones, and wait for them."""
+        """Each job's result as it ends; on a stop request, the running ones are asked to stop
+        (they save a checkpoint) and the queued ones dropped."""
         import ray
 
         by_ref = {j.ref: j for j in jobs}
@@ -312,7 +291,7 @@ def _result(ref: Any, job: RayJob) -> JobReturn:
 
 
 def _not_run(job: RayJob, why: str) -> JobReturn:
-    """A job Ray cannot run anywhere: recorded as failed (the report lists it with `why`)."""
+    """A job Ray cannot run anywhere: failed, with `why`, in the report."""
     job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
     sweeps.record_failure(job_dir, why)
     sweeps.record_not_started(job.config, job_dir, job.overrides)  # its row, with its overrides
@@ -320,8 +299,7 @@ def _not_run(job: RayJob, why: str) -> JobReturn:
 
 
 def _no_result(job: RayJob) -> JobReturn:
-    """A job that gave no result: NaN to the sweeper, as a job that failed (the sweep goes on;
-    the report finds its dir without summary.json, or none)."""
+    """NaN to the sweeper, as for a failed job; the report finds out why from its dir."""
     ret = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED)
     ret.return_value = float("nan")
     return ret
@@ -330,14 +308,13 @@ def _no_result(job: RayJob) -> JobReturn:
 def _stopped(
     launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], session: Session, signum: int
 ) -> None:
-    """After a stop request: every job is over. Record those that never started, write the
+    """After a stop request, every job over: record those that never started, write the
     report, stop Ray and end the sweep (a sweeper must not go on to its next batch)."""
     for job in jobs:
         job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
         if not job_dir.exists():
             sweeps.record_not_started(job.config, job_dir, job.overrides)
         elif not (job_dir / "summary.json").exists() and not (job_dir / "failure.json").exists():
-            # Stopped while it started up, before its training could save anything.
             sweeps.record_failure(job_dir, "stopped while starting: nothing to resume", "PREEMPTED")
         returns.setdefault(job.num, _no_result(job))
     Path(session.stop_file).unlink(missing_ok=True)
@@ -352,10 +329,9 @@ def _stopped(
 
 
 class StopRequests:
-    """The stop signals to the sweep's process, from the launcher's setup on: during a launch
-    (`launching`) each becomes a request the wait loop acts on (the jobs run in their own
-    sessions: a terminal's Ctrl-C does not reach them by itself); outside one (Ray starting,
-    a sweeper between two batches) it ends the sweep at once, Ray stopped at the exit."""
+    """The sweep's stop signals: during a launch each becomes a request the wait loop acts on
+    (the jobs run in their own sessions: a terminal's Ctrl-C does not reach them); outside one
+    it ends the sweep at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -377,7 +353,6 @@ class StopRequests:
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
-        """Around a launch: a stop signal becomes a request (`signum`)."""
         if self.signum is not None:  # one came as the last launch ended: stop now
             self._handle(self.signum, None)
         self._active = True
@@ -388,8 +363,7 @@ class StopRequests:
 
 
 def _have_token() -> bool:
-    """A Ray cluster token is at hand: the variables Ray reads, or the file `ray start` writes
-    (copy it to every machine of a cluster)."""
+    """A Ray cluster token is at hand: Ray's variables, or the file `ray start` writes."""
     token_file = Path.home() / ".ray" / "auth_token"
     return (
         "RAY_AUTH_TOKEN" in os.environ
