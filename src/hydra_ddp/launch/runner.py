@@ -74,16 +74,11 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
     except Preempted as e:
         if not e.logged:
             (log.warning if launcher_rank() == 0 else log.info)("%s", e)
-        if multirun and under_submitit():
-            # Not requeued: a result, so the sweep still collects and reports the others.
-            sweeps.record_failure(output_dir, str(e))
-            return float("nan")
-        if multirun:  # the report lists it as preempted
-            sweeps.record_failure(output_dir, str(e), status="PREEMPTED")
-        if multirun and RAY_JOB_ENV in os.environ:  # its sweep collects the others
-            return float("nan")
-        # In one process a sweep ends here too (command.py reports it).
-        sys.exit(e.exit_code)
+        if multirun:  # under submitit: a job that was not requeued
+            sweeps.record_failure(output_dir, str(e), "FAILED" if under_submitit() else "PREEMPTED")
+            if under_submitit() or RAY_JOB_ENV in os.environ:  # its sweep collects the others
+                return float("nan")
+        sys.exit(e.exit_code)  # in one process a sweep ends too (command.py reports it)
     except KeyboardInterrupt:
         # Ctrl-C before the loop handles signals, or a second one: one line, not a traceback.
         if multirun and (under_submitit() or RAY_JOB_ENV in os.environ):
@@ -99,7 +94,8 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
             sys.exit(code)
         why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         sweeps.record_failure(output_dir, why)
-        _fail_task_at_exit(code)
+        if under_submitit():  # once the NaN is saved: SLURM's accounting shows the job FAILED
+            atexit.register(os._exit, code)
         return float("nan")
     finally:
         claim.release_all()  # run_command's end is not each job's
@@ -198,10 +194,3 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
         plain = isinstance(found, (bool, int, float, str)) and value != redact.REDACTED
         swept[key] = found if plain else value
     return RunInfo(output_dir, name, group, config, overrides=overrides, swept=swept)
-
-
-def _fail_task_at_exit(code: int) -> None:
-    """Under submitit: exit `code` once the job's NaN result is saved, so SLURM's accounting
-    shows the job FAILED, not COMPLETED."""
-    if under_submitit():
-        atexit.register(os._exit, code)

@@ -53,21 +53,20 @@ def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
             _held[run_dir] = None
             return
         if not taken:
-            holder = _read(fd)
-            os.close(fd)
-            _refuse(shown, holder, key)
+            _refuse(shown, fd, key)
         if not _same_file(fd, path):
             os.close(fd)
             continue
-        previous, mine = _read(fd), _me()
-        _write(fd, mine)
+        previous = _read(fd)
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
+                "since": time.time()}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
         # Shared, so this job's workers can join. Not atomic: a claimer that got the exclusive
         # lock in between has written itself in, and the dir is its.
         fcntl.flock(fd, fcntl.LOCK_SH)
         if _read(fd) != mine:
-            holder = _read(fd)
-            os.close(fd)
-            _refuse(shown, holder, key)
+            _refuse(shown, fd, key)
         if previous:  # a job that ended well removed the file: this one died holding it
             # Hydra has not set up logging yet (this runs as it resolves the log file's name).
             sys.stderr.write(
@@ -217,11 +216,6 @@ def _read(fd: int) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _write(fd: int, holder: dict[str, Any]) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
-
-
 def _job_id() -> str | None:
     for key in _JOB_KEYS:
         if key in os.environ:
@@ -229,16 +223,9 @@ def _job_id() -> str | None:
     return None
 
 
-def _me() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "job": _job_id(),
-        "since": time.time(),
-    }
-
-
-def _refuse(run_dir: Path, holder: dict[str, Any], key: str) -> None:
+def _refuse(run_dir: Path, fd: int, key: str) -> None:
+    holder = _read(fd)
+    os.close(fd)
     since = holder.get("since")
     when = time.strftime(", since %Y-%m-%d %H:%M:%S", time.localtime(since)) if since else ""
     note, host = "", holder.get("host")

@@ -61,7 +61,11 @@ def groups(jobs: list[dict[str, Any]], seed_keys: Sequence[str], mode: str) -> l
                 "group": " ".join(f"{k}={v}" for k, v in config) or "(one configuration)",
                 "overrides": dict(config),
                 **describe([j["objective"] for j in scored]),
-                "seeds": [seed_of(j, seed_keys) for j in scored],
+                # `0`; `0,1` for two seed keys.
+                "seeds": [
+                    ",".join(str(j["overrides"][k]) for k in seed_keys if k in j["overrides"])
+                    for j in scored
+                ],
                 "jobs": [j["job"] for j in group],
                 "unscored": len(group) - len(scored),  # failed, stopped or pruned
                 "metrics": {
@@ -77,10 +81,6 @@ def groups(jobs: list[dict[str, Any]], seed_keys: Sequence[str], mode: str) -> l
         entry["rank"] = rank
         entry["best"] = rank == 1 and entry["n"] > 0
     return entries
-
-
-def seed_of(job: dict[str, Any], seed_keys: Sequence[str]) -> str:
-    return ",".join(str(job["overrides"][k]) for k in seed_keys if k in job["overrides"])
 
 
 def describe(values: list[float]) -> dict[str, Any]:

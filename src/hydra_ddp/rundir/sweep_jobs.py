@@ -140,7 +140,10 @@ def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) 
             failure, summary = {"error": str(e)}, {}
         if failure is not None:
             status = str(failure.get("status", "FAILED"))
-            detail = _scrub(str(failure.get("error", failure)), secrets)
+            detail = str(failure.get("error", failure))
+            for value in sorted(secrets, key=len, reverse=True):
+                detail = detail.replace(value, redact.REDACTED)
+            detail = redact.text(detail)  # and the live W&B API key
         elif summary.get("pruned"):  # a pruning sweep's pruner stopped it (loop/pruning.py)
             status, detail = PRUNED, f"pruned at step {summary.get('steps')}"
         elif summary:
@@ -218,13 +221,6 @@ def table(rows: list[list[str]]) -> list[str]:
     """`rows` as lines of left-aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + " ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-
-
-def _scrub(text: str, secrets: list[str]) -> str:
-    """`text` with each of `secrets` (and the live W&B API key) blanked."""
-    for value in sorted(secrets, key=len, reverse=True):
-        text = text.replace(value, redact.REDACTED)
-    return redact.text(text)
 
 
 def cell(value: Any) -> str:

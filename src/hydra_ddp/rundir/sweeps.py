@@ -101,10 +101,7 @@ class SweepReport(Callback):
         _check_sweep_files(sweep_dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         claim.claim_sweep(sweep_dir)
-        keys = swept_keys(
-            OmegaConf.to_container(config.hydra.overrides.task),
-            OmegaConf.select(config, "hydra.sweeper.params", default=None),
-        )
+        keys = _swept_keys(config)
         jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, keys, indent=None)
         # A rerun into the same dir starts the journal afresh, with its start time: job dirs
         # not written since are another run's. Not an Optuna sweep: it continues its study.
@@ -171,10 +168,7 @@ class SweepReport(Callback):
         monitor = str(OmegaConf.select(config, "trainer.monitor", default="val/loss"))
         mode = OmegaConf.select(config, "trainer.monitor_mode", default="min")
         mode = str(getattr(mode, "value", mode))
-        keys = swept_keys(
-            OmegaConf.to_container(config.hydra.overrides.task),
-            OmegaConf.select(config, "hydra.sweeper.params", default=None),
-        )
+        keys = _swept_keys(config)
         jobs = sweep_jobs.collect(sweep_dir, keys, monitor, mode)
         seeds = [k for k in self.seed_keys if k in keys]
         if seeds:
@@ -250,6 +244,11 @@ def _journal(config: DictConfig, **record: Any) -> None:
             f.write(json.dumps(record) + "\n")
     except (OSError, UserError) as e:  # the report still finds the job by its dir
         log.warning("could not write %s: %s", path, e)
+
+
+def _swept_keys(config: DictConfig) -> list[str]:
+    task = OmegaConf.to_container(config.hydra.overrides.task)
+    return swept_keys(task, OmegaConf.select(config, "hydra.sweeper.params", default=None))
 
 
 def _is_multirun(config: DictConfig) -> bool:

@@ -76,8 +76,10 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
                 log.error("error: %s", e)
                 returns[job.num] = _not_run(job, str(e))
                 continue
-            log.info("\t#%d : %s (%s)", job.num, swept, _resources(job))
-            job.ref = session.submit(job, _spec(launcher, job))
+            gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
+            log.info("\t#%d : %s (%g CPU(s)%s, %d thread(s) per rank)", job.num, swept,
+                     job.cpus, gpus, job.threads)  # fmt: skip
+            job.ref = session.submit(job, launcher)
         returns.update(session.wait([j for j in jobs if j.ref is not None], stop))
         if stop.signum is not None:
             _stopped(launcher, jobs, returns, session, stop.signum)
@@ -148,22 +150,6 @@ def fit_to_nodes(jobs: list[RayJob], nodes: list[dict[str, float]], where: str) 
             raise too_big_for_cluster(kind, need_of(job), most[kind], job.num, job.nproc, where)
 
 
-def _resources(job: RayJob) -> str:
-    gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
-    return f"{job.cpus:g} CPU(s){gpus} ({job.threads} thread(s) per rank)"
-
-
-def _spec(launcher: Any, job: RayJob) -> bytes:
-    return cloudpickle.dumps(
-        {
-            "hydra_context": launcher.hydra_context,
-            "config": job.config,
-            "task_function": launcher.task_function,
-            "singleton_state": Singleton.get_state(),
-        }
-    )
-
-
 class Session:
     """The Ray this sweep runs on: started here (stopped at the end), or a cluster it joined."""
 
@@ -186,7 +172,11 @@ class Session:
         # Each job logs to its own dir; interleaved lines of parallel jobs help no one.
         extra.setdefault("log_to_driver", False)
         if address:
-            if "RAY_AUTH_MODE" not in os.environ and _have_token():
+            # A cluster token at hand (Ray's variables, or the file `ray start` writes).
+            token = (Path.home() / ".ray" / "auth_token").is_file() or any(
+                k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+            )
+            if "RAY_AUTH_MODE" not in os.environ and token:
                 # What `ray start` sets up by default, which ray.init(address=) does not assume.
                 os.environ["RAY_AUTH_MODE"] = "token"
             ray.init(address=str(address), logging_level=logging.WARNING, **extra)
@@ -220,9 +210,18 @@ class Session:
 
         return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
 
-    def submit(self, job: RayJob, spec: bytes) -> Any:
+    def submit(self, job: RayJob, launcher: Any) -> Any:
+        """Hand the job to Ray with what its process needs to run it as Hydra's launchers do."""
         import ray
 
+        spec = cloudpickle.dumps(
+            {
+                "hydra_context": launcher.hydra_context,
+                "config": job.config,
+                "task_function": launcher.task_function,
+                "singleton_state": Singleton.get_state(),
+            }
+        )
         env = {"OMP_NUM_THREADS": str(job.threads), RAY_JOB_ENV: str(job.num)}
         remote = ray.remote(_task.run).options(
             num_cpus=job.cpus,
@@ -231,8 +230,7 @@ class Session:
             name=f"job{job.num}",
         )
         grace = float(self.params.get("stop_grace_s", 60.0))
-        stop_file = os.path.abspath(self.stop_file)
-        return remote.remote(spec, env, os.getcwd(), grace, stop_file)
+        return remote.remote(spec, env, os.getcwd(), grace, os.path.abspath(self.stop_file))
 
     def wait(self, jobs: list[RayJob], stop: StopRequests) -> dict[int, JobReturn]:
         """Each job's result as it ends; on a stop request, the running ones are asked to stop
@@ -360,13 +358,3 @@ class StopRequests:
             yield
         finally:
             self._active = False
-
-
-def _have_token() -> bool:
-    """A Ray cluster token is at hand: Ray's variables, or the file `ray start` writes."""
-    token_file = Path.home() / ".ray" / "auth_token"
-    return (
-        "RAY_AUTH_TOKEN" in os.environ
-        or "RAY_AUTH_TOKEN_PATH" in os.environ
-        or token_file.is_file()
-    )
