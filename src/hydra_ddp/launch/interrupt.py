@@ -22,17 +22,8 @@ from hydra_ddp.launcher_env import SIGINT_HELD_ENV, torchrun_worker
 EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
-_MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
 # The stop signals the agent handles besides INT and TERM (distributed.torchrun.AGENT_SIGNALS).
 _TRACKER_SPARED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-
-
-def launched() -> bool:
-    if torchrun_worker() or SIGINT_HELD_ENV in os.environ:
-        return True
-    import multiprocessing
-
-    return multiprocessing.parent_process() is not None
 
 
 def ignore_more() -> None:
@@ -57,40 +48,35 @@ def _quiet_exit(kind: type[BaseException], value: BaseException, tb: TracebackTy
 def quiet_while_starting() -> None:
     """In a launched worker: an uncaught KeyboardInterrupt exits 130 quietly, and a SIGINT the
     agent held back is let through. Idempotent."""
-    if not launched():
-        return
+    held = SIGINT_HELD_ENV in os.environ
+    if not (torchrun_worker() or held):
+        import multiprocessing
+
+        if multiprocessing.parent_process() is None:  # nor a child of a launched worker
+            return
     sys.excepthook = _quiet_exit
-    if (
-        SIGINT_HELD_ENV in os.environ
-        and _MASKS
-        and threading.current_thread() is threading.main_thread()
-    ):
+    if held and threading.current_thread() is threading.main_thread():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-def _start_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker deaf to the agent's stop signals: a USR1, USR2,
-    HUP or QUIT to the job's process group would kill it, and its replacement prints a KeyError
-    traceback per semaphore. The mask survives its exec; it unblocks only INT and TERM."""
-    from multiprocessing import resource_tracker
-
-    spared = {getattr(signal, n) for n in _TRACKER_SPARED if hasattr(signal, n)}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, spared)
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 @contextlib.contextmanager
 def held_for_workers() -> Iterator[None]:
     """Around the agent's run: its workers inherit SIGINT blocked until `quiet_while_starting`
     runs in them. The agent still gets Ctrl-C through a thread that leaves it unblocked."""
-    if threading.current_thread() is not threading.main_thread() or not _MASKS:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    # Started now: the tracker's start unblocks SIGINT in the caller (bpo-33613).
-    _start_resource_tracker()
+    from multiprocessing import resource_tracker
+
+    # Started now, since its start unblocks SIGINT in the caller (bpo-33613), and deaf to the
+    # agent's other stop signals: a USR1 to the job's process group would kill it, and its
+    # replacement print a KeyError traceback per semaphore. Its exec keeps this mask.
+    spared = {getattr(signal, n) for n in _TRACKER_SPARED}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, spared)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
     done = threading.Event()
     # Started before the block, so its own mask keeps SIGINT open.
     catcher = threading.Thread(target=done.wait, name="sigint-catcher", daemon=True)

@@ -41,7 +41,7 @@ def spawn(
     logging to <log_stem>_rank<r>.log; rank 0's result. `target`: a module's function."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun: N full-size OpenMP pools on the same cores fight over them.
@@ -50,7 +50,21 @@ def spawn(
     errors.mkdir(parents=True, exist_ok=True)
     for old in errors.glob("rank*.txt"):
         old.unlink()
-    config = _launch_config(cfg)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.dist.nproc_per_node,
+        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
+        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=cfg.dist.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        # Forwarded, waiting for the workers' checkpoint; one not handled (torch leaves out
+        # USR1 and USR2) would kill the agent before the workers save.
+        signals_to_handle=AGENT_SIGNALS,
+    )
     log.info(
         "starting %d workers (max_restarts=%d); logs: %s",
         cfg.dist.nproc_per_node,
@@ -62,11 +76,12 @@ def spawn(
     # (pytorch/pytorch#135712). The job dir is decided already: nothing needs the agent's.
     saved = os.environ.get(_NO_SHARED_STORE)
     os.environ[_NO_SHARED_STORE] = "1"
-    # The agent logs a failed worker with a traceback of its own polling code: noise.
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(_drop_traceback)
-    for name in AGENT_LOGS:
-        logging.getLogger(name).addFilter(drop_stop_notes)
+    # The agent logs a failed worker with a traceback of its own polling code (noise), and
+    # notes on a stop that the line below says once.
+    filters = [("torch.distributed.elastic.multiprocessing.api", _drop_traceback)]
+    filters += [(name, drop_stop_notes) for name in AGENT_LOGS]
+    for name, keep in filters:
+        logging.getLogger(name).addFilter(keep)
     try:
         with interrupt.held_for_workers():  # no KeyboardInterrupt traceback from the workers
             results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
@@ -85,9 +100,8 @@ def spawn(
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
     finally:
-        agent_log.removeFilter(_drop_traceback)
-        for name in AGENT_LOGS:
-            logging.getLogger(name).removeFilter(drop_stop_notes)
+        for name, keep in filters:
+            logging.getLogger(name).removeFilter(keep)
         if saved is None:
             os.environ.pop(_NO_SHARED_STORE, None)
         else:
@@ -106,26 +120,6 @@ def stopped_line(how: str, output_dir: Any) -> str:
     return (
         f"{how}: re-run the same command with {run_dir_override(output_dir)} to resume "
         f"from its newest checkpoint ({newest.name})"
-    )
-
-
-def _launch_config(cfg: TrainConfig) -> Any:
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.dist.nproc_per_node,
-        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
-        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=cfg.dist.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        # Forwarded, waiting for the workers' checkpoint; one not handled (torch leaves out
-        # USR1 and USR2) would kill the agent before the workers save.
-        signals_to_handle=AGENT_SIGNALS,
     )
 
 

@@ -99,7 +99,16 @@ def git_state(
     if commit is None:
         return None
     root = (git("rev-parse", "--show-toplevel") or "").strip() or None
-    untracked = _untracked(git, root, output_dir)
+    # Its untracked, not ignored files, but this run's own output dir's.
+    listed = git("-C", root, "ls-files", "--others", "--exclude-standard", "-z") if root else ""
+    own, untracked = Path(output_dir).resolve(), []
+    for name in sorted(filter(None, (listed or "").split("\0"))):
+        path = Path(root or ".") / name
+        try:
+            if not path.resolve().is_relative_to(own):
+                untracked.append({"path": name, "bytes": path.stat().st_size})
+        except OSError:  # gone since git listed it
+            pass
     changed = bool((git("status", "--porcelain", "--untracked-files=no") or "").strip())
     state: dict[str, Any] = {
         "commit": commit.strip(),
@@ -129,22 +138,3 @@ def git_state(
             "" if untracked_content else "; trainer.untracked_content=true saves their contents",
         )
     return state
-
-
-def _untracked(git: Any, root: str | None, output_dir: Path) -> list[dict[str, Any]]:
-    """The checkout's untracked, not ignored files, but this run's own output dir's."""
-    if root is None:
-        return []
-    found = git("-C", root, "ls-files", "--others", "--exclude-standard", "-z") or ""
-    own = Path(output_dir).resolve()
-    entries = []
-    for name in sorted(filter(None, found.split("\0"))):
-        path = Path(root) / name
-        try:
-            if path.resolve().is_relative_to(own):
-                continue
-            size = path.stat().st_size
-        except OSError:  # gone since git listed it
-            continue
-        entries.append({"path": name, "bytes": size})
-    return entries
