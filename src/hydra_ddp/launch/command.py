@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
-import logging
 import os
 import sys
 from pathlib import Path
@@ -69,13 +68,9 @@ def run_command(
     claim.release_all()
     claim.release_sweep()  # a sweep that ended before its report (on_multirun_end)
     if under_launcher():
-        # At interpreter teardown a rank can still abort ("terminate called without an active
-        # exception": a gloo thread destroyed while joinable), failing a finished job: leave
-        # without running C++ static destructors.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # At teardown a rank can still abort ("terminate called without an active exception":
+        # a gloo thread destroyed while joinable), failing a finished job.
+        interrupt.exit_now(code)
     # The last garbage collections would walk every object torch and the job made; frozen
     # objects are skipped, while atexit handlers and module teardown still run.
     gc.freeze()

@@ -10,6 +10,7 @@ says the one line. The self-launch's agent starts its workers with SIGINT blocke
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -39,10 +40,17 @@ def _quiet_exit(kind: type[BaseException], value: BaseException, tb: TracebackTy
     # Under torchrun nobody else says it; under the self-launch the launching process does.
     if os.environ.get("RANK") == "0" and torchrun_worker():
         sys.stderr.write("stopped on SIGINT while starting, before any step was trained\n")
+    exit_now(EXIT_CODE)
+
+
+def exit_now(code: int) -> None:
+    """Exit `code` at once, logs and streams flushed: the interpreter's teardown of torch can
+    take tens of seconds (past a launcher's grace) or abort a finished rank."""
     with contextlib.suppress(Exception):
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(EXIT_CODE)
+    os._exit(code)
 
 
 def quiet_while_starting() -> None:

@@ -142,26 +142,17 @@ def worker(
     except Preempted as e:
         if not e.logged:
             (log.warning if rank == 0 else log.info)("%s", e)
-        _exit(e.exit_code)
+        interrupt.exit_now(e.exit_code)
     except KeyboardInterrupt:
         # Ctrl-C at start-up, or a second one: the launcher says it, this rank's log only.
         interrupt.ignore_more()
         log.info("stopped on SIGINT", extra={_FILE_ONLY: True})
-        _exit(interrupt.EXIT_CODE)
+        interrupt.exit_now(interrupt.EXIT_CODE)
     except Exception as e:
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
         write_rank_error(e, rank, Path(run.output_dir) / "errors")
-        _exit(code)  # not a traceback from every worker: the log has it
-
-
-def _exit(code: int) -> None:
-    """End a stopped or failed worker now: the interpreter's teardown of torch can outlast the
-    grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        interrupt.exit_now(code)  # not a traceback from every worker: the log has it
 
 
 def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:

@@ -261,7 +261,6 @@ class Session:
             elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
                 for ref in pending:
                     ray.cancel(ref, force=True)
-                for ref in pending:
                     returns[by_ref[ref].num] = _no_result(by_ref[ref])
                 break
         return returns
@@ -280,10 +279,9 @@ def _result(ref: Any, job: RayJob) -> JobReturn:
         why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         log.error("job #%d: Ray could not run it: %s", job.num, why)
         return _no_result(job)
-    if returned == _task.NOT_STARTED:
-        return _no_result(job)
-    if isinstance(returned, str):  # the job's process ended without a result
-        log.error("job #%d: %s", job.num, returned)
+    if isinstance(returned, str):  # why the job gave no result
+        if returned != _task.NOT_STARTED:
+            log.error("job #%d: %s", job.num, returned)
         return _no_result(job)
     return returned
 
