@@ -48,17 +48,19 @@ class RayJob:
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) -> list[JobReturn]:
     """Run one batch of jobs (a basic sweep's all, Optuna's `n_jobs` trials) on Ray; their
     results in order."""
+    import ray
+
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     # Resolved here once: `${now:}` must name the same dir in every job's process.
     sweep_dir = str(config.hydra.sweep.dir)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
-    session = launcher.session
-    session.stop_file = os.path.join(sweep_dir, ".stop_requested")
-    Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
-    log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), session.where, sweep_dir)
-    nodes = session.nodes()
+    # Created on a stop request; every job's task looks for it (_task.run).
+    launcher.stop_file = os.path.abspath(os.path.join(sweep_dir, ".stop_requested"))
+    Path(launcher.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
+    log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), launcher.where, sweep_dir)
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     jobs: list[RayJob] = []
     returns: dict[int, JobReturn] = {}
     stop = launcher.stop
@@ -71,7 +73,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
                 continue  # not handed out: `_stopped` records it as never started
             swept = " ".join(filter_overrides(job.overrides))
             try:
-                fit_to_nodes([job], nodes, session.where)
+                fit_to_nodes([job], nodes, launcher.where)
             except UserError as e:  # Ray would queue it forever: it fails, the others run
                 log.error("error: %s", e)
                 returns[job.num] = _not_run(job, str(e))
@@ -79,10 +81,10 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
             gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
             log.info("\t#%d : %s (%g CPU(s)%s, %d thread(s) per rank)", job.num, swept,
                      job.cpus, gpus, job.threads)  # fmt: skip
-            job.ref = session.submit(job, launcher)
-        returns.update(session.wait([j for j in jobs if j.ref is not None], stop))
+            job.ref = _submit(launcher, job)
+        returns.update(_wait(launcher, [j for j in jobs if j.ref is not None]))
         if stop.signum is not None:
-            _stopped(launcher, jobs, returns, session, stop.signum)
+            _stopped(launcher, jobs, returns, stop.signum)
     return [returns[j.num] for j in jobs]
 
 
@@ -98,7 +100,7 @@ def prepare(launcher: Any) -> None:
     for line in ignored_keys(launcher.params):
         log.warning("%s", line)
     launcher.stop = StopRequests()
-    launcher.session = Session.start(launcher.params)
+    _start_ray(launcher)
     # Ray's driver puts its own handler of SIGTERM (a crash report, then exit 1) in ours' place.
     launcher.stop.take_signals()
 
@@ -150,120 +152,109 @@ def fit_to_nodes(jobs: list[RayJob], nodes: list[dict[str, float]], where: str) 
             raise too_big_for_cluster(kind, need_of(job), most[kind], job.num, job.nproc, where)
 
 
-class Session:
-    """The Ray this sweep runs on: started here (stopped at the end), or a cluster it joined."""
+def _start_ray(launcher: Any) -> None:
+    """Start a Ray for this sweep (stopped at its end), or join a cluster (left running)."""
+    import ray
 
-    def __init__(self, params: dict[str, Any], where: str) -> None:
-        self.params = params
-        self.where = where
-        self.stop_file = ""
-
-    @classmethod
-    def start(cls, params: dict[str, Any]) -> Session:
-        import ray
-
-        # No telemetry: a compute node without internet would wait on it.
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray starts its workers at niceness 15, and a job would inherit it: on a shared
-        # machine it would get a sliver of the cores. (A cluster: set it at `ray start`.)
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        address = params.get("address")
-        extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
-        # Each job logs to its own dir; interleaved lines of parallel jobs help no one.
-        extra.setdefault("log_to_driver", False)
-        if address:
-            # A cluster token at hand (Ray's variables, or the file `ray start` writes).
-            token = (Path.home() / ".ray" / "auth_token").is_file() or any(
-                k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-            )
-            if "RAY_AUTH_MODE" not in os.environ and token:
-                # What `ray start` sets up by default, which ray.init(address=) does not assume.
-                os.environ["RAY_AUTH_MODE"] = "token"
-            ray.init(address=str(address), logging_level=logging.WARNING, **extra)
-            where = f"the Ray cluster at {address}"
-        else:
-            # Ray's minimum: only small task arguments go through the object store.
-            extra.setdefault("object_store_memory", 80 * 1024 * 1024)
-            ray.init(
-                # A new Ray, even where `ray start` runs one here (which ray.init() would join).
-                address="local",
-                num_cpus=params.get("num_cpus"),
-                num_gpus=params.get("num_gpus"),
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                **extra,
-            )
-            where = "a Ray started for this sweep"
-        session = cls(params, where)
-        # Also on an error's exit: no Ray process outlives the sweep.
-        atexit.register(session.stop)
-        return session
-
-    def stop(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()  # a joined cluster keeps running; only this driver goes
-
-    def nodes(self) -> list[dict[str, float]]:
-        import ray
-
-        return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-
-    def submit(self, job: RayJob, launcher: Any) -> Any:
-        """Hand the job to Ray with what its process needs to run it as Hydra's launchers do."""
-        import ray
-
-        spec = cloudpickle.dumps(
-            {
-                "hydra_context": launcher.hydra_context,
-                "config": job.config,
-                "task_function": launcher.task_function,
-                "singleton_state": Singleton.get_state(),
-            }
+    params = launcher.params
+    # No telemetry: a compute node without internet would wait on it.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at niceness 15, and a job would inherit it: on a shared
+    # machine it would get a sliver of the cores. (A cluster: set it at `ray start`.)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    address = params.get("address")
+    extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
+    # Each job logs to its own dir; interleaved lines of parallel jobs help no one.
+    extra.setdefault("log_to_driver", False)
+    if address:
+        # A cluster token at hand (Ray's variables, or the file `ray start` writes).
+        token = (Path.home() / ".ray" / "auth_token").is_file() or any(
+            k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
         )
-        env = {"OMP_NUM_THREADS": str(job.threads), RAY_JOB_ENV: str(job.num)}
-        remote = ray.remote(_task.run).options(
-            num_cpus=job.cpus,
-            num_gpus=job.gpus,
-            max_retries=0,  # a failed job is reported, not run again behind the user's back
-            name=f"job{job.num}",
+        if "RAY_AUTH_MODE" not in os.environ and token:
+            # What `ray start` sets up by default, which ray.init(address=) does not assume.
+            os.environ["RAY_AUTH_MODE"] = "token"
+        ray.init(address=str(address), logging_level=logging.WARNING, **extra)
+        launcher.where = f"the Ray cluster at {address}"
+    else:
+        # Ray's minimum: only small task arguments go through the object store.
+        extra.setdefault("object_store_memory", 80 * 1024 * 1024)
+        ray.init(
+            # A new Ray, even where `ray start` runs one here (which ray.init() would join).
+            address="local",
+            num_cpus=params.get("num_cpus"),
+            num_gpus=params.get("num_gpus"),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            **extra,
         )
-        grace = float(self.params.get("stop_grace_s", 60.0))
-        return remote.remote(spec, env, os.getcwd(), grace, os.path.abspath(self.stop_file))
+        launcher.where = "a Ray started for this sweep"
+    # Also on an error's exit: no Ray process outlives the sweep.
+    atexit.register(_stop_ray)
 
-    def wait(self, jobs: list[RayJob], stop: StopRequests) -> dict[int, JobReturn]:
-        """Each job's result as it ends; on a stop request, the running ones are asked to stop
-        (they save a checkpoint) and the queued ones dropped."""
-        import ray
 
-        by_ref = {j.ref: j for j in jobs}
-        returns: dict[int, JobReturn] = {}
-        pending = list(by_ref)
-        cancelled_at: float | None = None
-        grace = float(self.params.get("stop_grace_s", 60.0))
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
-            for ref in done:
-                job = by_ref[ref]
-                returns[job.num] = _result(ref, job)
-                log.info("job #%d ended (%d running or queued)", job.num, len(pending))
-            if stop.signum is not None and cancelled_at is None:
-                log.warning(
-                    "stopping the sweep on %s: %d job(s) save a checkpoint and stop",
-                    signal.Signals(stop.signum).name,
-                    len(pending),
-                )
-                Path(self.stop_file).touch()  # what each job's task looks for
-                for ref in pending:
-                    ray.cancel(ref, force=False)  # drops the queued ones
-                cancelled_at = time.monotonic()
-            elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                    returns[by_ref[ref].num] = _no_result(by_ref[ref])
-                break
-        return returns
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()  # a joined cluster keeps running; only this driver goes
+
+
+def _submit(launcher: Any, job: RayJob) -> Any:
+    """Hand the job to Ray with what its process needs to run it as Hydra's launchers do."""
+    import ray
+
+    spec = cloudpickle.dumps(
+        {
+            "hydra_context": launcher.hydra_context,
+            "config": job.config,
+            "task_function": launcher.task_function,
+            "singleton_state": Singleton.get_state(),
+        }
+    )
+    env = {"OMP_NUM_THREADS": str(job.threads), RAY_JOB_ENV: str(job.num)}
+    remote = ray.remote(_task.run).options(
+        num_cpus=job.cpus,
+        num_gpus=job.gpus,
+        max_retries=0,  # a failed job is reported, not run again behind the user's back
+        name=f"job{job.num}",
+    )
+    grace = float(launcher.params.get("stop_grace_s", 60.0))
+    return remote.remote(spec, env, os.getcwd(), grace, launcher.stop_file)
+
+
+def _wait(launcher: Any, jobs: list[RayJob]) -> dict[int, JobReturn]:
+    """Each job's result as it ends; on a stop request, the running ones are asked to stop
+    (they save a checkpoint) and the queued ones dropped."""
+    import ray
+
+    by_ref = {j.ref: j for j in jobs}
+    returns: dict[int, JobReturn] = {}
+    pending = list(by_ref)
+    cancelled_at: float | None = None
+    grace, stop = float(launcher.params.get("stop_grace_s", 60.0)), launcher.stop
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+        for ref in done:
+            job = by_ref[ref]
+            returns[job.num] = _result(ref, job)
+            log.info("job #%d ended (%d running or queued)", job.num, len(pending))
+        if stop.signum is not None and cancelled_at is None:
+            log.warning(
+                "stopping the sweep on %s: %d job(s) save a checkpoint and stop",
+                signal.Signals(stop.signum).name,
+                len(pending),
+            )
+            Path(launcher.stop_file).touch()  # what each job's task looks for
+            for ref in pending:
+                ray.cancel(ref, force=False)  # drops the queued ones
+            cancelled_at = time.monotonic()
+        elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+                returns[by_ref[ref].num] = _no_result(by_ref[ref])
+            break
+    return returns
 
 
 def _result(ref: Any, job: RayJob) -> JobReturn:
@@ -301,9 +292,7 @@ def _no_result(job: RayJob) -> JobReturn:
     return ret
 
 
-def _stopped(
-    launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], session: Session, signum: int
-) -> None:
+def _stopped(launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], signum: int) -> None:
     """After a stop request, every job over: record those that never started, write the
     report, stop Ray and end the sweep (a sweeper must not go on to its next batch)."""
     for job in jobs:
@@ -313,9 +302,9 @@ def _stopped(
         elif not (job_dir / "summary.json").exists() and not (job_dir / "failure.json").exists():
             sweeps.record_failure(job_dir, "stopped while starting: nothing to resume", "PREEMPTED")
         returns.setdefault(job.num, _no_result(job))
-    Path(session.stop_file).unlink(missing_ok=True)
+    Path(launcher.stop_file).unlink(missing_ok=True)
     launcher.hydra_context.callbacks.on_multirun_end(config=launcher.config)
-    session.stop()
+    _stop_ray()
     log.warning(
         "sweep stopped on %s: re-run each stopped job with its hydra.run.dir (see its log) to "
         "resume from its checkpoint",

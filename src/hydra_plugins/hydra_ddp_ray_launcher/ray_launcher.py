@@ -17,7 +17,8 @@ class RayLauncher(Launcher):
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
         self.task_function: Optional[TaskFunction] = None
-        self.session: Any = None  # _sweep.Session
+        self.where = ""  # the Ray the sweep runs on, in words
+        self.stop_file = ""
         self.stop: Any = None  # _sweep.StopRequests
 
     def setup(
