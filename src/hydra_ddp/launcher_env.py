@@ -64,9 +64,7 @@ def submitit_tasks() -> int:
 
 def launcher_rank() -> int:
     """This process's global rank as its launcher numbered it (0 with no launcher)."""
-    for key in ("RANK", "SLURM_PROCID"):
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
         if key in os.environ:
             return int(os.environ[key])
-    if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
-        return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
     return 0

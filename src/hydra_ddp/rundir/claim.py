@@ -58,8 +58,12 @@ def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
             os.close(fd)
             continue
         previous = _read(fd)
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(),
-                "since": time.time()}  # fmt: skip
+        mine = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": _job_id(),
+            "since": time.time(),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode(), 0)
         # Shared, so this job's workers can join. Not atomic: a claimer that got the exclusive

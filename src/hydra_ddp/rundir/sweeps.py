@@ -33,11 +33,10 @@ _sweep_failed = False
 _running: tuple[SweepReport, DictConfig] | None = None
 
 _REPORT = "sweep_report.json"
+_OPTUNA_RESULTS = "optimization_results.yaml"
 # Every file of the sweep dir a sweep opens (Hydra's and Optuna's too): a FIFO there would block
 # the sweep for ever, holding its claim.
-_SWEEP_FILES = (
-    sweep_jobs.JOURNAL, SWEPT_KEYS_FILE, _REPORT, "multirun.yaml", "optimization_results.yaml"
-)  # fmt: skip
+_SWEEP_FILES = (sweep_jobs.JOURNAL, SWEPT_KEYS_FILE, _REPORT, "multirun.yaml", _OPTUNA_RESULTS)
 
 
 def record_failure(output_dir: Path, message: str, status: str = "FAILED") -> None:

@@ -79,8 +79,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
                 returns[job.num] = _not_run(job, str(e))
                 continue
             gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
-            log.info("\t#%d : %s (%g CPU(s)%s, %d thread(s) per rank)", job.num, swept,
-                     job.cpus, gpus, job.threads)  # fmt: skip
+            resources = f"{job.cpus:g} CPU(s){gpus} ({job.threads} thread(s) per rank)"
+            log.info("\t#%d : %s (%s)", job.num, swept, resources)
             job.ref = _submit(launcher, job)
         returns.update(_wait(launcher, [j for j in jobs if j.ref is not None]))
         if stop.signum is not None:
