@@ -1,9 +1,6 @@
-"""What a launcher (torchrun, torch's elastic agent, SLURM through submitit, the template's own
-sweep plugins) put in the environment, read without torch: a sweep's launching process asks it
-too (which rank logs, is this a launched worker) and runs no job. distributed/env.py builds a
-rank's `DistEnv` from the same variables.
-
-The variables the engine and its Hydra plugins hand each other are named here, once.
+"""What a launcher (torchrun, the elastic agent, submitit, the sweep plugins) put in the
+environment, read without torch: a sweep's launching process asks too and runs no job. The
+variables the engine and its Hydra plugins hand each other are named here, once.
 """
 
 import os
@@ -41,15 +38,12 @@ def under_launcher() -> bool:
 
 
 def export_submitit_env() -> None:
-    """Inside a submitit task with several tasks, export RANK/WORLD_SIZE/... the way torchrun
-    does, from SLURM's variables (or submitit's local ones), so the rest of the code sees one
-    kind of environment."""
+    """In a submitit job of several tasks, export RANK/WORLD_SIZE/... as torchrun does."""
     if "RANK" in os.environ or submitit_tasks() <= 1:
         return
     from submitit.helpers import TorchDistributedEnvironment
 
-    # A MASTER_ADDR / MASTER_PORT the user (or a site's script) set is respected: submitit's
-    # export would refuse to run with them set ("Cannot export ... is already set").
+    # A MASTER_ADDR / MASTER_PORT the user set is kept (submitit's export refuses to overwrite).
     given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
     # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
@@ -70,9 +64,7 @@ def submitit_tasks() -> int:
 
 def launcher_rank() -> int:
     """This process's global rank as its launcher numbered it (0 with no launcher)."""
-    for key in ("RANK", "SLURM_PROCID"):
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
         if key in os.environ:
             return int(os.environ[key])
-    if "SUBMITIT_LOCAL_GLOBALID" in os.environ:
-        return int(os.environ["SUBMITIT_LOCAL_GLOBALID"])
     return 0

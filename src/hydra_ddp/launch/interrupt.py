@@ -1,23 +1,16 @@
 """Ctrl-C while a launched worker starts: a clean exit 130, not a traceback from every worker.
 
-A worker that torchrun or the self-launch (launch/workers.py) starts spends seconds importing
-torch and building its job before the loop's signal handlers (distributed/preemption.py) take over.
-The terminal sends Ctrl-C to every process of the job, so each worker would die in that time
-with a KeyboardInterrupt traceback (often inside `import torch`), burying the launcher's own
-line. Importing this module (train.py does it first, before torch) makes a KeyboardInterrupt
-that ends a launched process exit 130 silently: the launcher says the one line (workers.py for
-a self-launched job, runner.py's rank 0 under torchrun).
-
-The self-launch closes the remaining gap, the interpreter's own start-up before this import:
-its agent starts the workers with SIGINT blocked (`held_for_workers`), and a worker unblocks it
-here, once the quiet exit is in place; a Ctrl-C in between waits, pending, and lands here.
-
-Standard library only: it must be importable before torch is.
+A worker spends seconds importing torch before the loop's signal handlers take over, and the
+terminal's Ctrl-C reaches every process of the job. Importing this module (train.py does it
+first) makes a KeyboardInterrupt that ends a launched process exit 130 silently: the launcher
+says the one line. The self-launch's agent starts its workers with SIGINT blocked until then
+(`held_for_workers`). Standard library only: imported before torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -30,23 +23,12 @@ from hydra_ddp.launcher_env import SIGINT_HELD_ENV, torchrun_worker
 EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
-_MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
 # The stop signals the agent handles besides INT and TERM (distributed.torchrun.AGENT_SIGNALS).
 _TRACKER_SPARED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
-def launched() -> bool:
-    """This process is a worker of torchrun or of the self-launch (or a child of one)."""
-    if torchrun_worker() or SIGINT_HELD_ENV in os.environ:
-        return True
-    import multiprocessing
-
-    return multiprocessing.parent_process() is not None
-
-
 def ignore_more() -> None:
-    """After the first Ctrl-C: the same one comes again (from the terminal and forwarded by the
-    agent), and must not interrupt the exit with a second traceback."""
+    """After the first Ctrl-C: the same one comes again (forwarded by the agent)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -55,61 +37,54 @@ def _quiet_exit(kind: type[BaseException], value: BaseException, tb: TracebackTy
     if not issubclass(kind, KeyboardInterrupt):
         return _previous_hook(kind, value, tb)
     ignore_more()
-    # Under torchrun nobody else says it (its agent prints only its own traceback); under the
-    # self-launch the launching process does.
+    # Under torchrun nobody else says it; under the self-launch the launching process does.
     if os.environ.get("RANK") == "0" and torchrun_worker():
         sys.stderr.write("stopped on SIGINT while starting, before any step was trained\n")
+    exit_now(EXIT_CODE)
+
+
+def exit_now(code: int) -> None:
+    """Exit `code` at once, logs and streams flushed: the interpreter's teardown of torch can
+    take tens of seconds (past a launcher's grace) or abort a finished rank."""
     with contextlib.suppress(Exception):
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(EXIT_CODE)
+    os._exit(code)
 
 
 def quiet_while_starting() -> None:
-    """In a launched worker: an uncaught KeyboardInterrupt exits 130 without a traceback, and
-    a SIGINT held back by the agent (`held_for_workers`) is let through. Idempotent."""
-    if not launched():
-        return
+    """In a launched worker: an uncaught KeyboardInterrupt exits 130 quietly, and a SIGINT the
+    agent held back is let through. Idempotent."""
+    held = SIGINT_HELD_ENV in os.environ
+    if not (torchrun_worker() or held):
+        import multiprocessing
+
+        if multiprocessing.parent_process() is None:  # nor a child of a launched worker
+            return
     sys.excepthook = _quiet_exit
-    if (
-        SIGINT_HELD_ENV in os.environ
-        and _MASKS
-        and threading.current_thread() is threading.main_thread()
-    ):
+    if held and threading.current_thread() is threading.main_thread():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _start_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker deaf to the agent's stop signals.
-
-    The tracker ignores SIGINT and SIGTERM itself, but a USR1, USR2, HUP or QUIT sent to the
-    job's process group (a scheduler's stop, `kill -USR2 -<pgid>`) killed it; the agent's next
-    release of its queues then started a new one, which printed a `KeyError` traceback for each
-    (nine, named `/loky-...`: scikit-learn's joblib renames the semaphores). A signal mask
-    survives the tracker's exec, and it unblocks only INT and TERM: these stay blocked there."""
+@contextlib.contextmanager
+def held_for_workers() -> Iterator[None]:
+    """Around the agent's run: its workers inherit SIGINT blocked until `quiet_while_starting`
+    runs in them. The agent still gets Ctrl-C through a thread that leaves it unblocked."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     from multiprocessing import resource_tracker
 
-    spared = {getattr(signal, n) for n in _TRACKER_SPARED if hasattr(signal, n)}
+    # Started now, since its start unblocks SIGINT in the caller (bpo-33613), and deaf to the
+    # agent's other stop signals: a USR1 to the job's process group would kill it, and its
+    # replacement print a KeyError traceback per semaphore. Its exec keeps this mask.
+    spared = {getattr(signal, n) for n in _TRACKER_SPARED}
     before = signal.pthread_sigmask(signal.SIG_BLOCK, spared)
     try:
         resource_tracker.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-@contextlib.contextmanager
-def held_for_workers() -> Iterator[None]:
-    """Around the agent's run in the launching process: the workers it starts inherit SIGINT
-    blocked (a signal mask survives fork and exec) until `quiet_while_starting` runs in them.
-    The agent still gets Ctrl-C: a thread of ours that leaves SIGINT unblocked takes the
-    signal for the process, and Python runs the agent's handler in the main thread as ever."""
-    if threading.current_thread() is not threading.main_thread() or not _MASKS:
-        yield
-        return
-    # multiprocessing starts its resource tracker at the first spawn, and unblocks SIGINT in
-    # the caller once it has (resource_tracker.ensure_running, bpo-33613): started now, before
-    # the block, it leaves the block alone when the agent spawns the workers.
-    _start_resource_tracker()
     done = threading.Event()
     # Started before the block, so its own mask keeps SIGINT open.
     catcher = threading.Thread(target=done.wait, name="sigint-catcher", daemon=True)
@@ -124,16 +99,14 @@ def held_for_workers() -> Iterator[None]:
         done.set()
 
 
-# While a Ctrl-C is held (`hold` until `let_through`): the SIGINT handler it replaced, and
-# whether one came.
+# While a Ctrl-C is held: the SIGINT handler it replaced, and whether one came.
 _held: dict[str, object] = {}
 
 
 def hold() -> None:
-    """From now until `let_through`: a Ctrl-C is noted, not raised where it lands (inside an
-    import, or Hydra writing the run dir's .hydra/), so the job's start can say its one line
-    (launch/runner.py). A handler, not a signal mask: a thread that torch started
-    already (a rank's TCPStore) would take a blocked SIGINT for the process. Idempotent."""
+    """Until `let_through`, a Ctrl-C is noted, not raised where it lands (inside an import), so
+    the job's start can say its line. A handler, not a mask: a torch thread (a TCPStore) would
+    take a blocked SIGINT. Idempotent."""
     if "previous" in _held or threading.current_thread() is not threading.main_thread():
         return
     _held["previous"] = signal.signal(signal.SIGINT, lambda *_: _held.update(caught=True))
@@ -141,8 +114,7 @@ def hold() -> None:
 
 @contextlib.contextmanager
 def held_while_importing() -> Iterator[None]:
-    """`hold` while a job's modules import (seconds); a Ctrl-C noted meanwhile is raised at
-    the block's end if `let_through` has not raised it already."""
+    """`hold` while a job's modules import; `let_through` at the end."""
     hold()
     try:
         yield
@@ -151,8 +123,7 @@ def held_while_importing() -> Iterator[None]:
 
 
 def let_through() -> None:
-    """Put back the SIGINT handler `held_while_importing` replaced, and raise the Ctrl-C it
-    noted meanwhile, if any, here."""
+    """Put back the SIGINT handler `hold` replaced, and raise the Ctrl-C it noted, if any."""
     if "previous" not in _held:
         return
     signal.signal(signal.SIGINT, _held.pop("previous"))  # type: ignore[arg-type]

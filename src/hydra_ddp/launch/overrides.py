@@ -1,17 +1,6 @@
-"""The command line, checked before Hydra composes it: one `error:` line and exit 2 for what
-Hydra would answer with a paragraph, a traceback or (for a mistyped key) a line that repeats
-the value, which may be a secret.
-
-- a key that is no key of the config nor a config group (`reads_dir=...`): where user
-  variables go (`vars.`);
-- a key of a typed group (trainer, dist, ddp, logger) that the group does not have, or a value
-  its type refuses (`trainer.max_steps=abc`), named without the value;
-- a config group's choice that no YAML file provides (`sampler=nope`), with the choices there
-  are;
-- `hydra.run.dir` that cannot be created.
-
-Each check reads Hydra's own override grammar and passes over what it cannot judge (sweep
-functions, interpolations, plugin groups under `hydra/`): Hydra still reports those.
+"""The command line, checked before Hydra composes it: one `error:` line and exit 2 where Hydra
+would answer with a paragraph, a traceback or a line repeating a (maybe secret) value. Each
+check reads Hydra's override grammar and leaves to Hydra what it cannot judge.
 """
 
 from __future__ import annotations
@@ -36,10 +25,8 @@ _TYPED = ("trainer", "dist", "ddp", "logger")
 
 
 def check_command_line(argv: list[str], conf_dirs: list[Path], choices: bool = True) -> None:
-    """Every check below, on the command line's overrides; exits 2 with one line at the first
-    refusal. `conf_dirs`: the config dirs the job composes from (the project's and the
-    engine's); `choices`: they are all there is (no `pkg://` one), so a group's choices can be
-    checked."""
+    """Exit 2 with one line at the first override refused. `conf_dirs`: the config dirs the
+    job composes from; `choices`: they are all (no `pkg://`), so choices can be checked."""
     try:
         _check_run_dir(argv)
         parsed = _parse([a for a in argv if not a.startswith("-") and ("=" in a or a[:1] == "~")])
@@ -55,8 +42,7 @@ def check_command_line(argv: list[str], conf_dirs: list[Path], choices: bool = T
 
 
 def config_dirs_given(argv: list[str]) -> list[str]:
-    """The config dirs Hydra's own flags name (--config-path/-cp, --config-dir/-cd), as given:
-    a path from the working dir, or `pkg://...`."""
+    """The config dirs --config-path/-cp and --config-dir/-cd name."""
     found = []
     for i, arg in enumerate(argv):
         flag, _, value = arg.partition("=")
@@ -67,8 +53,7 @@ def config_dirs_given(argv: list[str]) -> list[str]:
 
 
 def _parse(items: list[str]) -> list[Any]:
-    """Hydra's parse of each override; one it cannot read (`model.hidden=choice()`) is refused
-    in one line, its value blanked when the key is a secret's."""
+    """Hydra's parse of each override; one it cannot read is refused in one line."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -90,8 +75,7 @@ def _parse(items: list[str]) -> list[Any]:
 
 
 def _groups(conf_dirs: list[Path]) -> dict[str, set[str]]:
-    """Config group -> its choices, from the YAML files of `conf_dirs` (nested groups too, as
-    `hydra/launcher`)."""
+    """Config group (`hydra/launcher` too) -> its choices, from the YAML files of `conf_dirs`."""
     found: dict[str, set[str]] = {}
     for conf in conf_dirs:
         for path in conf.rglob("*.yaml"):
@@ -102,7 +86,6 @@ def _groups(conf_dirs: list[Path]) -> dict[str, set[str]]:
 
 
 def _check_key(override: Any, groups: dict[str, set[str]]) -> None:
-    """A key that is no key of the config nor a config group; a key that a typed group lacks."""
     if override.is_add() or override.is_delete() or override.is_force_add():
         return
     key = override.key_or_group
@@ -114,8 +97,7 @@ def _check_key(override: Any, groups: dict[str, set[str]]) -> None:
     if root in _TYPED and len(parts) > 1 and key not in groups:
         node: Any = OmegaConf.structured(TrainConfig)
         for i, part in enumerate(parts):
-            # Only a dataclass's keys are known: a mapping typed Any (a sink's arguments, a
-            # comm hook's) takes any key.
+            # Only a dataclass's keys are known: a mapping typed Any takes any key.
             if not OmegaConf.is_config(node) or not is_dataclass(OmegaConf.get_type(node)):
                 return
             if part not in node:
@@ -132,7 +114,6 @@ def _check_key(override: Any, groups: dict[str, set[str]]) -> None:
 
 
 def _check_choice(override: Any, groups: dict[str, set[str]]) -> None:
-    """`group=choice` where no YAML file of the group is that choice."""
     group = override.get_key_element().split("@")[0]
     if group not in groups or group.startswith("hydra/") or override.is_delete():
         return
@@ -145,8 +126,7 @@ def _check_choice(override: Any, groups: dict[str, set[str]]) -> None:
 
 
 def _check_typed_values(parsed: list[Any]) -> None:
-    """A value that the typed key's type refuses (`trainer.max_steps=abc`), each value of a
-    sweep too."""
+    """A value (each of a sweep's) that the typed key refuses: `trainer.max_steps=abc`."""
     schema = OmegaConf.structured(TrainConfig)
     for override in parsed:
         key = override.key_or_group
@@ -165,8 +145,7 @@ def _check_typed_values(parsed: list[Any]) -> None:
 
 
 def _values(override: Any) -> list[Any]:
-    """The values an override sets: one, or each of a comma sweep, range() or choice(); none
-    for what only a sweeper can expand (interval(), tag(...))."""
+    """The values an override sets; none for what only a sweeper expands (interval())."""
     try:
         return list(override.sweep_iterator()) if override.is_sweep_override() else [
             override.value()
@@ -176,8 +155,7 @@ def _values(override: Any) -> list[Any]:
 
 
 def _check_run_dir(argv: list[str]) -> None:
-    """`hydra.run.dir=<path>` on the command line that cannot be created (read-only disk, no
-    permission): one line here, instead of the traceback of Hydra's mkdir."""
+    """`hydra.run.dir` that cannot be created: one line, not Hydra's mkdir traceback."""
     given = [a for a in argv if a.startswith("hydra.run.dir=")]
     if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
         return

@@ -1,12 +1,6 @@
-"""One composed job, in the process that runs it: what `command.hydra_entry` hands over to.
-
-`run_composed(dict_cfg, train_fn)` types and checks the config, then runs
-`train_fn(cfg, env, run)` (train.py's `train`) here (one rank of torchrun, of a Ray or
-submitit job, or a single process) or starts its own worker group with torch's elastic agent
-(workers.py) after the checks that need no
-process group (`preflight`). Every way a job ends becomes an exit status here: a one-line
-error, a stop on a signal, a sweep that goes on past a failed job (its report lists it; a NaN
-objective for Optuna).
+"""One composed job in the process that runs it: the config typed and checked, then
+`train_fn(cfg, env, run)` here or on workers it starts (workers.py), and every way a job ends
+as an exit status (a sweep goes on past a failed job: a NaN objective).
 """
 
 from __future__ import annotations
@@ -57,8 +51,7 @@ TrainFn = Callable[[TrainConfig, Any, RunInfo], dict[str, Any]]
 
 
 def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
-    """One composed job: validate, then `job` here or on a worker group it starts; returns the
-    objective (validation loss) for Hydra sweepers, NaN for a failed job of a sweep."""
+    """The job's objective for sweepers; NaN for a failed job of a sweep."""
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -81,22 +74,13 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
     except Preempted as e:
         if not e.logged:
             (log.warning if launcher_rank() == 0 else log.info)("%s", e)
-        if multirun and under_submitit():
-            # A submitit job that was not requeued (submitit's handler ran already): a result
-            # for the sweep, so the others are still collected and reported.
-            sweeps.record_failure(output_dir, str(e))
-            return float("nan")
-        if multirun:  # the report lists it as preempted
-            sweeps.record_failure(output_dir, str(e), status="PREEMPTED")
-        if multirun and RAY_JOB_ENV in os.environ:  # its sweep collects the others
-            return float("nan")
-        # In one process, a sweep ends here too (launch/command.py writes its report): the jobs
-        # after this one would be stopped the same way.
-        sys.exit(e.exit_code)
+        if multirun:  # under submitit: a job that was not requeued
+            sweeps.record_failure(output_dir, str(e), "FAILED" if under_submitit() else "PREEMPTED")
+            if under_submitit() or RAY_JOB_ENV in os.environ:  # its sweep collects the others
+                return float("nan")
+        sys.exit(e.exit_code)  # in one process a sweep ends too (command.py reports it)
     except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
-        # once: one line, not a traceback. Under the self-launch this is the launching process
-        # before its workers start.
+        # Ctrl-C before the loop handles signals, or a second one: one line, not a traceback.
         if multirun and (under_submitit() or RAY_JOB_ENV in os.environ):
             raise
         interrupt.ignore_more()
@@ -108,20 +92,18 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
         code = exit_code(e, log)
         if not multirun:
             sys.exit(code)
-        # Let the sweep go on: the report at its end lists this job as failed, and a NaN
-        # objective marks the trial failed for sweepers such as Optuna's.
         why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         sweeps.record_failure(output_dir, why)
-        _fail_task_at_exit(code)
+        if under_submitit():  # once the NaN is saved: SLURM's accounting shows the job FAILED
+            atexit.register(os._exit, code)
         return float("nan")
     finally:
-        # The job's end (main() is not run under submitit, nor for each job of a sweep).
-        claim.release_all()
+        claim.release_all()  # run_command's end is not each job's
 
 
 def to_typed(dict_cfg: DictConfig) -> TrainConfig:
-    """The composed config as dataclasses; runs every __post_init__ check."""
-    # `+trainer.x=1` adds a key even to a typed group, where it would be silently ignored.
+    """The composed config as dataclasses, checked. `+trainer.x=1` adds a key even to a typed
+    group, where it would be silently ignored: refused."""
     for f in fields(TrainConfig):
         node = dict_cfg.get(f.name)
         if not isinstance(node, DictConfig):
@@ -137,16 +119,14 @@ def to_typed(dict_cfg: DictConfig) -> TrainConfig:
                     f"spelling, its keys are {', '.join(sorted(known))}"
                 )
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)  # type: ignore[assignment]
-    # Here, not in LoggerConfig's own checks: the schema (config.py) then needs neither the
-    # contracts (protocols.py) nor the sink's module.
+    # Here, not in LoggerConfig: the schema then needs neither protocols.py nor the sink.
     if cfg.logger.sink is not None:
         sink_class(cfg.logger.sink)
     return cfg
 
 
 def sink_class(sink: Any) -> type:
-    """The class `logger.sink` names, checked against `hydra_ddp.protocols.Sink`: a bad
-    `_target_` fails in one line when the config is typed, before any worker starts."""
+    """The class `logger.sink` names, checked against `hydra_ddp.protocols.Sink`."""
     if not isinstance(sink, Mapping) or not isinstance(sink.get("_target_"), str):
         raise UserError(
             f"logger.sink={sink!r} is not a sink: give null (logger=none) or a mapping with "
@@ -175,8 +155,8 @@ def sink_class(sink: Any) -> type:
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the data and the components but no process group, so a bad job fails
-    once, in the launching process, instead of once per worker."""
+    """Checks that need the data and components but no process group: a bad job fails once, in
+    the launching process, not once per worker."""
     monitor_key(cfg)  # trainer.monitor names a metric the job computes
     sink = sink_class(cfg.logger.sink) if cfg.logger.sink is not None else None
     if hasattr(sink, "check_before_launch"):  # W&B: mode=online without a login fails here, once
@@ -192,7 +172,6 @@ def preflight(cfg: TrainConfig, world_size: int) -> None:
 
 
 def run_info(dict_cfg: DictConfig) -> RunInfo:
-    """The job's name, group, output dir and resolved config, from Hydra's runtime."""
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     output_dir = Path(hc.runtime.output_dir)
@@ -203,25 +182,15 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
         name = hc.job.override_dirname or hc.job.name
         group = "-".join(output_dir.parts[-2:])
     config = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
-    # The name and group reach W&B: no secret value in them. Jobs of a sweep that differ only
-    # in a secret are then told apart by their number, as their dirs.
+    # The name reaches W&B: secrets blanked, jobs told apart by their number.
     blanked = ",".join(redact.overrides(name.split(",")))
     name = f"{hc.job.num}_{blanked}" if multirun and blanked != name else blanked
     overrides = list(hc.overrides.task)
     swept: dict[str, Any] = {}
     params = OmegaConf.select(hc, "sweeper.params", default=None)
     for key, value in swept_overrides(overrides, hc.sweep.dir, params) if multirun else []:
-        # The value the job ran with, typed (0.001 for `1e-3`); a config group's choice
-        # (`model=cnn`) and a secret's blank as the override says.
+        # Typed as the job ran it (0.001 for `1e-3`); a group's choice and a secret as given.
         found = OmegaConf.select(dict_cfg, key, default=None) if "@" not in key else None
         plain = isinstance(found, (bool, int, float, str)) and value != redact.REDACTED
         swept[key] = found if plain else value
     return RunInfo(output_dir, name, group, config, overrides=overrides, swept=swept)
-
-
-def _fail_task_at_exit(code: int) -> None:
-    """Under submitit: the job's result (NaN, so the sweep goes on and reports it) is saved when
-    this returns, and the task's exit status is then `code`, so SLURM's accounting (sacct) shows
-    the failed job as FAILED rather than COMPLETED."""
-    if under_submitit():
-        atexit.register(os._exit, code)

@@ -1,9 +1,6 @@
-"""Starting workers: `python -m hydra_ddp.train dist.nproc_per_node=N` without torchrun.
-
-`spawn` is `python -m hydra_ddp.train dist.nproc_per_node=N`: the Hydra job that composed and
-validated the config starts N workers with torch's elastic agent (the machinery behind
-torchrun) and hands each the finished config object, so workers never re-compose, re-sweep or
-re-resolve `${now:}`.
+"""`python -m hydra_ddp.train dist.nproc_per_node=N` without torchrun: the job that composed the
+config starts N workers with torch's elastic agent and hands each the finished config, so no
+worker re-composes or re-resolves `${now:}`.
 """
 
 from __future__ import annotations
@@ -40,53 +37,59 @@ def spawn(
     args: tuple = (),
     log_stem: str = "train",
 ) -> Any:
-    """Run `target(cfg, env, run, *args)` (hydra_ddp.train.train: the training job) on
-    `cfg.dist.nproc_per_node` local workers, each logging to <output dir>/<log_stem>_rank<r>.log;
-    return rank 0's result. `target` is pickled by reference: a function of a module, not of
-    the script that runs."""
+    """Run `target(cfg, env, run, *args)` on `cfg.dist.nproc_per_node` local workers, each
+    logging to <log_stem>_rank<r>.log; rank 0's result. `target`: a module's function."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if "OMP_NUM_THREADS" not in os.environ:
-        # What torchrun does too: N workers each running a full-size OpenMP pool on the same
-        # cores spend their time fighting over them (10x slower on a 2-core CPU job).
+        # As torchrun: N full-size OpenMP pools on the same cores fight over them.
         os.environ["OMP_NUM_THREADS"] = "1"
     errors = Path(run.output_dir) / "errors"
-    errors.mkdir(parents=True, exist_ok=True)  # where each worker says why it failed
+    errors.mkdir(parents=True, exist_ok=True)
     for old in errors.glob("rank*.txt"):
         old.unlink()
-    config = _launch_config(cfg)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.dist.nproc_per_node,
+        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
+        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=cfg.dist.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        # Forwarded, waiting for the workers' checkpoint; one not handled (torch leaves out
+        # USR1 and USR2) would kill the agent before the workers save.
+        signals_to_handle=AGENT_SIGNALS,
+    )
     log.info(
         "starting %d workers (max_restarts=%d); logs: %s",
         cfg.dist.nproc_per_node,
         cfg.dist.max_restarts,
         Path(run.output_dir) / f"{log_stem}_rank*.log",
     )
-    # The workers' process group gets a fresh store from worker rank 0 at every attempt instead
-    # of the agent's store, which outlives restarts: on that one a restarted rank can read the
-    # previous attempt's addresses and hang (pytorch/pytorch#135712, still so in torch 2.13).
-    # The job dir is decided here already, so nothing needs the agent's store.
+    # A fresh store from worker rank 0 at every attempt, not the agent's, which outlives
+    # restarts: there a restarted rank can read the last attempt's addresses and hang
+    # (pytorch/pytorch#135712). The job dir is decided already: nothing needs the agent's.
     saved = os.environ.get(_NO_SHARED_STORE)
     os.environ[_NO_SHARED_STORE] = "1"
-    # The agent logs a failed worker with a traceback of its own polling code: noise next to
-    # the worker's own error (already in its log, and reported below).
-    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    agent_log.addFilter(_drop_traceback)
-    # Its notes on a stop ("Received 2 death signal", "Closing process ... via signal"): the
-    # line below says it once.
-    for name in AGENT_LOGS:
-        logging.getLogger(name).addFilter(drop_stop_notes)
+    # The agent logs a failed worker with a traceback of its own polling code (noise), and
+    # notes on a stop that the line below says once.
+    filters = [("torch.distributed.elastic.multiprocessing.api", _drop_traceback)]
+    filters += [(name, drop_stop_notes) for name in AGENT_LOGS]
+    for name, keep in filters:
+        logging.getLogger(name).addFilter(keep)
     try:
         with interrupt.held_for_workers():  # no KeyboardInterrupt traceback from the workers
             results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
     except SignalException as e:
-        # The agent got the signal and passed it on; the workers saved a checkpoint first.
         how = f"stopped on {signal_name(e.sigval)}"
         raise Preempted(e.sigval, stopped_line(how, run.output_dir)) from None
     except KeyboardInterrupt:
-        # Ctrl-C while the agent starts up (before it handles signals): its workers, if any,
-        # got it too and are stopped by the agent on its way out.
+        # Ctrl-C before the agent handles signals: it stops its workers on its way out.
         raise Preempted(signal.SIGINT, stopped_line("stopped on SIGINT", run.output_dir)) from None
     except ChildFailedError as e:
         status = stop_status(f.exitcode for f in e.failures.values())
@@ -97,9 +100,8 @@ def spawn(
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
     finally:
-        agent_log.removeFilter(_drop_traceback)
-        for name in AGENT_LOGS:
-            logging.getLogger(name).removeFilter(drop_stop_notes)
+        for name, keep in filters:
+            logging.getLogger(name).removeFilter(keep)
         if saved is None:
             os.environ.pop(_NO_SHARED_STORE, None)
         else:
@@ -108,9 +110,7 @@ def spawn(
 
 
 def stopped_line(how: str, output_dir: Any) -> str:
-    """The one line for a job stopped by a signal outside the loop: how to resume, only if
-    there is a checkpoint to resume from (a stop during start-up, or one the launcher's grace
-    cut short, leaves none)."""
+    """The line for a job stopped by a signal outside the loop: how to resume, if it can."""
     newest = checkpoint.latest(Path(output_dir))
     if newest is None:
         return (
@@ -123,26 +123,6 @@ def stopped_line(how: str, output_dir: Any) -> str:
     )
 
 
-def _launch_config(cfg: TrainConfig) -> Any:
-    from torch.distributed.launcher.api import LaunchConfig
-
-    return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.dist.nproc_per_node,
-        run_id=f"hydra-ddp-{uuid.uuid4().hex[:12]}",
-        # c10d rendezvous on a free local port, as `torchrun --standalone` does.
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=cfg.dist.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        # The agent forwards these and waits for the workers' checkpoint; a signal it does not
-        # handle (torch leaves out USR1 and USR2) kills it at once, before the workers save.
-        signals_to_handle=AGENT_SIGNALS,
-    )
-
-
 def _drop_traceback(record: logging.LogRecord) -> bool:
     record.exc_info, record.exc_text = None, None
     return True
@@ -151,45 +131,28 @@ def _drop_traceback(record: logging.LogRecord) -> bool:
 def worker(
     target: Callable[..., Any], cfg: TrainConfig, run: Any, args: tuple, log_stem: str
 ) -> Any:
-    """One worker started by `spawn`: log setup, then what torchrun's ranks run."""
     interrupt.quiet_while_starting()  # done on import already, unless __main__ skipped it
     rank = int(os.environ.get("RANK", 0))
     _setup_worker_logging(Path(run.output_dir), rank, log_stem)
-    claim.join(run.output_dir)  # the dir stays this job's while this worker may write there
-    # A restarted group (dist.max_restarts): what this rank said in the last attempt is over.
+    claim.join(run.output_dir)
+    # A restarted group: what this rank said in the last attempt is over.
     (Path(run.output_dir) / "errors" / f"rank{rank}.txt").unlink(missing_ok=True)
     try:
         return target(cfg, env_from_environ(cfg.dist), run, *args)
     except Preempted as e:
         if not e.logged:
             (log.warning if rank == 0 else log.info)("%s", e)
-        _exit(e.exit_code)
+        interrupt.exit_now(e.exit_code)
     except KeyboardInterrupt:
-        # Ctrl-C before the loop handles signals (start-up), or a second one that stops at
-        # once: the launcher says it once, so this goes to the rank's log file only.
+        # Ctrl-C at start-up, or a second one: the launcher says it, this rank's log only.
         interrupt.ignore_more()
         log.info("stopped on SIGINT", extra={_FILE_ONLY: True})
-        _exit(interrupt.EXIT_CODE)
+        interrupt.exit_now(interrupt.EXIT_CODE)
     except Exception as e:
-        # Also what escaped `translated` (e.g. a DataLoader's SIGCHLD error during teardown).
         e = one_line(e, rank, cfg.dist.timeout_s, Path(run.output_dir)) or e
         code = exit_code(e, log)
-        write_rank_error(
-            e, rank, Path(run.output_dir) / "errors"
-        )  # unless `translated` did already
-        # A clean exit code rather than a traceback from every worker (the log has it).
-        _exit(code)
-
-
-def _exit(code: int) -> None:
-    """End a worker that stops (signal) or failed now, as command.py ends a torchrun worker:
-    everything is written and its process group is gone, but the interpreter's own teardown of
-    torch (garbage collection, C++ destructors) can take tens of seconds on a loaded machine,
-    out of the grace the agent gives before it kills (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, 30 s)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        write_rank_error(e, rank, Path(run.output_dir) / "errors")
+        interrupt.exit_now(code)  # not a traceback from every worker: the log has it
 
 
 def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:
@@ -198,7 +161,7 @@ def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
-    # Only rank 0 talks on the console; every rank keeps its full log in its own file.
+    # Only rank 0 talks on the console; every rank keeps its full log.
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.addFilter(lambda r: not getattr(r, _FILE_ONLY, False))
     file = logging.FileHandler(output_dir / f"{stem}_rank{rank}.log")

@@ -1,17 +1,12 @@
 """One job per run dir: global rank 0 claims `<run dir>/.claim` before anything is written there.
 
 The claim is an OS lock on that file (`fcntl.flock`), which the kernel drops when its holder
-dies, however it dies (SIGKILL, the OOM killer; a zombie has closed its files). A second job
-started in a dir a live job holds stops in one line naming the holder, which the file records;
-a dir whose holder died is taken over at once, so a re-run, torchrun's elastic restart and
-SLURM's requeue resume. Every process of the job that writes there holds a shared lock: rank 0
-(the self-launch parent) from its claim, each self-launched worker from its start (`join`), so
-the workers of a SIGKILLed parent keep the dir until they have saved and stopped. What the lock
-does not cover (a shared file system's node-local locks, a lost node): when_things_go_wrong.md.
+dies however it dies, so a re-run, an elastic restart or a requeue takes over at once; a live
+holder (named in the file) refuses a second job in one line. Self-launched workers hold a shared
+lock too (`join`): a SIGKILLed parent's workers keep the dir until they have saved and stopped.
 
-`fcntl.flock` itself: filelock truncates the lock file as it opens it (it could not name the
-holder) and has no shared lock; portalocker wraps this call for Windows; fasteners takes POSIX
-record locks, which a process loses when it closes any descriptor of the file.
+`fcntl.flock` itself: filelock truncates the file as it opens it (it could not name the holder)
+and has no shared lock; fasteners takes POSIX record locks, lost when any descriptor closes.
 """
 
 from __future__ import annotations
@@ -29,23 +24,19 @@ from hydra_ddp.disk import check_regular
 from hydra_ddp.errors import UserError
 
 NAME = ".claim"
-# How long a busy lock is tried again before the dir counts as taken: another job's rank that
-# checks the claim (`wait_for_own_job`), or a claimer stepping down to a shared lock, holds it
-# for microseconds; a job holds it for its life.
+# How long a busy lock is tried again before the dir counts as taken: a rank checking the claim
+# or a claimer stepping down to a shared lock holds it for microseconds, a job for its life.
 RETRY_S = 1.0
 _JOB_KEYS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_JOB_ID", "SUBMITIT_LOCAL_JOB_ID")
 
-# The dirs this process claimed, each with the descriptor that holds its lock (None: the file
-# system has no locks). Sweep dirs are held across the sweep's jobs, which a job run in this
-# process (the basic launcher) gives back as it ends.
+# The dirs this process claimed -> the descriptor holding the lock (None: no locks there).
 _held: dict[Path, int | None] = {}
 _sweeps: set[Path] = set()
 _joined: list[int] = []  # a self-launched worker's share of its parent's claim
 
 
 def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
-    """Claim `run_dir` for this process (exit 2 with one line if a live job holds it; `key`:
-    the setting that chooses another dir)."""
+    """Claim `run_dir` (exit 2 with one line if a live job holds it; `key` chooses another)."""
     shown, run_dir = Path(run_dir), Path(run_dir).resolve()
     if run_dir in _held:
         return
@@ -62,21 +53,24 @@ def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
             _held[run_dir] = None
             return
         if not taken:
-            holder = _read(fd)
-            os.close(fd)
-            _refuse(shown, holder, key)
+            _refuse(shown, fd, key)
         if not _same_file(fd, path):
             os.close(fd)
             continue
-        previous, mine = _read(fd), _me()
-        _write(fd, mine)
-        # Shared, so this job's workers can join it. Not atomic: a claimer that got the
-        # exclusive lock in between has written itself in, and the dir is its.
+        previous = _read(fd)
+        mine = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": _job_id(),
+            "since": time.time(),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        # Shared, so this job's workers can join. Not atomic: a claimer that got the exclusive
+        # lock in between has written itself in, and the dir is its.
         fcntl.flock(fd, fcntl.LOCK_SH)
         if _read(fd) != mine:
-            holder = _read(fd)
-            os.close(fd)
-            _refuse(shown, holder, key)
+            _refuse(shown, fd, key)
         if previous:  # a job that ended well removed the file: this one died holding it
             # Hydra has not set up logging yet (this runs as it resolves the log file's name).
             sys.stderr.write(
@@ -88,17 +82,14 @@ def claim(run_dir: str | Path, key: str = "hydra.run.dir") -> None:
 
 
 def claim_sweep(sweep_dir: str | Path) -> None:
-    """The process that launches a multirun: claim `sweep_dir` for the whole sweep, before
-    anything is written there or any job is submitted. A second sweep into the dir of a live
-    one is so refused at once, in one line (exit 2), instead of after each of its jobs has
-    started (submitit's start-up) and found its job dir taken."""
+    """Claim `sweep_dir` for the whole multirun, before any job is submitted: a second sweep is
+    refused at once rather than job by job."""
     claim(sweep_dir, key="hydra.sweep.dir")
     _sweeps.add(Path(sweep_dir).resolve())
 
 
 def join(run_dir: str | Path) -> None:
-    """A worker of the job that claimed `run_dir` (a self-launched rank): hold the claim's lock
-    too, so the dir is not taken over while this process can still write there."""
+    """A self-launched worker shares its job's lock while it can still write in `run_dir`."""
     path = Path(run_dir) / NAME
     try:
         fd = _open(path, os.O_RDONLY)
@@ -111,15 +102,10 @@ def join(run_dir: str | Path) -> None:
 
 
 def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
-    """A rank other than 0 of a launcher's job: before writing into `run_dir`, wait (at most
-    `timeout_s`) until its rank 0 holds the dir's claim. A dir a live job of another launcher
-    holds is refused at once in one line (exit 2), instead of this rank writing its log into
-    that job's files and then waiting for a rank 0 that refused. No claim within the time (a
-    rank 0 that failed before claiming): go on, the process group's timeout applies.
-
-    Only where the wait can tell: with no job id its own rank 0's claim looks like anyone's,
-    and a rank on another node than rank 0 may see a node-local dir that rank 0 never
-    claims, so neither waits (a minute at every start, otherwise)."""
+    """A rank other than 0: before writing into `run_dir`, wait (at most `timeout_s`) for its
+    rank 0's claim; another live job's dir is refused at once (exit 2). Only with a job id (else
+    its rank 0's claim looks like anyone's) and on rank 0's node (another may see a node-local
+    dir rank 0 never claims)."""
     if _job_id() is None or not _on_first_node():
         return
     path = Path(run_dir) / NAME
@@ -148,7 +134,6 @@ def wait_for_own_job(run_dir: str | Path, timeout_s: float = 60.0) -> None:
 
 
 def release_all() -> None:
-    """Give back this process's job claims (the end of the job)."""
     for run_dir in [d for d in _held if d not in _sweeps]:
         _give_back(run_dir)
     while _joined:
@@ -156,7 +141,6 @@ def release_all() -> None:
 
 
 def release_sweep() -> None:
-    """Give back the sweep dirs this process claimed (the end of the multirun)."""
     for sweep_dir in list(_sweeps):
         _give_back(sweep_dir)
 
@@ -167,17 +151,16 @@ def _give_back(run_dir: Path) -> None:
     if fd is None:
         return
     path = run_dir / NAME
-    # Removed while still locked: a later job finds no record of one that ended well, and a
-    # claimer that opened the file meanwhile sees it is gone (_same_file) and makes a new one.
+    # Removed while locked: a later job finds no record of one that ended well, and a claimer
+    # that opened it meanwhile sees it is gone (_same_file).
     if _same_file(fd, path) and _read(fd).get("pid") == os.getpid():
         path.unlink(missing_ok=True)
     os.close(fd)
 
 
 def _close_in_child() -> None:
-    """A forked child (a DataLoader worker) shares the parent's locks through the descriptors
-    it inherits; it lets go of them, so the parent's death frees the dir at once, not when the
-    child notices it some seconds later. The parent keeps its locks."""
+    """A forked child (a DataLoader worker) lets go of the inherited locks, so the parent's
+    death frees the dir at once."""
     for fd in [*_held.values(), *_joined]:
         if fd is not None:
             try:
@@ -193,25 +176,20 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _open(path: Path, flags: int) -> int:
-    """The claim file's descriptor; not blocking, should a FIFO appear after the check."""
-    _refuse_unless_regular(path)
-    return os.open(path, flags | os.O_NONBLOCK, 0o644)
-
-
-def _refuse_unless_regular(path: Path) -> None:
-    """Exit 2 with one line when the claim file is a FIFO, a socket or a device: reading it
-    (a FIFO) would wait for ever, and no job of this template made it."""
+    """The claim file's descriptor. A FIFO there would block reads for ever: exit 2 in one line
+    (and no blocking should one appear after the check)."""
     try:
         check_regular(path, "the claim file", f"delete it (a job's claim on {path.parent} is "
                       "a regular file that the job writes)")  # fmt: skip
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
         raise SystemExit(2) from None
+    return os.open(path, flags | os.O_NONBLOCK, 0o644)
 
 
 def _lock(fd: int, how: int, retry_s: float = RETRY_S) -> bool | None:
-    """Take lock `how` (LOCK_EX, LOCK_SH) on `fd`, trying again for `retry_s` while it is busy:
-    True when taken, False when still busy, None where the file system has no locks."""
+    """Take lock `how`, retrying for `retry_s` while busy: True when taken, False when busy,
+    None where the file system has no locks."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
@@ -235,17 +213,11 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _read(fd: int) -> dict[str, Any]:
-    """The holder a claim file records ({} while its claimer has not written it yet)."""
     try:
         found = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
-
-
-def _write(fd: int, holder: dict[str, Any]) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
 
 
 def _job_id() -> str | None:
@@ -255,16 +227,9 @@ def _job_id() -> str | None:
     return None
 
 
-def _me() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "job": _job_id(),
-        "since": time.time(),
-    }
-
-
-def _refuse(run_dir: Path, holder: dict[str, Any], key: str) -> None:
+def _refuse(run_dir: Path, fd: int, key: str) -> None:
+    holder = _read(fd)
+    os.close(fd)
     since = holder.get("since")
     when = time.strftime(", since %Y-%m-%d %H:%M:%S", time.localtime(since)) if since else ""
     note, host = "", holder.get("host")
@@ -291,8 +256,7 @@ def _pid_exists(pid: Any) -> bool:
 
 
 def _on_first_node() -> bool:
-    """Whether this process runs on the launcher's first node, where rank 0 is (torchrun's
-    GROUP_RANK, SLURM's node id, submitit's local node id; unknown: assumed so)."""
+    """On the launcher's first node, where rank 0 is (unknown: assumed so)."""
     for key in ("GROUP_RANK", "SLURM_NODEID", "SUBMITIT_LOCAL_NODEID"):
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key]) == 0

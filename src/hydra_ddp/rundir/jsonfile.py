@@ -1,8 +1,5 @@
-"""The JSON side files a job writes and reads back (summary.json, failure.json, ...).
-
-JSON has no NaN or infinity: non-finite numbers are written as null, so every JSON reader (and
-`json.loads` with its defaults off) can load the files. Writes go to a temporary file that is
-then renamed, so a crash leaves the old file or the new one, never half of one.
+"""The JSON side files a job writes and reads back (summary.json, failure.json, ...): written
+atomically (a temporary file, renamed), non-finite numbers as null, which JSON lacks.
 """
 
 from __future__ import annotations
@@ -19,14 +16,11 @@ _FIX = "remove it, or move it away (the job keeps a regular file there)"
 
 
 def finite_or_none(value: Any) -> Any:
-    """`value`, or None for a float that is NaN or infinite."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read(path: Path) -> Any:
-    """The file's content, or None when it is missing or not JSON (the caller treats that as
-    absent). A FIFO, socket or device there is refused in one line (opening a FIFO waits for
-    ever)."""
+    """The file's content; None when missing or not JSON. A FIFO there is refused (UserError)."""
     try:
         return json.loads(read_regular(Path(path), what="file", fix=_FIX))
     except (OSError, ValueError):
@@ -34,8 +28,6 @@ def read(path: Path) -> Any:
 
 
 def write(path: Path, obj: Any, indent: int | None = 2) -> None:
-    """Write `obj` atomically (temp file in the same folder, then rename), non-finite numbers
-    as null."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(_finite(obj), indent=indent, allow_nan=False) + "\n", "utf-8")

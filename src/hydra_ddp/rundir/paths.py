@@ -1,8 +1,5 @@
-"""Where a job writes: its run dir, a sweep's job dirs, the per-rank log files, `.hydra.N`.
-
-All of it is resolved by Hydra while it composes the config (the resolvers registered below,
-used in conf/train.yaml), in every process that composes: each torchrun rank, each submitit
-task. One module, so the naming rules are read in one place.
+"""Where a job writes: its run dir, a sweep's job dirs, the per-rank log files, `.hydra.N`; the
+`${ddp_...}` resolvers conf/train.yaml uses, resolved in every process that composes.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ from hydra_ddp.rundir import claim, jsonfile
 
 # At most this many characters in a job dir's name; longer ones end in a hash of the full name.
 SUBDIR_MAX_CHARS = 80
-# What a job dir's name keeps as it is; any other character (`/`, `:`, spaces, quotes, ...)
-# becomes `_`.
+# A job dir name's other characters (`/`, `:`, spaces, quotes, ...) become `_`.
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+@%-]")
 # In the sweep dir: the keys the sweep varies (written by SweepReport at the sweep's start).
 SWEPT_KEYS_FILE = "sweep_keys.json"
@@ -35,15 +31,9 @@ SWEPT_KEYS_FILE = "sweep_keys.json"
 
 @functools.cache
 def job_dir(default: str) -> str:
-    """hydra.run.dir for this process.
-
-    With `@hydra.main` under torchrun every rank composes its own config, seconds apart on
-    several nodes, so each would resolve `${now:}` to its own timestamp. Here rank 0's choice is
-    agreed through the store torchrun's agent already runs for the job (compare_set, so a
-    restarted worker group gets the directory of the first attempt and can resume from it).
-    Without an agent store the launcher's job id names the directory. A timestamped dir is
-    claimed by creating it (`claim_dir`), so jobs started in the same second get their own.
-    """
+    """hydra.run.dir for this process. Under torchrun every rank composes, seconds apart, and
+    would resolve `${now:}` to its own time: rank 0's choice is agreed through the agent's store
+    (a restarted group gets the first attempt's dir), else the launcher's job id names it."""
     if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             return _agree_through_store(default)
@@ -56,8 +46,7 @@ def job_dir(default: str) -> str:
 
 
 def _agree_through_store(default: str) -> str:
-    # Here, in a torchrun rank, not at the top: a sweep's launching process composes too and
-    # runs no job, so it never imports torch.
+    # Here: a sweep's launching process composes too, and never imports torch.
     import torch.distributed as dist
 
     key = f"hydra_ddp/job_dir/{os.environ['TORCHELASTIC_RUN_ID']}"
@@ -76,8 +65,8 @@ def _agree_through_store(default: str) -> str:
 
 
 def claim_dir(path: str) -> str:
-    """`path`, or `path-2`, `path-3`, ... if it exists: created here, exclusively, so two jobs
-    started in the same second (same `${now:}` timestamp) never share an output dir."""
+    """`path`, or `path-2`, `path-3`, ...: created exclusively, so two jobs started in the same
+    second never share an output dir."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     for n in range(1, 10_000):
         candidate = path if n == 1 else f"{path}-{n}"
@@ -91,12 +80,8 @@ def claim_dir(path: str) -> str:
 
 @functools.cache
 def hydra_subdir(default: str, output_dir: str) -> str | None:
-    """hydra.output_subdir: only global rank 0 writes the .hydra/ dump.
-
-    A later run in a dir that already has one (a resume, a re-run, a refused resume) writes
-    `.hydra.2`, `.hydra.3`, ... instead: `.hydra/` stays the record of the config the dir's
-    first run, and its checkpoints, were made with. Cached: Hydra resolves this more than once
-    per job, and the second time `.hydra/` exists."""
+    """hydra.output_subdir, rank 0 only: a later run in the dir (a resume) writes `.hydra.2`,
+    ..., so `.hydra/` stays the record of the first. Cached: Hydra resolves it more than once."""
     if launcher_rank() != 0:
         return None
     n = 1
@@ -106,20 +91,17 @@ def hydra_subdir(default: str, output_dir: str) -> str | None:
 
 
 def log_file(output_dir: str, stem: str) -> str:
-    """The job's log file: one per rank whenever a launcher started several ranks.
-
-    Global rank 0 first claims the dir (claim.py). Opening the log is the first write into it
-    (Hydra sets up logging before anything else), so a dir that cannot be written to
-    (read-only, full, no permission) stops the job here with one line rather than with
-    Hydra's "Unable to configure handler" traceback."""
+    """The job's log file, one per rank under a launcher. Rank 0 claims the dir first. The first
+    write into the dir: one that cannot be written stops here in one line, not in Hydra's
+    "Unable to configure handler" traceback."""
     name = f"{stem}_rank{launcher_rank()}" if under_launcher() else stem
     path = os.path.join(output_dir, f"{name}.log")
     try:
         if launcher_rank() == 0:
             os.makedirs(output_dir, exist_ok=True)
-            claim.claim(output_dir)  # one job per run dir: before anything is written there
+            claim.claim(output_dir)
         else:
-            claim.wait_for_own_job(output_dir)  # not into another job's dir, nor its logs
+            claim.wait_for_own_job(output_dir)
         with open_regular(Path(path), "a", what="log file", fix="remove it, or move it away"):
             pass
     except UserError as e:  # a FIFO: the log handler would wait for a reader for ever
@@ -135,8 +117,7 @@ def log_file(output_dir: str, stem: str) -> str:
 
 
 def swept_keys(task_overrides: Sequence[str], sweeper_params: Any = None) -> list[str]:
-    """The keys a sweep varies: each command-line override that is a sweep (`model=mlp,cnn`,
-    `optim.lr=interval(...)`), and each entry of `hydra.sweeper.params` that is one."""
+    """The keys a sweep varies, on the command line and in `hydra.sweeper.params`."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     params = dict(sweeper_params or {})
@@ -152,16 +133,9 @@ def swept_keys(task_overrides: Sequence[str], sweeper_params: Any = None) -> lis
 def sweep_subdir(
     num: Any, task_overrides: Sequence[str], sweep_dir: str, sweeper_params: Any = None
 ) -> str:
-    """hydra.sweep.subdir: the job number, then `key=value` for each swept key (`0_model=mlp`).
-
-    The keys swept are those SweepReport wrote to <sweep dir>/sweep_keys.json at the start of
-    the sweep, else what Hydra's basic sweeper saved in <sweep dir>/multirun.yaml, else the
-    job's `hydra.sweeper.params`; when none of those tell, every override of the job counts.
-    A secret key's value (redact.py) is left out (`0_db.password=_redacted_`). Characters
-    unsafe in a file name become `_`, so a value never nests dirs, and a name over
-    SUBDIR_MAX_CHARS is cut and ends in a hash of the whole, so no name is too long for the
-    file system and two long ones stay apart. Resolved in the job's own process (also under
-    submitit), from its own overrides."""
+    """hydra.sweep.subdir: the job number, then `key=value` of each swept key (`0_model=mlp`),
+    secrets blanked, unsafe characters as `_`, and a name over SUBDIR_MAX_CHARS cut to end in a
+    hash of the whole (two long ones stay apart)."""
     pairs = swept_overrides(task_overrides, sweep_dir, sweeper_params)
     full = "_".join([str(num), *([",".join(f"{k}={v}" for k, v in pairs)] if pairs else [])])
     name = _UNSAFE.sub("_", full)
@@ -174,9 +148,9 @@ def sweep_subdir(
 def swept_overrides(
     task_overrides: Sequence[str], sweep_dir: str, sweeper_params: Any = None
 ) -> list[tuple[str, str]]:
-    """This job's `(key, value)` for each key its sweep varies, as `sweep_subdir` finds them.
-    A secret's value (redact.py's rule) would be in every log line, path and W&B run that
-    names the dir: it is blanked, and the job number tells such jobs apart instead."""
+    """This job's `(key, value)` of each swept key (secrets blanked). The keys: those the report
+    wrote at the sweep's start, else Hydra's multirun.yaml, else `hydra.sweeper.params`, else
+    every override."""
     pairs = [split_override(line) for line in task_overrides]
     keys = _known_swept_keys(Path(sweep_dir), sweeper_params)
     if keys is not None:
@@ -185,9 +159,8 @@ def swept_overrides(
 
 
 def override_value(line: str) -> str | None:
-    """The value of a `key=value` override as Hydra reads it: `hydra.run.dir='out/a b'` is
-    `out/a b`, not a path starting with a quote (made by hand, that left a stray `'out/`
-    tree). None when Hydra's grammar does not parse it."""
+    """A `key=value` override's value as Hydra reads it (`'out/a b'` is `out/a b`); None when
+    Hydra's grammar does not parse it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -198,7 +171,6 @@ def override_value(line: str) -> str | None:
 
 
 def _key(override: Any) -> str:
-    """An override's key without its `+`/`++`/`~` prefix, with its `@package` if any."""
     key = override.key_or_group
     return f"{key}@{override.package}" if override.package else key
 
@@ -226,8 +198,6 @@ def _known_swept_keys(sweep_dir: Path, sweeper_params: Any) -> list[str] | None:
 
 
 def register_resolvers() -> None:
-    """The `ddp_*` resolvers conf/train.yaml names in `hydra.run.dir`, `hydra.sweep.subdir`,
-    `hydra.output_subdir` and the log file handler."""
     for name, fn in [
         ("ddp_job_dir", job_dir),
         ("ddp_hydra_subdir", hydra_subdir),

@@ -1,13 +1,6 @@
-"""What made a result: `run.json` in every run dir, one entry per run in it (a resume appends).
-
-Each entry: start time, the command line and overrides (secret values blanked, see redact.py),
-the git commit, branch and dirty flag of the code's checkout with a patch of its uncommitted
-changes to tracked files (`git_diff_<n>.patch` beside it) and its untracked files that are not
-ignored (path and size; their contents too in the patch with trainer.untracked_content=true),
-Python and the versions of torch (with its CUDA and NCCL builds), hydra-core, omegaconf, wandb
-and numpy, and every rank's host.
-No environment variables: they hold credentials. Written by global rank 0; the same facts go
-into the W&B run's config as `provenance` when W&B is on.
+"""What made a result: `run.json`, one entry per run in the dir (a resume appends): start time,
+command and overrides (secrets blanked), the checkout's git state with a patch of its changes,
+versions, every rank's host. No environment variables: they hold credentials.
 """
 
 from __future__ import annotations
@@ -41,9 +34,8 @@ _PACKAGES = ("hydra-core", "omegaconf", "wandb", "numpy", "hydra-ddp")
 def record_run(
     output_dir: Path, env: DistEnv, overrides: list[str], untracked_content: bool = False
 ) -> dict[str, Any]:
-    """Collective (every rank's host): append this run's entry to <output_dir>/run.json on rank
-    0 and return it (on rank 0; the others get an empty dict). `untracked_content`:
-    trainer.untracked_content (see git_state)."""
+    """Collective (every rank's host): append this run's entry to run.json on rank 0 and return
+    it there ({} on the others)."""
     hosts = all_gather_objects(socket.gethostname(), env)
     if not env.is_main:
         return {}
@@ -84,11 +76,10 @@ def versions() -> dict[str, str | None]:
 def git_state(
     output_dir: Path, n: int, untracked_content: bool = False, checkout: Path | None = None
 ) -> dict[str, Any] | None:
-    """The checkout holding this code (or `checkout`): commit, branch, dirty, its untracked
-    files that are not ignored (path and size: a new model file in the repo is part of what
-    made the result), and the patch of its uncommitted changes written next to run.json (with
-    `untracked_content`, also the untracked files up to UNTRACKED_MAX_BYTES each, as new files
-    `git apply` recreates). None outside a git checkout."""
+    """The checkout of this code (or `checkout`): commit, branch, dirty, its untracked files not
+    ignored (a new model file is part of what made the result), and a patch of its changes
+    beside run.json (`untracked_content`: with the untracked files up to UNTRACKED_MAX_BYTES).
+    None outside a git checkout."""
     where = Path(checkout) if checkout is not None else Path(__file__).resolve().parent
 
     def git(*args: str, ok: tuple[int, ...] = (0,)) -> str | None:
@@ -108,7 +99,16 @@ def git_state(
     if commit is None:
         return None
     root = (git("rev-parse", "--show-toplevel") or "").strip() or None
-    untracked = _untracked(git, root, output_dir)
+    # Its untracked, not ignored files, but this run's own output dir's.
+    listed = git("-C", root, "ls-files", "--others", "--exclude-standard", "-z") if root else ""
+    own, untracked = Path(output_dir).resolve(), []
+    for name in sorted(filter(None, (listed or "").split("\0"))):
+        path = Path(root or ".") / name
+        try:
+            if not path.resolve().is_relative_to(own):
+                untracked.append({"path": name, "bytes": path.stat().st_size})
+        except OSError:  # gone since git listed it
+            pass
     changed = bool((git("status", "--porcelain", "--untracked-files=no") or "").strip())
     state: dict[str, Any] = {
         "commit": commit.strip(),
@@ -138,23 +138,3 @@ def git_state(
             "" if untracked_content else "; trainer.untracked_content=true saves their contents",
         )
     return state
-
-
-def _untracked(git: Any, root: str | None, output_dir: Path) -> list[dict[str, Any]]:
-    """The checkout's untracked files that .gitignore does not exclude, paths from its root;
-    not those of this run's own output dir (a run dir inside the checkout, not ignored)."""
-    if root is None:
-        return []
-    found = git("-C", root, "ls-files", "--others", "--exclude-standard", "-z") or ""
-    own = Path(output_dir).resolve()
-    entries = []
-    for name in sorted(filter(None, found.split("\0"))):
-        path = Path(root) / name
-        try:
-            if path.resolve().is_relative_to(own):
-                continue
-            size = path.stat().st_size
-        except OSError:  # gone since git listed it
-            continue
-        entries.append({"path": name, "bytes": size})
-    return entries

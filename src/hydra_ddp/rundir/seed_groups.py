@@ -1,13 +1,10 @@
-"""Seed groups of a sweep: jobs whose swept overrides differ only in the seed, and what their
-objectives say together.
+"""Seed groups of a sweep: jobs whose swept overrides differ only in the seed.
 
-With `trainer.seed=range(3) optim.lr=1e-3,3e-3` every learning rate runs with three seeds, and
-one run each would rank the luckiest seed. Here each configuration is a group: n, mean,
-standard deviation, min, max and a 95 % Student's t interval of its objective and of each
-`val_*` metric of its jobs' summaries; the groups ranked by mean (trainer.monitor_mode); and
-whether the best group is distinguishable from the next: Welch's t-test, a paired t-test when
-both ran the same seeds, and how many seeds per group a two-sample t-test would need at the
-spread seen. Which keys are seeds: SweepReport's `seed_keys`.
+With `trainer.seed=range(3) optim.lr=1e-3,3e-3`, one run per learning rate would rank the
+luckiest seed. Each configuration is a group: n, mean, std, min, max and a 95 % Student's t
+interval of its objective and `val_*` metrics, ranked by mean; and whether the best group is
+distinguishable from the next (Welch's t-test, a paired one over the same seeds) with the seeds
+per group a two-sample t-test would need at the spread seen.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import statistics
 import warnings
 from typing import Any, Sequence
 
-from hydra_ddp.rundir.sweep_jobs import cell
+from hydra_ddp.rundir.sweep_jobs import cell, table
 
 LEVEL = 0.95  # the confidence of each interval
 ALPHA = 0.05  # the tests' level, two-sided
@@ -32,9 +29,8 @@ POWER_CALCULATION = (
 def summarise(
     jobs: list[dict[str, Any]], seed_keys: list[str], monitor: str, mode: str
 ) -> tuple[dict[str, Any], str, list[str]]:
-    """The report of a sweep over seeds: its JSON (the groups, the comparison of the best two,
-    the jobs, each marked `best` when in the best group), the best group in a few words, and
-    the lines for the log (the group table, the comparison)."""
+    """The report's JSON (groups, the comparison of the best two, jobs marked `best` in the best
+    group), the best group in a few words, and the lines for the log."""
     entries = groups(jobs, seed_keys, mode)
     best = entries[0] if entries and entries[0]["best"] else None
     for job in jobs:
@@ -65,7 +61,11 @@ def groups(jobs: list[dict[str, Any]], seed_keys: Sequence[str], mode: str) -> l
                 "group": " ".join(f"{k}={v}" for k, v in config) or "(one configuration)",
                 "overrides": dict(config),
                 **describe([j["objective"] for j in scored]),
-                "seeds": [seed_of(j, seed_keys) for j in scored],
+                # `0`; `0,1` for two seed keys.
+                "seeds": [
+                    ",".join(str(j["overrides"][k]) for k in seed_keys if k in j["overrides"])
+                    for j in scored
+                ],
                 "jobs": [j["job"] for j in group],
                 "unscored": len(group) - len(scored),  # failed, stopped or pruned
                 "metrics": {
@@ -83,14 +83,8 @@ def groups(jobs: list[dict[str, Any]], seed_keys: Sequence[str], mode: str) -> l
     return entries
 
 
-def seed_of(job: dict[str, Any], seed_keys: Sequence[str]) -> str:
-    """The job's seed as its values of the seed keys (`0`; `0,1` for two keys)."""
-    return ",".join(str(job["overrides"][k]) for k in seed_keys if k in job["overrides"])
-
-
 def describe(values: list[float]) -> dict[str, Any]:
-    """n, mean, std (sample, n - 1), min, max and the 95 % Student's t interval of the mean;
-    None where n is too small for one."""
+    """n, mean, sample std, min, max, the Student's t interval of the mean; None for too few."""
     from scipy import stats
 
     n = len(values)
@@ -111,9 +105,6 @@ def describe(values: list[float]) -> dict[str, Any]:
 
 
 def compare(best: dict[str, Any], runner_up: dict[str, Any]) -> dict[str, Any]:
-    """Whether `best` is distinguishable from `runner_up`: their intervals, Welch's t-test, a
-    paired t-test over the seeds both ran (when they ran the same ones), and the seeds per
-    group a two-sample t-test would need at the spread seen."""
     from scipy import stats
 
     result: dict[str, Any] = {"best": best["group"], "next": runner_up["group"]}
@@ -143,9 +134,9 @@ def compare(best: dict[str, Any], runner_up: dict[str, Any]) -> dict[str, Any]:
 
 
 def seeds_needed(difference: float, std: float) -> int | None:
-    """The fewest seeds per group at which a two-sample t-test (equal group sizes, two-sided,
-    ALPHA) detects `difference` with POWER, `std` being each group's standard deviation; the
-    power from the noncentral t distribution. None: no difference, or over MAX_SEEDS."""
+    """The fewest seeds per group at which a two-sample t-test (two-sided, ALPHA) detects
+    `difference` with POWER at standard deviation `std`, from the noncentral t distribution.
+    None: no difference, or over MAX_SEEDS."""
     import numpy as np
     from scipy import stats
 
@@ -163,7 +154,6 @@ def seeds_needed(difference: float, std: float) -> int | None:
 
 
 def comparison_line(comparison: dict[str, Any]) -> str:
-    """The comparison as one line of the sweep's log."""
     head = f"best vs next: {comparison['best']} vs {comparison['next']}: "
     if "verdict" in comparison:
         return head + comparison["verdict"]
@@ -186,7 +176,6 @@ def comparison_line(comparison: dict[str, Any]) -> str:
 
 
 def group_table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
-    """The groups as aligned text: a header line, then one line per group (`*`: the best)."""
     names = sorted({n for g in entries for n in g["metrics"]})
     header = ["", "rank", "n", f"{monitor} ({mode}) mean", "std", f"{LEVEL:.0%} interval"]
     header += ["min", "max", *(f"{n} mean" for n in names), "group"]
@@ -205,7 +194,4 @@ def group_table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[
         ]
         for g in entries
     ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return [
-        "  " + " ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]
-    ]
+    return table([header, *rows])

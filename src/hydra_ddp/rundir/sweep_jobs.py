@@ -1,10 +1,5 @@
-"""A sweep's jobs as its report lists them: found from the sweep's journal and its job dirs,
-one row each (status, objective, metrics, why it failed and where its logs are), and the job
-table of the sweep's log.
-
-The journal, <sweep dir>/sweep_jobs.jsonl, gets a line as the sweep starts and as each job
-starts and ends, whatever process runs it (sweeps.SweepReport writes them); a job whose dir is
-missing or that wrote no summary.json is reported as failed.
+"""A sweep's jobs as its report lists them, one row each, found from the journal (a line as the
+sweep starts and as each job starts and ends) and the job dirs; and the report's job table.
 """
 
 from __future__ import annotations
@@ -33,13 +28,11 @@ FILE_FIX = "remove it (the sweep writes its own there), or choose another hydra.
 
 
 def collect(sweep_dir: Path, keys: list[str], monitor: str, mode: str) -> list[dict[str, Any]]:
-    """One row per job of the sweep in `sweep_dir` (see `job_entry`), in launch order."""
     journal, started = read_journal(sweep_dir / JOURNAL)
     return [job_entry(job, keys, monitor, mode) for job in find_jobs(sweep_dir, journal, started)]
 
 
 def mark_best(jobs: list[dict[str, Any]], mode: str) -> str:
-    """Mark the job with the best objective (`best`: true), and say which it is."""
     scored = [j for j in jobs if j["status"] == "ok" and j["objective"] is not None]
     top = (min if mode == "min" else max)(scored, key=lambda j: j["objective"], default=None)
     for j in jobs:
@@ -48,8 +41,7 @@ def mark_best(jobs: list[dict[str, Any]], mode: str) -> str:
 
 
 def read_journal(path: Path) -> tuple[dict[str, dict[str, Any]], float | None]:
-    """Job dir -> what the journal says of it (its start and end merged), and when the sweep
-    started (None: a journal that does not say)."""
+    """Job dir -> its journal records merged, and when the sweep started (None: not said)."""
     jobs: dict[str, dict[str, Any]] = {}
     started = None
     try:
@@ -74,15 +66,14 @@ def read_journal(path: Path) -> tuple[dict[str, dict[str, Any]], float | None]:
 def find_jobs(
     sweep_dir: Path, journal: dict[str, dict[str, Any]], started: float | None
 ) -> list[dict[str, Any]]:
-    """Every job of this sweep, in launch order: those in the journal, every dir under the sweep
-    dir (a subdir may nest) with a .hydra/ dump written since the sweep `started` (not another
-    run's, nor an earlier sweep's in the same dir), and a placeholder for each job number
-    missing between them (a job that left no trace)."""
+    """Every job of this sweep in launch order: the journal's, each dir under the sweep dir with
+    a .hydra/ dump written since the sweep `started`, and a placeholder for each missing number
+    (a job that left no trace)."""
     jobs = {d: dict(record) for d, record in journal.items()}
     for root, dirs, _ in os.walk(sweep_dir):
         if ".hydra" in dirs:
-            # A re-run in a job dir writes .hydra.2, .hydra.3, ... (paths.hydra_subdir). One
-            # second of slack: the start's time is rounded, a file system's clock may lag.
+            # A re-run writes .hydra.2, ... (paths.hydra_subdir). One second of slack: the
+            # start's time is rounded, a file system's clock may lag.
             dumps = [os.path.join(root, d) for d in dirs if d.startswith(".hydra")]
             if started is None or _newest(dumps) >= started - 1:
                 jobs.setdefault(os.path.abspath(root), {})
@@ -102,7 +93,6 @@ def find_jobs(
 
 
 def _newest(paths: list[str]) -> float:
-    """The latest modification time of `paths` (0 when they vanished meanwhile)."""
     times = []
     for path in paths:
         try:
@@ -124,13 +114,11 @@ def _job_number(job_dir: Path) -> int | None:
 
 
 def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) -> dict[str, Any]:
-    """One row of the report, from the journal's record and what the job left in its dir."""
     num, job_dir = record["num"], record["dir"]
     saved = _read_yaml(Path(job_dir) / ".hydra" / "overrides.yaml") if job_dir else None
     overrides = record.get("overrides")
     if overrides is None:
         overrides = list(saved) if isinstance(saved, list) else []
-    # What the report must not repeat: the values of the job's secret keys (redact.py).
     secrets = [v for k, v in map(split_override, saved or overrides) if v and redact.is_secret(k)]
     swept = dict(split_override(line) for line in redact.overrides(overrides))
     swept = {k: v for k, v in swept.items() if k in keys}
@@ -152,7 +140,10 @@ def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) 
             failure, summary = {"error": str(e)}, {}
         if failure is not None:
             status = str(failure.get("status", "FAILED"))
-            detail = _scrub(str(failure.get("error", failure)), secrets)
+            detail = str(failure.get("error", failure))
+            for value in sorted(secrets, key=len, reverse=True):
+                detail = detail.replace(value, redact.REDACTED)
+            detail = redact.text(detail)  # and the live W&B API key
         elif summary.get("pruned"):  # a pruning sweep's pruner stopped it (loop/pruning.py)
             status, detail = PRUNED, f"pruned at step {summary.get('steps')}"
         elif summary:
@@ -171,14 +162,12 @@ def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) 
         "num": num,
         "overrides": swept,
         "status": status,
-        # The step it reached (a pruned job's is where it was stopped).
         "steps": summary.get("steps"),
         "monitor": monitor,
         "mode": mode,
         "objective": objective,
         "metrics": {k: v for k, v in summary.items() if k.startswith("val_")},
         "detail": detail,
-        # How often it was started again (a requeue after a time limit or a preemption).
         "requeued": max(int(record.get("starts", 1)) - 1, 0),
         "dir": job_dir,
         "logs": logs,
@@ -215,30 +204,26 @@ def job_table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
         ]
         for j in jobs
     ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for j, row in zip([None, *jobs], [header, *rows]):
-        line = "  " + " ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-        if j is not None and j["status"] == PRUNED:
+    lines = table([header, *rows])
+    for i, j in enumerate(jobs, 1):
+        line = lines[i]
+        if j["status"] == PRUNED:
             line += f"  {j['detail']}"
-        elif j is not None and j["status"] != "ok":
-            # The whole error is in the JSON report; here a line stays a line.
+        elif j["status"] != "ok":  # the whole error is in the JSON report
             line += (
                 f"  {_ellipsize(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"
             )
-        lines.append(line)
+        lines[i] = line
     return lines
 
 
-def _scrub(text: str, secrets: list[str]) -> str:
-    """`text` with each of `secrets` (and the live W&B API key) blanked."""
-    for value in sorted(secrets, key=len, reverse=True):
-        text = text.replace(value, redact.REDACTED)
-    return redact.text(text)
+def table(rows: list[list[str]]) -> list[str]:
+    """`rows` as lines of left-aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + " ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def cell(value: Any) -> str:
-    """A number as the report's tables show it; `-` for none."""
     return f"{value:.6g}" if isinstance(value, (int, float)) else "-"
 
 
@@ -255,7 +240,7 @@ def _read_yaml(path: Path) -> Any:
 
 
 def read_side_file(path: Path) -> dict[str, Any]:
-    """A JSON side file of a job as a dict; {} when it is missing, no JSON or no regular file."""
+    """A job's JSON side file; {} when it is missing, no JSON or no regular file."""
     try:
         found = jsonfile.read(path)
     except UserError:

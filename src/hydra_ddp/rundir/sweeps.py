@@ -1,12 +1,6 @@
-"""Sweeps of DDP jobs: a failed job's record, and the report at the end.
-
-`SweepReport` is a Hydra callback that tables every job of this sweep at the end of a multirun
-(status, objective, metrics, and for a failed job why and where its logs are; a job a pruning
-sweep stopped early is PRUNED, with the step it reached, and counts as no failure); a sweep
-over seeds adds its seed groups (seed_groups.py). Job dir names are paths.sweep_subdir's; each
-job's objective is the metric `trainer.monitor` names (loop.evaluation.monitor_key). The values of
-secret keys (redact.py) are blanked in the report, its table and the journal, as in the job dir
-names, and in the Optuna sweeper's optimization_results.yaml.
+"""The sweep report, a Hydra callback: a failed job's record, the sweep's journal, and at the
+end of a multirun a table of every job (sweep_jobs.py), by seed group for a sweep over seeds
+(seed_groups.py). Secret values (redact.py) are blanked in the report, its table and journal.
 """
 
 from __future__ import annotations
@@ -39,17 +33,15 @@ _sweep_failed = False
 _running: tuple[SweepReport, DictConfig] | None = None
 
 _REPORT = "sweep_report.json"
-_SWEEPER_RESULTS = "optimization_results.yaml"  # the Optuna sweeper's
-# Every file of the sweep dir that a sweep opens: the report's, and Hydra's own (its basic
-# sweeper writes multirun.yaml after on_multirun_start, before the first job). A FIFO there
-# would block the sweep for ever, holding its claim.
-_SWEEP_FILES = (sweep_jobs.JOURNAL, SWEPT_KEYS_FILE, _REPORT, "multirun.yaml", _SWEEPER_RESULTS)
+_OPTUNA_RESULTS = "optimization_results.yaml"
+# Every file of the sweep dir a sweep opens (Hydra's and Optuna's too): a FIFO there would block
+# the sweep for ever, holding its claim.
+_SWEEP_FILES = (sweep_jobs.JOURNAL, SWEPT_KEYS_FILE, _REPORT, "multirun.yaml", _OPTUNA_RESULTS)
 
 
 def record_failure(output_dir: Path, message: str, status: str = "FAILED") -> None:
-    """Mark a job of a sweep as failed (or, with status="PREEMPTED", stopped on request), for
-    SweepReport to find. Global rank 0 writes it: under a submitit sweep every task of the job
-    gets here, and a peer of a failed rank fails too."""
+    """Mark a job of a sweep as failed (or PREEMPTED: stopped on request) for the report; rank 0
+    writes it (under submitit every task of the job gets here)."""
     if launcher_rank() != 0:
         return
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -58,26 +50,22 @@ def record_failure(output_dir: Path, message: str, status: str = "FAILED") -> No
 
 
 def record_not_started(config: DictConfig, job_dir: Path, overrides: list[str]) -> None:
-    """Journal a job that a stopped sweep never started (a launcher with a queue: Ray's), so
-    the report lists it as PREEMPTED rather than as a job that left no trace."""
+    """Journal a job a stopped sweep never started (Ray's queue): PREEMPTED in the report."""
     record = {"dir": os.path.abspath(job_dir), "event": "not_started", "overrides": overrides}
     _journal(config, **record)
 
 
 def report_stopped() -> None:
-    """The report of a sweep that a stop ended in its own process (the basic launcher: a job
-    stopped on a signal ends its sweep with it; submitit's: `_stop_on_signals`), as at a
-    sweep's end."""
+    """The report of a sweep a stop ended in its own process (the basic launcher's, submitit's)."""
     if _running is not None:
         callback, config = _running
         callback.on_multirun_end(config)
 
 
 def _stop_on_signals() -> None:
-    """A submitit sweep's process only submits its jobs and waits: SIGTERM, SIGUSR1 or SIGUSR2
-    would kill it without a word, its report unwritten and its claim held. Each now ends it as
-    a stopped sweep (one line, the report, exit 128 + the signal). Its jobs are the
-    scheduler's and run on; they stop on their own signals (scancel, or a kill of a local one)."""
+    """A submitit sweep's process only waits for its jobs: a stop signal ends it with one line,
+    the report and exit 128 + the signal, instead of killing it silently with its claim held.
+    Its jobs are the scheduler's and run on."""
 
     def stop(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -91,23 +79,15 @@ def _stop_on_signals() -> None:
 
 
 def sweep_failed() -> bool:
-    """True when the sweep that just ran in this process had a failing job."""
     return _sweep_failed
 
 
 class SweepReport(Callback):
-    """At the end of a multirun, a table of every job: its swept overrides, status, objective
-    (`trainer.monitor`, best job marked), main validation metrics and, for a failed job, why
-    and where its logs are; written to the log and to <sweep dir>/sweep_report.json.
-
-    Jobs are found from the journal <sweep dir>/sweep_jobs.jsonl (a line as each starts and
-    ends, whatever process runs it: the basic launcher's or submitit's) and by looking for job
-    dirs, so a job whose dir is missing or that wrote no summary.json is reported as failed.
-    Each job's rank 0 leaves what Hydra got back from it (what a sweeper such as Optuna's
-    optimises) in <job dir>/job_return.json.
-
-    `seed_keys`: the keys whose values are seeds (hydra.callbacks.sweep_report.seed_keys, in
-    conf/train.yaml); a sweep over one of them is reported by seed group too."""
+    """At the end of a multirun, a table of every job (swept overrides, status, objective with
+    the best marked, validation metrics, a failed job's why and logs) in the log and in
+    <sweep dir>/sweep_report.json. Jobs are found from the journal (a line as each starts and
+    ends, in whatever process) and from their dirs. `seed_keys`: the keys whose values are
+    seeds (hydra.callbacks.sweep_report.seed_keys); a sweep over one is reported by group too."""
 
     def __init__(self, seed_keys: Sequence[str] = ()) -> None:
         self.seed_keys = [str(k) for k in seed_keys]
@@ -119,16 +99,11 @@ class SweepReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         _check_sweep_files(sweep_dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        # Before anything is written or submitted: a live sweep's dir is refused in one line.
         claim.claim_sweep(sweep_dir)
-        keys = swept_keys(
-            OmegaConf.to_container(config.hydra.overrides.task),
-            OmegaConf.select(config, "hydra.sweeper.params", default=None),
-        )
+        keys = _swept_keys(config)
         jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, keys, indent=None)
-        # A sweep rerun into the same dir starts its journal afresh, with the time it started:
-        # job dirs found there that no job of this sweep has written since are another run's.
-        # Not an Optuna sweep run again: it continues its study, whose trials those jobs are.
+        # A rerun into the same dir starts the journal afresh, with its start time: job dirs
+        # not written since are another run's. Not an Optuna sweep: it continues its study.
         journal = sweep_dir / sweep_jobs.JOURNAL
         optuna = "hydra_ddp_optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_"))
         if not (optuna and sweep_jobs.read_journal(journal)[1] is not None):
@@ -146,13 +121,10 @@ class SweepReport(Callback):
         # A sweep rerun into the same sweep dir must not report the previous run's outcome.
         for name in ("failure.json", sweep_jobs.JOB_RETURN):
             (output_dir / name).unlink(missing_ok=True)
-        # A launcher that starts a process per job (hydra/launcher=ray) says when it did:
-        # the job's start-up is then from there, not from here.
         started = os.environ.get(JOB_STARTED_ENV)
         _journal(
             config,
             event="start",
-            # The values of secret keys (redact.py) stay in the job's own .hydra/ record.
             overrides=redact.overrides(OmegaConf.to_container(config.hydra.overrides.task)),
             **({"process_start": float(started)} if started else {}),
         )
@@ -164,12 +136,10 @@ class SweepReport(Callback):
             return  # under submitit every task of a job gets here: rank 0 speaks for the job
         output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
-            # A job that raised past launch/command.py's own handling (a bug) still gets marked.
             record_failure(output_dir, repr(job_return._return_value))
         if _is_multirun(job_return.hydra_cfg):
             value = job_return._return_value if job_return.status == JobStatus.COMPLETED else None
             number = float(value) if isinstance(value, (int, float)) else None
-            # A job stopped on a signal under Ray or submitit returns (NaN): its record says so.
             failure = sweep_jobs.read_side_file(output_dir / "failure.json")
             returned = {
                 "status": failure.get("status", "FAILED") if failure else job_return.status.name,
@@ -178,33 +148,26 @@ class SweepReport(Callback):
                 "return_value": jsonfile.finite_or_none(number),
             }
             jsonfile.write(output_dir / sweep_jobs.JOB_RETURN, returned, indent=None)
-            # `config`, not the copy in job_return: that one lost the resolved `${now:}` of the
-            # sweep dir's name.
+            # Not job_return's copy of the config: it lost the sweep dir's resolved `${now:}`.
             _journal(config, event="end", **returned)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global _running
         _running = None
         try:
-            _blank_sweeper_results(Path(config.hydra.sweep.dir))
             self._report(config)
         finally:
-            claim.release_sweep()  # the sweep is over: its dir is free for the next
+            claim.release_sweep()
 
     def _report(self, config: DictConfig) -> None:
         global _sweep_failed
-        # Hydra turns an exception here into a warning: a report that could not be made must
-        # not pass for a sweep without failures.
+        # Hydra turns an exception here into a warning: no report must not pass for success.
         _sweep_failed = True
-        # Absolute, so the paths in the report and on the console work from anywhere.
         sweep_dir = Path(os.path.abspath(config.hydra.sweep.dir))
         monitor = str(OmegaConf.select(config, "trainer.monitor", default="val/loss"))
         mode = OmegaConf.select(config, "trainer.monitor_mode", default="min")
         mode = str(getattr(mode, "value", mode))
-        keys = swept_keys(
-            OmegaConf.to_container(config.hydra.overrides.task),
-            OmegaConf.select(config, "hydra.sweeper.params", default=None),
-        )
+        keys = _swept_keys(config)
         jobs = sweep_jobs.collect(sweep_dir, keys, monitor, mode)
         seeds = [k for k in self.seed_keys if k in keys]
         if seeds:
@@ -235,8 +198,6 @@ class SweepReport(Callback):
 
 
 def _check_sweep_files(sweep_dir: Path) -> None:
-    """Refuse, in one line and before anything is written or claimed, a sweep dir where a file
-    the sweep opens is no regular file (a FIFO would block the sweep for ever)."""
     try:
         for name in _SWEEP_FILES:
             check_regular(sweep_dir / name, "the sweep's file", sweep_jobs.FILE_FIX)
@@ -245,27 +206,9 @@ def _check_sweep_files(sweep_dir: Path) -> None:
         sys.exit(2)
 
 
-def _blank_sweeper_results(sweep_dir: Path) -> None:
-    """The Optuna sweeper writes the best trial's parameters to <sweep dir>/
-    optimization_results.yaml just before this runs (after its last trial): the values of
-    secret keys among them (redact.py) are blanked there, as in the report."""
-    path = sweep_dir / _SWEEPER_RESULTS
-    if not path.is_file():  # another sweeper, or none
-        return
-    try:
-        results = OmegaConf.to_container(OmegaConf.load(path))
-        blanked = redact.config(results)
-        if blanked != results:
-            tmp = path.with_name(f".{path.name}.tmp")
-            OmegaConf.save(OmegaConf.create(blanked), tmp)
-            os.replace(tmp, path)
-    except Exception as e:  # unreadable or unwritable: say so, the report still comes
-        log.warning("could not blank the secret values in %s: %s", path, e)
-
-
 def _check_sweeper_direction(config: DictConfig) -> None:
-    """A sweeper with a `direction` (Optuna's) must optimise the way trainer.monitor_mode says:
-    stop before the first job rather than search for the worst hyperparameters."""
+    """A sweeper's `direction` (Optuna's) must agree with trainer.monitor_mode: stop before the
+    first job rather than search for the worst hyperparameters."""
     direction = OmegaConf.select(config, "hydra.sweeper.direction", default=None)
     mode = OmegaConf.select(config, "trainer.monitor_mode", default=None)
     if direction is None or mode is None or not isinstance(direction, (str, Enum)):
@@ -286,12 +229,11 @@ def _check_sweeper_direction(config: DictConfig) -> None:
 
 
 def _journal(config: DictConfig, **record: Any) -> None:
-    """Append one line about this job to <sweep dir>/sweep_jobs.jsonl (one short write, so the
-    lines of jobs ending at the same time in other processes do not mix)."""
+    """Append a line about this job to the journal (one short write: lines of jobs ending at
+    once in other processes do not mix)."""
     record = {
         "num": OmegaConf.select(config, "hydra.job.num", default=None),
         "dir": os.path.abspath(OmegaConf.select(config, "hydra.runtime.output_dir") or "."),
-        # When: whether jobs ran side by side (hydra/launcher=ray) is read from these.
         "time": round(time.time(), 3),
         **record,
     }
@@ -301,6 +243,11 @@ def _journal(config: DictConfig, **record: Any) -> None:
             f.write(json.dumps(record) + "\n")
     except (OSError, UserError) as e:  # the report still finds the job by its dir
         log.warning("could not write %s: %s", path, e)
+
+
+def _swept_keys(config: DictConfig) -> list[str]:
+    task = OmegaConf.to_container(config.hydra.overrides.task)
+    return swept_keys(task, OmegaConf.select(config, "hydra.sweeper.params", default=None))
 
 
 def _is_multirun(config: DictConfig) -> bool:

@@ -1,11 +1,7 @@
 """The sweep: read the search space, open (or continue) the study, run again what a stopped
-sweep left running, then ask for trials in batches of `n_jobs`, launch them, and tell Optuna how
-each ended: COMPLETE with its objective, PRUNED (the job marked its trial), or FAIL.
-
-The study holds each trial's swept values (a secret key's choice, by redact.py's rule, as its
-index), sweep dir and job number, never the fixed overrides: a continued sweep runs each
-unfinished trial again under its number, with the command's fixed overrides, in its job dir,
-where the job resumes from its last checkpoint.
+sweep left running, then ask for trials `n_jobs` at a time, launch them and tell how each ended.
+The study holds each trial's swept values (a secret's as its index), sweep dir and job number,
+never the fixed overrides: a continued trial runs again in its job dir and resumes there.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from hydra_ddp.loop.pruning import PRUNED_ATTR, PRUNER_ATTR, STORAGE_ENV, STUDY_
 
 log = logging.getLogger(__name__)
 
-# Trial attributes the sweeper sets as it asks for a trial.
 DIR_ATTR, NUM_ATTR = "sweep_dir", "job_num"
 
 
@@ -64,8 +59,8 @@ def sweep(sweeper: Any, arguments: list[str]) -> None:
 
 
 class SearchSpace:
-    """`hydra.sweeper.params` and the command line (which wins), read with Hydra's override
-    parser: each swept key as an Optuna distribution, the rest fixed overrides of every job."""
+    """`hydra.sweeper.params` and the command line (which wins), by Hydra's override parser:
+    each swept key as an Optuna distribution, the rest fixed overrides of every job."""
 
     def __init__(self, params: dict[str, Any], arguments: list[str], config: DictConfig) -> None:
         self.distributions: dict[str, Any] = {}
@@ -101,7 +96,6 @@ class SearchSpace:
                 )
 
     def _add(self, key: str, override: Any) -> list[Any]:
-        """Add a swept key's distribution; returns the values it names."""
         sweep = override.value()
         if override.is_interval_sweep():  # of floats, as Hydra reads it (range() gives ints)
             dist = FloatDistribution(sweep.start, sweep.end, log="log" in sweep.tags)
@@ -118,15 +112,12 @@ class SearchSpace:
         return values
 
     def job(self, params: dict[str, Any]) -> list[str]:
-        """The overrides of a job whose trial has these swept values (a key it lacks: as set)."""
         values = {k: self.secrets[k][v] if k in self.secrets else v for k, v in params.items()}
         swept = [f"{k}={Transformer.str(values[k])}" for k in self.distributions if k in values]
         return [*swept, *self.fixed.values()]
 
 
 class _Run:
-    """This run of the sweep: its study, its launcher, and the job numbers it hands out."""
-
     def __init__(self, sweeper: Any, sweep_dir: Path, space: SearchSpace, storage: Any) -> None:
         params = sweeper.params
         self.config, self.launcher = sweeper.config, sweeper.launcher
@@ -146,7 +137,7 @@ class _Run:
         done = len(self.study.get_trials(deepcopy=False))
         seed = params["sampler"].get("seed")
         if done and seed is not None:
-            # A continued study: the same seed would propose the first trials' points again.
+            # A continued study: the same seed would propose the first points again.
             self.sampler = self.study.sampler = instantiate(params["sampler"], seed=seed + done)
         self.next_num = max(map(_num, self.mine()), default=-1) + 1
 
@@ -170,15 +161,13 @@ class _Run:
         return instantiate(self.storage) if isinstance(self.storage, dict) else self.storage
 
     def mine(self) -> list[optuna.trial.FrozenTrial]:
-        """The study's trials of this sweep dir (a storage can hold other sweeps' too)."""
         trials = self.study.get_trials(deepcopy=False)
         mine = [t for t in trials if t.user_attrs.get(DIR_ATTR) == str(self.sweep_dir)]
         return [t for t in mine if NUM_ATTR in t.user_attrs]
 
     def resume_unfinished(self) -> None:
-        """Trials of this sweep dir still RUNNING: the sweep that ran them was stopped (this
-        process holds the sweep dir's claim, so it is gone). A pruned one is told so; the
-        others run again, under their numbers, so each resumes in its own job dir."""
+        """Trials of this sweep dir still RUNNING (their sweep was stopped: this one holds the
+        claim): a pruned one is told so, the others run again in their own job dirs."""
         left = sorted((t for t in self.mine() if t.state == TrialState.RUNNING), key=_num)
         for t in left:
             if PRUNED_ATTR in t.user_attrs:
@@ -197,14 +186,12 @@ class _Run:
                 self.launch(trials[i : i + self.n_jobs])
 
     def launch(self, trials: list[Any]) -> None:
-        """Run `trials` as consecutive jobs, from the first's number, and tell how each ended."""
         jobs, first = [self.space.job(t.params) for t in trials], _num(trials[0])
         if self.pruner_config:  # each job reports to its trial
             jobs = [[*job, *_env_set({TRIAL_ENV: str(t.number)})] for t, job in zip(trials, jobs)]
         returns = self.launcher.launch(jobs, initial_job_idx=first)
         self.next_num = max(self.next_num, first + len(jobs))
-        # Read the study afresh: Optuna's cache keeps its own view of the trials this process
-        # asked for, which misses what their jobs wrote (a pruned job's mark).
+        # Afresh: Optuna's cache of this process's trials misses what their jobs wrote.
         name, sampler, pruner = self.study.study_name, self.sampler, self.pruner
         self.study = optuna.load_study(
             study_name=name, storage=self._open(), sampler=sampler, pruner=pruner
@@ -218,9 +205,8 @@ class _Run:
                 self.study.tell(trial.number, state=TrialState.FAIL)
 
     def tell_jobs_the_study(self) -> None:
-        """The study's storage and name go to every job's environment (loop/pruning.py) through
-        the sweep's Hydra overrides, which a launcher applies to each job; the pruner's config
-        to the study (Optuna stores no pruner), from which each job builds it."""
+        """The storage and study name to every job's environment (loop/pruning.py), through
+        Hydra overrides each launcher applies; the pruner's config to the study."""
         self.study.set_user_attr(PRUNER_ATTR, self.pruner_config)
         storage = json.dumps(self.storage) if isinstance(self.storage, dict) else self.storage
         env = _env_set({STORAGE_ENV: storage, STUDY_ENV: self.study.study_name})
@@ -229,8 +215,8 @@ class _Run:
 
 
 def _write_results(study: optuna.Study, sweep_dir: Path) -> None:
-    """<sweep dir>/optimization_results.yaml, as Hydra's Optuna sweeper wrote it, with the
-    count of trials by how they ended."""
+    """optimization_results.yaml as Hydra's Optuna sweeper wrote it, secrets blanked, with the
+    trials counted by how they ended."""
     trials = study.get_trials(deepcopy=False)
     counts = {s.name: sum(t.state == s for t in trials) for s in TrialState}
     results: dict[str, Any] = {"name": "optuna", "trials": counts}
@@ -252,7 +238,6 @@ def _is_number(value: Any) -> bool:
 
 
 def _shown(storage: Any) -> str:
-    """The storage as a message shows it: a database URL without its password."""
     try:
         return sqlalchemy.engine.make_url(storage).render_as_string(hide_password=True)
     except sqlalchemy.exc.ArgumentError:  # a storage's config, or no URL
@@ -260,7 +245,6 @@ def _shown(storage: Any) -> str:
 
 
 def _env_set(env: dict[str, str]) -> list[str]:
-    """`hydra.job.env_set` overrides, each value a quoted string of Hydra's grammar (a URL
-    holds `:` and `/`)."""
+    """`hydra.job.env_set` overrides, values quoted (a URL holds `:` and `/`)."""
     quoted = {k: "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'" for k, v in env.items()}
     return [f"++hydra.job.env_set.{k}={v}" for k, v in quoted.items()]

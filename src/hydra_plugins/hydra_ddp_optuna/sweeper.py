@@ -1,8 +1,6 @@
-"""The Hydra sweeper object and the schema of its `hydra.sweeper` keys (every default is here;
-conf/hydra/sweeper/optuna_pruned.yaml adds a pruner). Hydra's plugin scan imports this module on
-every start, with or without the `sweep` extra: Optuna is imported by _study.py, where the sweep
-starts. (No `from __future__ import annotations`: the scan loads a plugin module outside
-sys.modules, where a dataclass cannot resolve string annotations.)"""
+"""The Hydra sweeper and its `hydra.sweeper` keys, every default. The plugin scan imports this on
+every start, with or without Optuna (_study.py imports it). No `from __future__ import
+annotations`: the scan loads it outside sys.modules, where a dataclass cannot resolve them."""
 
 import importlib.util
 import sys
@@ -55,8 +53,6 @@ ConfigStore.instance().store(
 
 
 class OptunaSweeper(Sweeper):
-    """Optuna's ask and tell around the launcher (see the package's docstring)."""
-
     def __init__(self, **params: Any) -> None:
         self.params = OmegaConf.to_container(OmegaConf.create(params), resolve=True)
         self.config: Optional[DictConfig] = None
@@ -85,6 +81,5 @@ class OptunaSweeper(Sweeper):
 
 
 def refuse(message: str) -> NoReturn:
-    """Bad input to the sweep, before or between its jobs: one `error:` line, exit 2."""
     sys.stderr.write(redact.pairs(f"error: {message}") + "\n")
     sys.exit(2)

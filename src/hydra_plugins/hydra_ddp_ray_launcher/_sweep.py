@@ -1,9 +1,6 @@
 """The sweep's side of `hydra/launcher=ray`: start (or join) Ray, check that every job fits a
-node, hand each job to Ray as a task, collect what the jobs return, and stop them all on a stop
-signal (Ctrl-C, SIGTERM, SIGUSR1, SIGUSR2: what schedulers send before they kill).
-
-Ray does the scheduling: a task asks for the job's CPUs and GPUs and waits in Ray's queue until
-a node has them free. What runs inside a task is _task.py's.
+node, hand each job to Ray as a task (_task.py) asking for its CPUs and GPUs, collect what the
+jobs return, and stop them all on a stop signal.
 """
 
 from __future__ import annotations
@@ -38,8 +35,6 @@ _POLL_S = 0.5
 
 @dataclass
 class RayJob:
-    """One job of the sweep as the launcher sees it."""
-
     num: int
     overrides: list[str]
     config: DictConfig  # the job's own config (Hydra's sweep config)
@@ -51,25 +46,26 @@ class RayJob:
 
 
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) -> list[JobReturn]:
-    """Run one batch of jobs (all of a basic sweep, `n_jobs` trials of Optuna's) side by side
-    on Ray and return their results in order."""
+    """Run one batch of jobs (a basic sweep's all, Optuna's `n_jobs` trials) on Ray; their
+    results in order."""
+    import ray
+
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     # Resolved here once: `${now:}` must name the same dir in every job's process.
     sweep_dir = str(config.hydra.sweep.dir)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
-    session = launcher.session  # started at the launcher's setup (`prepare`)
-    session.stop_file = os.path.join(sweep_dir, ".stop_requested")
-    Path(session.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
-    log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), session.where, sweep_dir)
-    nodes = session.nodes()
+    # Created on a stop request; every job's task looks for it (_task.run).
+    launcher.stop_file = os.path.abspath(os.path.join(sweep_dir, ".stop_requested"))
+    Path(launcher.stop_file).unlink(missing_ok=True)  # a previous sweep's, in a reused dir
+    log.info("Ray: %d job(s) on %s; sweep dir: %s", len(job_overrides), launcher.where, sweep_dir)
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     jobs: list[RayJob] = []
     returns: dict[int, JobReturn] = {}
     stop = launcher.stop
     with stop.launching():
-        # Each job is composed (a tenth of a second or so), checked and handed to Ray in turn:
-        # the first ones run while the later ones are composed.
+        # Composed and handed to Ray in turn: the first ones run while the later are composed.
         for i, overrides in enumerate(job_overrides):
             job = _job(launcher, list(overrides), first + i, sweep_dir)
             jobs.append(job)
@@ -77,21 +73,22 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
                 continue  # not handed out: `_stopped` records it as never started
             swept = " ".join(filter_overrides(job.overrides))
             try:
-                fit_to_nodes([job], nodes, session.where)
+                fit_to_nodes([job], nodes, launcher.where)
             except UserError as e:  # Ray would queue it forever: it fails, the others run
                 log.error("error: %s", e)
                 returns[job.num] = _not_run(job, str(e))
                 continue
-            log.info("\t#%d : %s (%s)", job.num, swept, _resources(job))
-            job.ref = session.submit(job, _spec(launcher, job))
-        returns.update(session.wait([j for j in jobs if j.ref is not None], stop))
+            gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
+            resources = f"{job.cpus:g} CPU(s){gpus} ({job.threads} thread(s) per rank)"
+            log.info("\t#%d : %s (%s)", job.num, swept, resources)
+            job.ref = _submit(launcher, job)
+        returns.update(_wait(launcher, [j for j in jobs if j.ref is not None]))
         if stop.signum is not None:
-            _stopped(launcher, jobs, returns, session, stop.signum)
+            _stopped(launcher, jobs, returns, stop.signum)
     return [returns[j.num] for j in jobs]
 
 
-# Keys that do nothing, kept so that a command line that sets them still runs (with a warning:
-# config.py).
+# Keys that do nothing, kept so that a command line that sets them still runs, with a warning.
 _IGNORED_KEYS = {
     "warm_start": "every job starts as a fresh interpreter",
     "warm_idle_s": "no process outlives the sweep",
@@ -103,13 +100,12 @@ def prepare(launcher: Any) -> None:
     for line in ignored_keys(launcher.params):
         log.warning("%s", line)
     launcher.stop = StopRequests()
-    launcher.session = Session.start(launcher.params)
+    _start_ray(launcher)
     # Ray's driver puts its own handler of SIGTERM (a crash report, then exit 1) in ours' place.
     launcher.stop.take_signals()
 
 
 def ignored_keys(params: dict[str, Any]) -> list[str]:
-    """A line for each key of `_IGNORED_KEYS` that is set."""
     return [
         f"hydra.launcher.{key} is ignored ({why}): drop it"
         for key, why in _IGNORED_KEYS.items()
@@ -127,9 +123,8 @@ def _job(launcher: Any, overrides: list[str], num: int, sweep_dir: str) -> RayJo
 
 
 def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
-    """A job's ranks, the CPUs and GPUs it asks Ray for, and each rank's OpenMP threads, from
-    its config. GPUs -1: `gpus_per_job=null`, decided by `fit_to_nodes` once Ray tells whether
-    there are any."""
+    """A job's ranks, its CPUs and GPUs for Ray, each rank's OpenMP threads (its share of the
+    CPUs). GPUs -1: `gpus_per_job=null`, settled by `fit_to_nodes`."""
     nproc = int(OmegaConf.select(config, "dist.nproc_per_node", default=1) or 1)
     cpus = OmegaConf.select(config, "hydra.launcher.cpus_per_job", default=None)
     cpus = float(nproc if cpus is None else cpus)
@@ -137,15 +132,13 @@ def job_resources(config: DictConfig) -> tuple[int, float, float, int]:
     device = str(OmegaConf.select(config, "dist.device", default="auto"))
     if gpus is None:
         gpus = -1.0 if device.split(".")[-1] != "cpu" else 0.0
-    # Each rank's OpenMP pool: its share of the job's CPUs, at least one thread.
     threads = max(1, math.floor(cpus / nproc))
     return nproc, cpus, float(gpus), threads
 
 
 def fit_to_nodes(jobs: list[RayJob], nodes: list[dict[str, float]], where: str) -> None:
-    """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs) and check that
-    every job fits on one node (`nodes`: each live node's resources, as ray.nodes() gives
-    them); else a UserError, where Ray would queue the job forever."""
+    """Settle each job's GPUs (`null`: one per rank where the cluster has GPUs); a UserError for
+    a job no node fits (Ray would queue it forever)."""
     most = {
         kind: max((float(r.get(kind, 0.0)) for r in nodes), default=0.0) for kind in ("CPU", "GPU")
     }
@@ -159,14 +152,59 @@ def fit_to_nodes(jobs: list[RayJob], nodes: list[dict[str, float]], where: str) 
             raise too_big_for_cluster(kind, need_of(job), most[kind], job.num, job.nproc, where)
 
 
-def _resources(job: RayJob) -> str:
-    gpus = f", {job.gpus:g} GPU(s)" if job.gpus > 0 else ""
-    return f"{job.cpus:g} CPU(s){gpus} ({job.threads} thread(s) per rank)"
+def _start_ray(launcher: Any) -> None:
+    """Start a Ray for this sweep (stopped at its end), or join a cluster (left running)."""
+    import ray
+
+    params = launcher.params
+    # No telemetry: a compute node without internet would wait on it.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at niceness 15, and a job would inherit it: on a shared
+    # machine it would get a sliver of the cores. (A cluster: set it at `ray start`.)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    address = params.get("address")
+    extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
+    # Each job logs to its own dir; interleaved lines of parallel jobs help no one.
+    extra.setdefault("log_to_driver", False)
+    if address:
+        # A cluster token at hand (Ray's variables, or the file `ray start` writes).
+        token = (Path.home() / ".ray" / "auth_token").is_file() or any(
+            k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+        )
+        if "RAY_AUTH_MODE" not in os.environ and token:
+            # What `ray start` sets up by default, which ray.init(address=) does not assume.
+            os.environ["RAY_AUTH_MODE"] = "token"
+        ray.init(address=str(address), logging_level=logging.WARNING, **extra)
+        launcher.where = f"the Ray cluster at {address}"
+    else:
+        # Ray's minimum: only small task arguments go through the object store.
+        extra.setdefault("object_store_memory", 80 * 1024 * 1024)
+        ray.init(
+            # A new Ray, even where `ray start` runs one here (which ray.init() would join).
+            address="local",
+            num_cpus=params.get("num_cpus"),
+            num_gpus=params.get("num_gpus"),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            **extra,
+        )
+        launcher.where = "a Ray started for this sweep"
+    # Also on an error's exit: no Ray process outlives the sweep.
+    atexit.register(_stop_ray)
 
 
-def _spec(launcher: Any, job: RayJob) -> bytes:
-    """What the job's process needs to run it as Hydra's own launchers do (run_job)."""
-    return cloudpickle.dumps(
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()  # a joined cluster keeps running; only this driver goes
+
+
+def _submit(launcher: Any, job: RayJob) -> Any:
+    """Hand the job to Ray with what its process needs to run it as Hydra's launchers do."""
+    import ray
+
+    spec = cloudpickle.dumps(
         {
             "hydra_context": launcher.hydra_context,
             "config": job.config,
@@ -174,120 +212,49 @@ def _spec(launcher: Any, job: RayJob) -> bytes:
             "singleton_state": Singleton.get_state(),
         }
     )
+    env = {"OMP_NUM_THREADS": str(job.threads), RAY_JOB_ENV: str(job.num)}
+    remote = ray.remote(_task.run).options(
+        num_cpus=job.cpus,
+        num_gpus=job.gpus,
+        max_retries=0,  # a failed job is reported, not run again behind the user's back
+        name=f"job{job.num}",
+    )
+    grace = float(launcher.params.get("stop_grace_s", 60.0))
+    return remote.remote(spec, env, os.getcwd(), grace, launcher.stop_file)
 
 
-class Session:
-    """The Ray this sweep runs on: started here (and stopped at the end), or a running cluster
-    it joined (left running)."""
+def _wait(launcher: Any, jobs: list[RayJob]) -> dict[int, JobReturn]:
+    """Each job's result as it ends; on a stop request, the running ones are asked to stop
+    (they save a checkpoint) and the queued ones dropped."""
+    import ray
 
-    def __init__(self, params: dict[str, Any], where: str) -> None:
-        self.params = params
-        self.where = where
-        # Created on a stop request; every job's task looks for it (_task.run).
-        self.stop_file = ""
-
-    @classmethod
-    def start(cls, params: dict[str, Any]) -> Session:
-        import ray
-
-        # No telemetry and no dashboard: a sweep needs neither, and a machine without internet
-        # (a compute node) would wait on the first.
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray starts its workers at niceness 15, and a job inherits it: on a machine shared
-        # with other work (and no per-session scheduling groups) the jobs then get a sliver
-        # of the cores. A job is the work, as Ray's own job submission treats it (niceness 0).
-        # For a cluster, set it where `ray start` runs: RAY_worker_niceness=0 ray start ...
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        address = params.get("address")
-        extra = dict(OmegaConf.to_container(params["init"]) if params.get("init") else {})
-        # Each job logs to its own dir (and the report at the end names failed jobs' logs):
-        # interleaved lines of jobs running side by side on the console help no one.
-        extra.setdefault("log_to_driver", False)
-        if address:
-            if "RAY_AUTH_MODE" not in os.environ and _have_token():
-                # What `ray start` sets up by default (Ray >= 2.5x), which ray.init(address=)
-                # does not assume by itself.
-                os.environ["RAY_AUTH_MODE"] = "token"
-            ray.init(address=str(address), logging_level=logging.WARNING, **extra)
-            where = f"the Ray cluster at {address}"
-        else:
-            # Ray's minimum: a sweep passes only small task arguments through the object store.
-            extra.setdefault("object_store_memory", 80 * 1024 * 1024)
-            ray.init(
-                # "local": a new Ray, even where `ray start` runs one on this machine (which
-                # ray.init() would join).
-                address="local",
-                num_cpus=params.get("num_cpus"),
-                num_gpus=params.get("num_gpus"),
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                **extra,
+    by_ref = {j.ref: j for j in jobs}
+    returns: dict[int, JobReturn] = {}
+    pending = list(by_ref)
+    cancelled_at: float | None = None
+    grace, stop = float(launcher.params.get("stop_grace_s", 60.0)), launcher.stop
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+        for ref in done:
+            job = by_ref[ref]
+            returns[job.num] = _result(ref, job)
+            log.info("job #%d ended (%d running or queued)", job.num, len(pending))
+        if stop.signum is not None and cancelled_at is None:
+            log.warning(
+                "stopping the sweep on %s: %d job(s) save a checkpoint and stop",
+                signal.Signals(stop.signum).name,
+                len(pending),
             )
-            where = "a Ray started for this sweep"
-        session = cls(params, where)
-        # Also on an exit through an error: no Ray process outlives the sweep.
-        atexit.register(session.stop)
-        return session
-
-    def stop(self) -> None:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()  # a joined cluster keeps running; only this driver goes
-
-    def nodes(self) -> list[dict[str, float]]:
-        """Each live node's resources, as Ray sees them now (for fit_to_nodes)."""
-        import ray
-
-        return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-
-    def submit(self, job: RayJob, spec: bytes) -> Any:
-        import ray
-
-        env = {"OMP_NUM_THREADS": str(job.threads), RAY_JOB_ENV: str(job.num)}
-        remote = ray.remote(_task.run).options(
-            num_cpus=job.cpus,
-            num_gpus=job.gpus,
-            max_retries=0,  # a failed job is reported, not run again behind the user's back
-            name=f"job{job.num}",
-        )
-        grace = float(self.params.get("stop_grace_s", 60.0))
-        stop_file = os.path.abspath(self.stop_file)
-        return remote.remote(spec, env, os.getcwd(), grace, stop_file)
-
-    def wait(self, jobs: list[RayJob], stop: StopRequests) -> dict[int, JobReturn]:
-        """Each job's result as it ends; on a stop request, ask the running ones to stop (they
-        save a checkpoint), drop the queued ones, and wait for them."""
-        import ray
-
-        by_ref = {j.ref: j for j in jobs}
-        returns: dict[int, JobReturn] = {}
-        pending = list(by_ref)
-        cancelled_at: float | None = None
-        grace = float(self.params.get("stop_grace_s", 60.0))
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
-            for ref in done:
-                job = by_ref[ref]
-                returns[job.num] = _result(ref, job)
-                log.info("job #%d ended (%d running or queued)", job.num, len(pending))
-            if stop.signum is not None and cancelled_at is None:
-                log.warning(
-                    "stopping the sweep on %s: %d job(s) save a checkpoint and stop",
-                    signal.Signals(stop.signum).name,
-                    len(pending),
-                )
-                Path(self.stop_file).touch()  # what each job's task looks for
-                for ref in pending:
-                    ray.cancel(ref, force=False)  # drops the queued ones
-                cancelled_at = time.monotonic()
-            elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                for ref in pending:
-                    returns[by_ref[ref].num] = _no_result(by_ref[ref])
-                break
-        return returns
+            Path(launcher.stop_file).touch()  # what each job's task looks for
+            for ref in pending:
+                ray.cancel(ref, force=False)  # drops the queued ones
+            cancelled_at = time.monotonic()
+        elif cancelled_at is not None and time.monotonic() - cancelled_at > grace + 15:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+                returns[by_ref[ref].num] = _no_result(by_ref[ref])
+            break
+    return returns
 
 
 def _result(ref: Any, job: RayJob) -> JobReturn:
@@ -303,16 +270,15 @@ def _result(ref: Any, job: RayJob) -> JobReturn:
         why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         log.error("job #%d: Ray could not run it: %s", job.num, why)
         return _no_result(job)
-    if returned == _task.NOT_STARTED:
-        return _no_result(job)
-    if isinstance(returned, str):  # the job's process ended without a result
-        log.error("job #%d: %s", job.num, returned)
+    if isinstance(returned, str):  # why the job gave no result
+        if returned != _task.NOT_STARTED:
+            log.error("job #%d: %s", job.num, returned)
         return _no_result(job)
     return returned
 
 
 def _not_run(job: RayJob, why: str) -> JobReturn:
-    """A job Ray cannot run anywhere: recorded as failed (the report lists it with `why`)."""
+    """A job Ray cannot run anywhere: failed, with `why`, in the report."""
     job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
     sweeps.record_failure(job_dir, why)
     sweeps.record_not_started(job.config, job_dir, job.overrides)  # its row, with its overrides
@@ -320,29 +286,25 @@ def _not_run(job: RayJob, why: str) -> JobReturn:
 
 
 def _no_result(job: RayJob) -> JobReturn:
-    """A job that gave no result: NaN to the sweeper, as a job that failed (the sweep goes on;
-    the report finds its dir without summary.json, or none)."""
+    """NaN to the sweeper, as for a failed job; the report finds out why from its dir."""
     ret = JobReturn(overrides=job.overrides, status=JobStatus.COMPLETED)
     ret.return_value = float("nan")
     return ret
 
 
-def _stopped(
-    launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], session: Session, signum: int
-) -> None:
-    """After a stop request: every job is over. Record those that never started, write the
+def _stopped(launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], signum: int) -> None:
+    """After a stop request, every job over: record those that never started, write the
     report, stop Ray and end the sweep (a sweeper must not go on to its next batch)."""
     for job in jobs:
         job_dir = Path(str(job.config.hydra.sweep.dir)) / str(job.config.hydra.sweep.subdir)
         if not job_dir.exists():
             sweeps.record_not_started(job.config, job_dir, job.overrides)
         elif not (job_dir / "summary.json").exists() and not (job_dir / "failure.json").exists():
-            # Stopped while it started up, before its training could save anything.
             sweeps.record_failure(job_dir, "stopped while starting: nothing to resume", "PREEMPTED")
         returns.setdefault(job.num, _no_result(job))
-    Path(session.stop_file).unlink(missing_ok=True)
+    Path(launcher.stop_file).unlink(missing_ok=True)
     launcher.hydra_context.callbacks.on_multirun_end(config=launcher.config)
-    session.stop()
+    _stop_ray()
     log.warning(
         "sweep stopped on %s: re-run each stopped job with its hydra.run.dir (see its log) to "
         "resume from its checkpoint",
@@ -352,10 +314,9 @@ def _stopped(
 
 
 class StopRequests:
-    """The stop signals to the sweep's process, from the launcher's setup on: during a launch
-    (`launching`) each becomes a request the wait loop acts on (the jobs run in their own
-    sessions: a terminal's Ctrl-C does not reach them by itself); outside one (Ray starting,
-    a sweeper between two batches) it ends the sweep at once, Ray stopped at the exit."""
+    """The sweep's stop signals: during a launch each becomes a request the wait loop acts on
+    (the jobs run in their own sessions: a terminal's Ctrl-C does not reach them); outside one
+    it ends the sweep at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -377,7 +338,6 @@ class StopRequests:
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
-        """Around a launch: a stop signal becomes a request (`signum`)."""
         if self.signum is not None:  # one came as the last launch ended: stop now
             self._handle(self.signum, None)
         self._active = True
@@ -385,14 +345,3 @@ class StopRequests:
             yield
         finally:
             self._active = False
-
-
-def _have_token() -> bool:
-    """A Ray cluster token is at hand: the variables Ray reads, or the file `ray start` writes
-    (copy it to every machine of a cluster)."""
-    token_file = Path.home() / ".ray" / "auth_token"
-    return (
-        "RAY_AUTH_TOKEN" in os.environ
-        or "RAY_AUTH_TOKEN_PATH" in os.environ
-        or token_file.is_file()
-    )

@@ -1,14 +1,8 @@
-"""One job of a Ray sweep on its node: the Ray task (`run`), which starts the job as a fresh
-interpreter (`python -m` of this module, `job_process`) and watches it.
-
-A fresh process per job, not the Ray worker itself: Ray reuses its workers from task to task,
-and a job changes process-wide state (what its modules do at import, such as a library setting
-torch's default dtype; signal handlers of torch's elastic agent; OpenMP threads; seeds), none of
-which may reach the next job. The job's process has its own session: its ranks are in its
-process group, which the task clears at the end. The composed config (secrets included) reaches
-it through a pipe, and its result comes back through another: nothing of it is written to disk
-outside the job's own dir, so a task that dies leaves nothing behind. A stop of the sweep
-becomes SIGTERM to the job, which then saves a checkpoint and stops, as under a scheduler's.
+"""One job of a Ray sweep: the Ray task (`run`) starts the job as a fresh interpreter
+(`job_process`) and watches it. Not in the Ray worker itself, which Ray reuses: a job's
+process-wide state (import side effects, signal handlers, seeds) must not reach the next. The
+config (secrets included) goes through a pipe and the result comes back through another, so
+nothing is written outside the job's dir. A stop of the sweep is SIGTERM to the job.
 """
 
 from __future__ import annotations
@@ -25,8 +19,7 @@ from typing import Any
 
 from hydra_ddp.launcher_env import JOB_STARTED_ENV
 
-# What Ray sets for its own workers only; a job's process is not one (a `breakpoint()` in it
-# would call Ray's worker debugger).
+# Ray's own workers' variables; a job's process is not one (its `breakpoint()` would call Ray's).
 _RAY_WORKER_ENV = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS")
 # How often a task looks at the sweep's stop request.
 _POLL_S = 0.5
@@ -35,12 +28,10 @@ NOT_STARTED = "not started: the sweep was stopped"
 
 
 def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: str) -> Any:
-    """The Ray task: run one job in a fresh process; return its pickled JobReturn, or why there
-    is none.
+    """The Ray task: one job in a fresh process; its pickled JobReturn, or why there is none.
 
-    The sweep asks its jobs to stop by creating `stop_file` (in the sweep dir, which every node
-    sees): Ray's cancel does not interrupt a running task, and a task that waited on a Ray call
-    instead would give its CPUs back to Ray meanwhile, letting more jobs start than fit."""
+    A stop is asked by creating `stop_file` (in the sweep dir, seen by every node): Ray's cancel
+    does not interrupt a running task, and waiting on a Ray call would give its CPUs back."""
     import ray
 
     if os.path.exists(stop_file):
@@ -68,7 +59,6 @@ def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: s
     result: list[bytes] = []
     pipes = threading.Thread(target=_exchange, args=(proc, spec, result_read, result), daemon=True)
     pipes.start()
-    # Woken by the job's end at once; otherwise a look at the stop request twice a second.
     ended = threading.Event()
     threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
     try:
@@ -87,8 +77,7 @@ def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: s
 
 
 def _exchange(proc: subprocess.Popen, spec: bytes, result_read: int, result: list[bytes]) -> None:
-    """The spec into the job's stdin, then its result out of the result pipe (until the job's
-    process ends): in a thread, since either may wait on the other side."""
+    """The spec in, then the result out: in a thread, since either may wait on the other side."""
     with contextlib.suppress(OSError):  # it ended before it read: it leaves no result
         proc.stdin.write(spec)
         proc.stdin.close()
@@ -97,15 +86,13 @@ def _exchange(proc: subprocess.Popen, spec: bytes, result_read: int, result: lis
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to the job (its launcher passes it to its ranks, which save a checkpoint); `_end`
-    kills what is left after `grace_s`."""
+    """SIGTERM to the job (its ranks save a checkpoint); `_end` kills what is left."""
     proc.send_signal(signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
 
 
 def _end(proc: subprocess.Popen) -> None:
-    """Leave no process of the job behind (a rank its launcher lost track of)."""
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -114,10 +101,8 @@ def _end(proc: subprocess.Popen) -> None:
 
 
 def job_process(result_fd: int) -> int:
-    """The job's process: run the job as Hydra's launchers do (the spec from stdin), write what
-    it returned to `result_fd`."""
-    # A shell starts a process with no signal blocked; a Ray worker blocks SIGINT, and a mask
-    # survives exec: a job's ranks must see Ctrl-C like any job's (preemption.py).
+    """The job's process: run the job as Hydra's launchers do; its return to `result_fd`."""
+    # A Ray worker blocks SIGINT, and a mask survives exec: a job's ranks must see Ctrl-C.
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     spec = sys.stdin.buffer.read()
     with open(os.devnull, "rb") as devnull:
@@ -129,8 +114,7 @@ def job_process(result_fd: int) -> int:
     from hydra.core.singleton import Singleton
     from hydra.core.utils import run_job, setup_globals
 
-    # The template's resolvers (job dir names, log files) and config schema, registered at its
-    # import: the job's config names them.
+    # Registers the resolvers and config schema the job's config names.
     import hydra_ddp.launch.command  # noqa: F401
     from hydra_ddp.rundir import claim
 
@@ -150,17 +134,13 @@ def job_process(result_fd: int) -> int:
         claim.release_all()
     with open(result_fd, "wb") as f:
         f.write(cloudpickle.dumps(returned))
-    # As `python -m hydra_ddp.train` ends (launch/command.py): the interpreter's last garbage
-    # collections would walk every object torch and the job made, a second or more that the
-    # next job, waiting for this one's CPU, would lose.
+    # As command.py: skip the last garbage collections of every object torch made.
     gc.freeze()
     return 0
 
 
 def _stop_with_parent() -> None:
-    """SIGTERM to this job when the Ray worker that started it dies (Ray stopped, the node
-    lost, the worker killed): the job saves a checkpoint and stops instead of training on
-    unsupervised."""
+    """SIGTERM to this job when its Ray worker dies: it saves and stops, not trains on alone."""
     parent = os.getppid()
 
     def watch() -> None:

@@ -1,5 +1,5 @@
-"""The Hydra launcher object; the work is in _sweep.py (imported on launch only: Ray loads
-in seconds, and Hydra's plugin scan imports this module on every start)."""
+"""The Hydra launcher; the work is in _sweep.py, imported on launch only (the plugin scan imports
+this module on every start)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ from omegaconf import DictConfig
 
 
 class RayLauncher(Launcher):
-    """Runs each job of a sweep as a Ray task (see the package's docstring)."""
-
     def __init__(self, **params: Any) -> None:
         self.params = params
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
         self.task_function: Optional[TaskFunction] = None
-        self.session: Any = None  # _sweep.Session: Ray, started at setup (_sweep.prepare)
-        self.stop: Any = None  # _sweep.StopRequests, from setup on
+        self.where = ""  # the Ray the sweep runs on, in words
+        self.stop_file = ""
+        self.stop: Any = None  # _sweep.StopRequests
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
