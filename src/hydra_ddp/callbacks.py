@@ -43,19 +43,20 @@ _MEMBERS = "checkpoint_members"  # not a hook of the loop: asked once, when the 
 
 @dataclass
 class Context:
-    """The loop's `hydra_ddp.protocols.HookContext` (its fields are described there). `model`
-    is the unwrapped module: under DDP a forward in a hook starts no collective; under
-    ddp=fsdp2 every forward gathers the sharded parameters, so run it on every rank."""
+    """What a callback's hook is given: where the loop is, the model, and `log`. `model` is the
+    unwrapped module: under DDP a forward in a hook starts no collective; under ddp=fsdp2 every
+    forward gathers the sharded parameters, so run it on every rank."""
 
     rank: int
     world_size: int
     model: torch.nn.Module
     output_dir: Path
-    step: int = 0
-    epoch: int = 0
-    loss: float | torch.Tensor = float("nan")
-    metrics: dict[str, float] = field(default_factory=dict)
-    optimizer: str | None = None  # `default`, or its key under `optim` with several
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # the epoch being trained (on_epoch_end: the one that just ended)
+    loss: float | torch.Tensor = float("nan")  # the last step's mean loss (a device tensor)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluation's
+    # on_before_optimizer_step: the optimizer about to step (`default`, or its key under `optim`)
+    optimizer: str | None = None
     # on_step_end only, so the loop keeps no step's tensors past the call; `outputs` are
     # detached, and empty for a step of your own that does not call tools.backward.
     batch: list[Any] | None = None
