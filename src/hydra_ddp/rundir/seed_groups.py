@@ -14,7 +14,7 @@ import statistics
 import warnings
 from typing import Any, Sequence
 
-from hydra_ddp.rundir.sweep_jobs import cell, table
+from hydra_ddp.rundir.sweep_jobs import aligned, cell
 
 LEVEL = 0.95  # the confidence of each interval
 ALPHA = 0.05  # the tests' level, two-sided
@@ -194,4 +194,4 @@ def group_table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[
         ]
         for g in entries
     ]
-    return table([header, *rows])
+    return aligned([header, *rows])

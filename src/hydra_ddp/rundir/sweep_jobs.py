@@ -204,7 +204,7 @@ def job_table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
         ]
         for j in jobs
     ]
-    lines = table([header, *rows])
+    lines = aligned([header, *rows])
     for i, j in enumerate(jobs, 1):
         line = lines[i]
         if j["status"] == PRUNED:
@@ -217,7 +217,7 @@ def job_table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
     return lines
 
 
-def table(rows: list[list[str]]) -> list[str]:
+def aligned(rows: list[list[str]]) -> list[str]:
     """`rows` as lines of left-aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + " ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
