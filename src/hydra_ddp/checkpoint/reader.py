@@ -132,6 +132,14 @@ def read_picked(run: Path, ckpt: str) -> tuple[Path, dict[str, Any]]:
             path = newer
 
 
+def model_weights(state: dict[str, Any], weights: str = "ema") -> dict[str, Any]:
+    """The model's state dict in a read checkpoint: its EMA average where the run kept one and
+    `weights` is "ema" (what the run evaluated), else the trained weights."""
+    if weights == "ema" and "ema" in state:
+        return {k[len("module.") :]: v for k, v in state["ema"].items() if k != "n_averaged"}
+    return state["model"]
+
+
 def named(value: str, key: str) -> Path:
     """The checkpoint `key=value` names, checked whole: a file, a checkpoint or export folder
     itself, or the newest intact checkpoint of a run dir (or of its checkpoints/ folder)."""

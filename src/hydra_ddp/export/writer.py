@@ -61,8 +61,7 @@ def export(
         model = build(cfg.model, "model", **source.spec)
     use_ema = "ema" in state and weights == "ema"
     if use_ema:  # what the run evaluated, and what eval loads
-        state = {"model": {k[len("module.") :]: v for k, v in state["ema"].items()
-                           if k != "n_averaged"}, "step": state["step"]}  # fmt: skip
+        state = {"model": checkpoint.model_weights(state), "step": state["step"]}
     load_model_state(model, state, path, hint="or export another checkpoint (ckpt=)")
     out = Path(out) if out else run / "export" / path.name.split(".")[0]
     about = {"run": str(run.resolve()), "checkpoint": str(path.resolve()),

@@ -228,11 +228,9 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     source = build(cfg.data, "data")
     split = EvalData(source, request.split, cfg.sampler, env, cfg.trainer.batch_size)
     model = build(cfg.model, "model", **source.spec)
-    weights = state["model"]
     if "ema" in state:  # the run evaluated its average: so do we
-        weights = {k[len("module.") :]: v for k, v in state["ema"].items() if k != "n_averaged"}
         log.info("evaluating the EMA weights of %s", path)
-    model.load_state_dict(weights)
+    model.load_state_dict(checkpoint.model_weights(state))
     model.to(env.device).eval()
     loss_fn = build(cfg.loss, "loss", _as_function=True)
     metrics = {name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()}
