@@ -13,8 +13,8 @@ into the loop without editing it, and on which ranks each method runs.
 Each is a `typing.Protocol`: any class with these methods fits, no base class needed (the
 template's bases, e.g. `hydra_ddp.data.DataSource`, only add defaults). A constructor gets its
 YAML's arguments and, by parameter name, what the template knows at run time. What a checkpoint
-holds is torch's `Stateful` (`state_dict` / `load_state_dict`). docs/extending.md has each
-contract in full with a worked example. A call marked *collective* must be reached by every
+holds is torch's `Stateful` (`state_dict` / `load_state_dict`). docs/extending.md has a
+worked example of each. A call marked *collective* must be reached by every
 rank at the same point.
 """
 
@@ -101,6 +101,7 @@ class SamplerPolicy(Protocol):
     seed: int | None  # None becomes trainer.seed
     reloads_each_epoch: bool  # rank_ranges is asked again at each epoch start
 
+    # In the launching process, before any data is loaded: a one-line UserError if it cannot work.
     def check(self, num_rows: int, file_rows: list[int], world: int, batch_size: int) -> None: ...
 
     def rank_ranges(
@@ -116,8 +117,11 @@ class SamplerPolicy(Protocol):
         batch_size: int,
     ) -> EpochSampler: ...
 
+    # The rows each rank evaluates, every row once over the ranks (None: every rank loads the
+    # split and takes positions rank, rank + world, ...).
     def eval_rank_ranges(self, num_rows: int, world: int) -> list[Ranges] | None: ...
 
+    # About how many rows a rank trains on per epoch (warns when a batch is larger).
     def rows_per_rank(self, rows_held: int, world: int) -> int: ...
 
     def settings(self) -> dict[str, Any] | None: ...
@@ -151,6 +155,7 @@ class Sink(Protocol):
 
     def add_config(self, values: dict[str, Any]) -> None: ...
 
+    # `failed`: the job ends on an error; `preempted`: the signal that stopped it (0: none).
     def close(self, failed: bool = False, preempted: int = 0) -> None: ...
 
 
