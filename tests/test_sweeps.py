@@ -631,6 +631,21 @@ def test_api_compose_finds_the_sweep_plugins_in_a_fresh_process(tmp_path: Path) 
     assert done.stdout.strip() == "val/acc"
 
 
+def test_the_memory_plan_command_finds_the_sweep_plugins_in_a_fresh_process(tmp_path: Path) -> None:
+    """`python -m hydra_ddp.plan` composes as `api.compose` does: the same overrides as training,
+    sweep plugins included."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hydra_ddp.plan", "--device-mem", "16GiB", "hydra/launcher=ray"],
+        cwd=tmp_path,
+        env=user_env(tmp_path, PYTHONPATH=None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "largest batch_size" in done.stdout
+
+
 @pytest.mark.parametrize("choice", ["hparams_search=digits_optuna", "hydra/sweeper=optuna_pruned"])
 def test_without_the_sweep_extra_an_optuna_sweep_says_what_to_install(
     choice: str, monkeypatch: pytest.MonkeyPatch, capsys

@@ -20,16 +20,13 @@ returns for arrays), `TorchDatasets` (map-style torch Datasets); callbacks: the 
 a step of your own: `StepTools`, as `default_step` uses it; bad input: raise `UserError`.
 Distributed: `DistEnv` (rank, world size, device, `is_main`), `all_gather_with_grad` (every
 rank's rows, with gradients, for a loss) and `gather_for_metrics` (the same, padding left out,
-for a metric).
+for a metric that sets `gathers = True`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-
-from hydra import compose as _compose
-from hydra import initialize_config_dir
 
 from hydra_ddp import __version__, protocols
 from hydra_ddp import check as _check
@@ -41,8 +38,7 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import DataSource, InMemoryArrays, Rows, TokenWindows, TorchDatasets
 from hydra_ddp.distributed import DistEnv, all_gather_with_grad, gather_for_metrics
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch.command import config_dir, find_own_plugins
-from hydra_ddp.launch.runner import to_typed
+from hydra_ddp.launch.command import compose_typed
 from hydra_ddp.losses import CrossEntropy, ModelOutput
 from hydra_ddp.metrics import Accuracy, Metric
 from hydra_ddp.step import StepTools, default_step
@@ -78,7 +74,4 @@ def compose(
 ) -> TrainConfig:
     """The config `main` would train with, typed and checked, without training: for tests of a
     project's configs (`compose(conf, "myproj", ["trainer.max_steps=3"])`)."""
-    conf = str(Path(config_path).resolve()) if config_path is not None else config_dir()
-    find_own_plugins()  # before Hydra's one plugin scan per process: hydra/launcher=ray, ...
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return to_typed(_compose(config_name, overrides=list(overrides)))
+    return compose_typed(config_path, config_name, list(overrides))

@@ -16,15 +16,13 @@ import re
 import sys
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
 from hydra_ddp import memory
 from hydra_ddp.components import build
 from hydra_ddp.config import Device, Precision, TrainConfig, Wrapper
 from hydra_ddp.errors import UserError, config_error
-from hydra_ddp.launch.command import config_dir
-from hydra_ddp.launch.runner import to_typed
+from hydra_ddp.launch.command import compose_typed
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _ROWS = (
@@ -106,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         mem, mem_from = device_memory(args.device_mem)
-        # The config `python -m hydra_ddp.train overrides...` trains with (Hydra's configs and
-        # resolvers were registered when launch.command was imported).
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-            cfg = to_typed(compose("train", overrides=overrides))
+        cfg = compose_typed(None, "train", overrides)
         ranks = args.ranks
         if ranks is None:
             ranks = int(os.environ.get("WORLD_SIZE", cfg.dist.nproc_per_node))

@@ -186,11 +186,8 @@ def _wanted(only: str | None, skip: str | None) -> list[str]:
 def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> CheckPlan:
     """The user's config, composed, typed and checked as training would, and where the runs go:
     hydra.run.dir if given (new or empty), else a temporary dir."""
-    from hydra import compose, initialize_config_dir
-
     from hydra_ddp.errors import UserError
-    from hydra_ddp.launch.command import config_dir
-    from hydra_ddp.launch.runner import to_typed
+    from hydra_ddp.launch.command import compose_typed
     from hydra_ddp.launcher_env import under_launcher
 
     if under_launcher():
@@ -199,10 +196,7 @@ def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name:
         raise UserError(f"--steps {args.steps}: at least 2 (the resume check stops at half)")
     given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("hydra.run.dir=")]
     kept = [o for o in args.overrides if not o.startswith("hydra.run.dir=")]
-    conf = str(Path(config_path).resolve()) if config_path is not None else config_dir()
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):  # as api.compose does
-        composed = compose(config_name, [o for o in kept if not o.startswith("hydra.")])
-    cfg = to_typed(composed)
+    cfg = compose_typed(config_path, config_name, [o for o in kept if not o.startswith("hydra.")])
     root = Path(given[-1].strip("'\"")).expanduser().resolve() if given else None
     if root is not None and root.exists() and any(root.iterdir()):
         raise UserError(f"hydra.run.dir={root} is not empty: give a new dir for the check's runs")

@@ -23,6 +23,7 @@ from hydra_ddp.rundir import claim, sweeps
 from hydra_ddp.rundir.paths import register_resolvers
 
 if TYPE_CHECKING:
+    from hydra_ddp.config import TrainConfig
     from hydra_ddp.launch.runner import TrainFn
 
 # At import: a submitit or Ray job's process unpickles `hydra_entry` (importing this module) and
@@ -84,6 +85,21 @@ def hydra_entry(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
         from hydra_ddp.launch.runner import run_composed
 
         return run_composed(dict_cfg, train_fn)
+
+
+def compose_typed(
+    config_path: str | Path | None, config_name: str, overrides: list[str]
+) -> TrainConfig:
+    """The config `python -m hydra_ddp.train overrides...` trains with, typed and checked,
+    composed in this process (for the API, the memory plan and the check)."""
+    from hydra import compose, initialize_config_dir
+
+    from hydra_ddp.launch.runner import to_typed
+
+    conf = str(Path(config_path).resolve()) if config_path is not None else config_dir()
+    find_own_plugins()  # before Hydra's one plugin scan per process: hydra/launcher=ray, ...
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return to_typed(compose(config_name, overrides=overrides))
 
 
 def config_dir() -> str:
