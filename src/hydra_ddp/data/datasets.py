@@ -151,13 +151,21 @@ def check_loaded(dataset: Dataset, spec: dict[str, Any], split: str) -> None:
             _check_range(segment, name, 0, int(spec["vocab_size"]), "token id", "position")
 
 
-def _bad_rows(arr: np.ndarray, bad: Callable[[np.ndarray], np.ndarray]) -> tuple[int, int]:
+def _bad_rows(
+    arr: np.ndarray,
+    bad: Callable[[np.ndarray], np.ndarray],
+    fine: Callable[[np.ndarray], bool] | None = None,
+) -> tuple[int, int]:
     """The first row of `arr` where `bad` (element-wise) holds, and how many rows it holds in;
-    (-1, 0) for none. Vectorised chunk by chunk: about 2 ms per 100k rows of 64 floats."""
+    (-1, 0) for none. Vectorised chunk by chunk: about 2 ms per 100k rows of 64 floats. `fine`:
+    a cheaper whole-chunk test that skips the mask (the check runs at every data view)."""
     step = max(1, _CHECK_CHUNK_BYTES // max(arr[:1].nbytes, 1))
     first, count = -1, 0
     for lo in range(0, len(arr), step):
-        mask = bad(arr[lo : lo + step])
+        chunk = arr[lo : lo + step]
+        if fine is not None and fine(chunk):
+            continue
+        mask = bad(chunk)
         if not mask.any():
             continue
         rows = np.flatnonzero(mask.reshape(len(mask), -1).any(axis=1))
@@ -184,7 +192,11 @@ def _check_range(
     arr: np.ndarray, name: str, first_row: int, limit: int, what: str, row_word: str
 ) -> None:
     key = "vocab_size" if what == "token id" else "out_features"
-    row, count = _bad_rows(arr, lambda chunk: (chunk < 0) | (chunk >= limit))
+    row, count = _bad_rows(
+        arr,
+        lambda chunk: (chunk < 0) | (chunk >= limit),
+        fine=lambda chunk: chunk.min() >= 0 and chunk.max() < limit,
+    )
     if count:
         value = next(int(v) for v in np.ravel(arr[row]) if v < 0 or v >= limit)
         raise UserError(

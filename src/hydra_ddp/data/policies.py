@@ -254,9 +254,8 @@ def samples_per_epoch(rank_ranges: list[Ranges]) -> int:
 
 def rows_in(ranges: Ranges) -> np.ndarray:
     """The row numbers of half-open `ranges`, in order (int64)."""
-    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges] or [[]]).astype(
-        np.int64
-    )
+    parts = [np.arange(a, b, dtype=np.int64) for a, b in ranges]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def train_file_rows(source: Any) -> list[int]:

@@ -139,8 +139,11 @@ class JsonFiles(Sink):
 
     def summary(self, values: Dict[str, float]) -> None:
         path = self.dir / "summary.json"
-        merged = jsonfile.read(path) or {}  # missing or unreadable: written anew
-        jsonfile.write(path, {**merged, **{k: float(v) for k, v in values.items()}})
+        merged = jsonfile.read(path)
+        if merged is None and path.exists():
+            logger.warning("could not read %s; rewriting it", path)
+        merged = {**(merged or {}), **{k: float(v) for k, v in values.items()}}
+        jsonfile.write(path, dict(sorted(merged.items())))
 
     def close(self, failed: bool = False, preempted: int = 0) -> None:
         for key, handle in self.handles.items():
