@@ -16,7 +16,8 @@ OPTUNA_STORAGE_ENV = "HYDRA_DDP_OPTUNA_STORAGE"
 OPTUNA_STUDY_ENV = "HYDRA_DDP_OPTUNA_STUDY"
 OPTUNA_TRIAL_ENV = "HYDRA_DDP_OPTUNA_TRIAL"
 # What schedulers and users send to stop a job or a sweep (SLURM's SIGTERM, Ctrl-C, submitit's
-# and many sites' USR1/USR2): every rank checkpoints and stops; a sweep's process stops its jobs.
+# and many sites' USR1/USR2): every rank checkpoints and stops; a sweep's process stops (under
+# the basic and Ray launchers, with its jobs; submitit's jobs are the scheduler's).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 # Set by the self-launch's agent: its workers start with SIGINT blocked (launch/interrupt.py).
 SIGINT_HELD_ENV = "HYDRA_DDP_SIGINT_HELD"

@@ -31,8 +31,9 @@ _TEMPORARY = "hydra-ddp-check-"
 
 
 def main(config_path: str | Path | None = None, config_name: str = "train") -> None:
-    """`python -m hydra_ddp.check` and a thin project's `api.run_checks` (--config-path and
-    --config-name on the command line win). Exits 0, 1 (a check failed) or 2 (bad input)."""
+    """`python -m hydra_ddp.check`, `hydra-ddp-check` and a thin project's `api.run_checks`
+    (--config-path and --config-name on the command line win). Exits 0, 1 (a check failed) or 2
+    (bad input)."""
     from hydra_ddp.errors import UserError, first_line
 
     args = _parser().parse_intermixed_args()

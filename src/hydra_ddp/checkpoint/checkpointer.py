@@ -209,7 +209,8 @@ def link_or_copy(source: Path, target: Path) -> None:
 def swap_into_place(tmp: Path, final: Path) -> None:
     """Rename the whole folder `tmp` to `final`. A rename cannot replace a folder that holds
     files, so an old `final` is moved aside first and deleted once the new one is in place: a
-    kill between the renames leaves both whole, and reader.left_by_swap finds the newest."""
+    kill between the renames leaves both whole (for best.dcp, reader.left_by_swap finds the
+    newest)."""
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)  # an earlier swap's, killed after its renames

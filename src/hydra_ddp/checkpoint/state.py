@@ -250,12 +250,12 @@ def load_members(
                     found = next((s for s in (*ranks[:1], state) if _holds(s, member)), None)
             else:
                 found, where = state, ""
-            if not _holds(found, member) and member.required:
-                raise UserError(
-                    f"{path} holds no {member.name} state{where}, which this job needs: resume "
-                    "with the config it was trained with, or trainer.resume=never"
-                )
             if not _holds(found, member):
+                if member.required:
+                    raise UserError(
+                        f"{path} holds no {member.name} state{where}, which this job needs: "
+                        "resume with the config it was trained with, or trainer.resume=never"
+                    )
                 # A checkpoint from before the feature was switched on (or of another world size).
                 log.warning("%s holds no %s state%s: starting it fresh", path, member.name, where)
                 continue

@@ -74,7 +74,8 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
     except Preempted as e:
         if not e.logged:
             (log.warning if launcher_rank() == 0 else log.info)("%s", e)
-        if multirun:  # under submitit: a job that was not requeued
+        if multirun:
+            # FAILED under submitit (a job that was not requeued), else PREEMPTED
             sweeps.record_failure(output_dir, str(e), "FAILED" if under_submitit() else "PREEMPTED")
             if under_submitit() or RAY_JOB_ENV in os.environ:  # its sweep collects the others
                 return float("nan")

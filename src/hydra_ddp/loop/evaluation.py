@@ -139,8 +139,8 @@ class Evaluator:
     tracker: Tracker
     console: Console
     pruning: Pruning | None = None
-    last: dict[str, float] = field(default_factory=dict)  # the newest validation's metrics
-    _improved: bool = False  # the final validation improved the monitor (see finish)
+    last: dict[str, float] = field(default_factory=dict, init=False)  # the newest validation's
+    _improved: bool = field(default=False, init=False)  # the final validation improved the monitor
 
     def due(self, step: int) -> bool:
         """Every `interval` steps (0: never); the end of the run validates anyway."""

@@ -4,6 +4,8 @@ The claim is an OS lock on that file (`fcntl.flock`), which the kernel drops whe
 dies however it dies, so a re-run, an elastic restart or a requeue takes over at once; a live
 holder (named in the file) refuses a second job in one line. Self-launched workers hold a shared
 lock too (`join`): a SIGKILLed parent's workers keep the dir until they have saved and stopped.
+What the lock does not cover (node-local locks on a shared file system, a lost node):
+docs/when_things_go_wrong.md.
 
 `fcntl.flock` itself: filelock truncates the file as it opens it (it could not name the holder)
 and has no shared lock; fasteners takes POSIX record locks, lost when any descriptor closes.

@@ -206,14 +206,11 @@ def job_table(jobs: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:
     ]
     lines = aligned([header, *rows])
     for i, j in enumerate(jobs, 1):
-        line = lines[i]
         if j["status"] == PRUNED:
-            line += f"  {j['detail']}"
+            lines[i] += f"  {j['detail']}"
         elif j["status"] != "ok":  # the whole error is in the JSON report
-            line += (
-                f"  {_ellipsize(str(j['detail']), 300)} (logs: {', '.join(j['logs']) or j['dir']})"
-            )
-        lines[i] = line
+            logs = ", ".join(j["logs"]) or j["dir"]
+            lines[i] += f"  {_ellipsize(str(j['detail']), 300)} (logs: {logs})"
     return lines
 
 
