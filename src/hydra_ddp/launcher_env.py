@@ -19,6 +19,9 @@ OPTUNA_TRIAL_ENV = "HYDRA_DDP_OPTUNA_TRIAL"
 # and many sites' USR1/USR2): every rank checkpoints and stops; a sweep's process stops (under
 # the basic and Ray launchers, with its jobs; submitit's jobs are the scheduler's).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+# What torch's agent forwards to its workers and waits for (torchrun's `--signals-to-handle`,
+# the self-launch's LaunchConfig): torch's default, plus the USR signals the workers stop on.
+AGENT_SIGNALS = ",".join((*STOP_SIGNALS, "SIGHUP", "SIGQUIT"))
 # Set by the self-launch's agent: its workers start with SIGINT blocked (launch/interrupt.py).
 SIGINT_HELD_ENV = "HYDRA_DDP_SIGINT_HELD"
 

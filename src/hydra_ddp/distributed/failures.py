@@ -146,21 +146,22 @@ def translated_evaluation(
     try:
         yield
     except Exception as e:
-        better = one_line(e, rank, timeout_s, output_dir)
-        if better is not e and not lost_peer(e):
-            logging.getLogger(__name__).info("rank %d: the traceback of the error", rank,
-                                             exc_info=e)  # fmt: skip
         if lost_peer(e):
-            better = UserError(
-                f"rank {rank} lost contact with another rank while {doing[0]} ({first_line(e)}): "
+            better: BaseException | None = UserError(
+                f"rank {rank} {LOST_CONTACT} while {doing[0]} ({first_line(e)}): "
                 f"that rank most likely failed, see its log in {output_dir} (eval_rank<r>.log) "
                 "for why"
             )
-        elif better is None:
-            better = UserError(
-                f"rank {rank} failed while {doing[0]}: {type(e).__name__}: {first_line(e)} (its "
-                "traceback is in this rank's log)"
-            )
+        else:
+            better = one_line(e, rank, timeout_s, output_dir)
+            if better is not e:
+                log = logging.getLogger(__name__)
+                log.info("rank %d: the traceback of the error", rank, exc_info=e)
+            if better is None:
+                better = UserError(
+                    f"rank {rank} failed while {doing[0]}: {type(e).__name__}: {first_line(e)} "
+                    "(its traceback is in this rank's log)"
+                )
         write_rank_error(better, rank, Path(output_dir) / "errors")
         if better is e:
             raise

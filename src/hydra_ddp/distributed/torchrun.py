@@ -18,6 +18,7 @@ import os
 import sys
 
 from hydra_ddp.distributed.preemption import stop_exit_codes
+from hydra_ddp.launcher_env import AGENT_SIGNALS
 
 # torch's elastic agent (torchrun, and the self-launch's agent in launch/workers.py) and what
 # it logs as it stops its workers on a signal: the job's own line says it once.
@@ -30,9 +31,6 @@ _STOP_NOTES = (
     "Closing process %s via signal",
     "Sending process %s closing signal",
 )
-# What torch's agent forwards to its workers and waits for (torchrun's `--signals-to-handle`,
-# the self-launch's LaunchConfig): torch's default, plus the USR signals the workers stop on.
-AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 _SIGNALS_OPTION = ("--signals-to-handle", "--signals_to_handle")
 _FAILED = "failed (exitcode: %s)"
 

@@ -18,13 +18,13 @@ import threading
 from types import TracebackType
 from typing import Iterator
 
-from hydra_ddp.launcher_env import SIGINT_HELD_ENV, torchrun_worker
+from hydra_ddp.launcher_env import AGENT_SIGNALS, SIGINT_HELD_ENV, torchrun_worker
 
 EXIT_CODE = 128 + signal.SIGINT
 
 _previous_hook = sys.excepthook
-# The stop signals the agent handles besides INT and TERM (distributed.torchrun.AGENT_SIGNALS).
-_TRACKER_SPARED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+# The stop signals the agent handles besides INT and TERM.
+_TRACKER_SPARED = tuple(n for n in AGENT_SIGNALS.split(",") if n not in ("SIGINT", "SIGTERM"))
 
 
 def ignore_more() -> None:

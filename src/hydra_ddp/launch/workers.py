@@ -18,9 +18,10 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.distributed import env_from_environ
 from hydra_ddp.distributed.failures import one_line, worker_failed, write_rank_error
 from hydra_ddp.distributed.preemption import Preempted, run_dir_override, signal_name
-from hydra_ddp.distributed.torchrun import AGENT_LOGS, AGENT_SIGNALS, drop_stop_notes, stop_status
+from hydra_ddp.distributed.torchrun import AGENT_LOGS, drop_stop_notes, stop_status
 from hydra_ddp.errors import exit_code
 from hydra_ddp.launch import interrupt
+from hydra_ddp.launcher_env import AGENT_SIGNALS
 from hydra_ddp.rundir import claim
 
 log = logging.getLogger(__name__)
