@@ -252,6 +252,18 @@ def samples_per_epoch(rank_ranges: list[Ranges]) -> int:
     return min(sum(stop - start for start, stop in ranges) for ranges in rank_ranges)
 
 
+def rank_epoch(
+    policy: SamplerPolicy, num_rows: int, file_rows: list[int], world: int, rank: int,
+    epoch: int, batch_size: int,
+) -> tuple[Ranges | None, EpochSampler]:  # fmt: skip
+    """Rank `rank`'s rows of the training split in `epoch` (None: all of them) and its sampler
+    over them: what its loader reads, and what a resume counts rows read twice by."""
+    rank_ranges = policy.rank_ranges(num_rows, file_rows, world, epoch)
+    mine = None if rank_ranges is None else rank_ranges[rank]
+    held = num_rows if mine is None else sum(b - a for a, b in mine)
+    return mine, policy.sampler(held, rank_ranges, rank, world, batch_size)
+
+
 def rows_in(ranges: Ranges) -> np.ndarray:
     """The row numbers of half-open `ranges`, in order (int64)."""
     parts = [np.arange(a, b, dtype=np.int64) for a, b in ranges]
