@@ -79,19 +79,17 @@ class Setup:
 def rows_read(
     setup: Setup, num_rows: int, file_rows: list[int], epoch: int, first: int, stop: int
 ) -> np.ndarray:
-    """The global rows that batches [first, stop) of `epoch` read on every rank together (a row
-    read twice, as strided's padding does, appears twice)."""
-    out, policy = [], from_settings(setup.settings)
+    """Whether each global row is read by batches [first, stop) of `epoch`, on any rank."""
+    read, policy = np.zeros(num_rows, dtype=bool), from_settings(setup.settings)
     for rank in range(setup.world_size):
         mine, sampler = rank_epoch(
             policy, num_rows, file_rows, setup.world_size, rank, epoch, setup.batch_size
         )
         stop_here = min(stop, len(sampler))
-        if stop_here <= first:
-            continue
-        order = sampler.indices(epoch)[first * setup.batch_size : stop_here * setup.batch_size]
-        out.append(order if mine is None else rows_in(mine)[order])
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        if stop_here > first:
+            order = sampler.indices(epoch)[first * setup.batch_size : stop_here * setup.batch_size]
+            read[order if mine is None else rows_in(mine)[order]] = True
+    return read
 
 
 def batches_per_epoch(setup: Setup, num_rows: int, file_rows: list[int], limit: int) -> int:
@@ -109,13 +107,10 @@ def twice_and_skipped(
     `old` and `new` reads it from its batch `start` to its end (`limit`: batches per epoch at
     most). Read twice: rows read before that the rest reads again. Skipped: rows a whole epoch
     of `new` reads that neither part reads."""
-    before = np.zeros(num_rows, dtype=bool)
-    before[rows_read(old, num_rows, file_rows, epoch, 0, done)] = True
+    before = rows_read(old, num_rows, file_rows, epoch, 0, done)
     length = batches_per_epoch(new, num_rows, file_rows, limit)
-    after = np.zeros(num_rows, dtype=bool)
-    after[rows_read(new, num_rows, file_rows, epoch, start, length)] = True
-    whole = np.zeros(num_rows, dtype=bool)
-    whole[rows_read(new, num_rows, file_rows, epoch, 0, length)] = True
+    after = rows_read(new, num_rows, file_rows, epoch, start, length)
+    whole = rows_read(new, num_rows, file_rows, epoch, 0, length)
     return int(np.sum(before & after)), int(np.sum(whole & ~before & ~after))
 
 

@@ -6,6 +6,7 @@ them (`sampler`), decided once per epoch for every rank at once. Chosen by `samp
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import numpy as np
@@ -197,10 +198,7 @@ def from_settings(settings: dict[str, Any]) -> SamplerPolicy:
     """The policy a checkpoint's recorded settings describe (for the resume arithmetic)."""
     if settings.get("policy") in BUILT_IN:
         kind = BUILT_IN[settings["policy"]]
-        keys = ["shuffle", "seed", "drop_last"] + (
-            ["shard_by", "rotate"] if kind is Sharded else []
-        )
-        return kind(**{k: settings[k] for k in keys})
+        return kind(**{k: settings[k] for k in inspect.signature(kind).parameters})
     return build(settings, "sampler")
 
 
@@ -247,8 +245,6 @@ def partition_files(
 
 def samples_per_epoch(rank_ranges: list[Ranges]) -> int:
     """Min over ranks of the rows each holds: the number every rank uses per epoch."""
-    if not rank_ranges:
-        raise ValueError("rank_ranges must hold one list of ranges per rank, got an empty list")
     return min(sum(stop - start for start, stop in ranges) for ranges in rank_ranges)
 
 
