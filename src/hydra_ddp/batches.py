@@ -1,12 +1,6 @@
-"""What the step optimises, for any batch: how a batch reaches the model, and how the loss sees
-the output (docs/make_it_yours.md has the user's side).
-
-A batch is a tuple or list `(inputs..., target)` (`model(*batch[:-1])` against `batch[-1]`), a
-dict (also a Hugging Face `BatchEncoding`: `model(**batch)`, target `batch["labels"]`), a lone
-tensor (`model(batch)`, no target), or any nesting of these with tensors at the leaves. A loss
-or metric is given what its parameters name: the output, then the target, and `batch` and
-`model` when it asks for them; a loss returns a scalar tensor or a dict with `loss` and extra
-terms, each logged per rank next to it.
+"""What the step optimises, for any batch: how a batch (a tuple `(inputs..., target)`, a dict, a
+tensor, or a nesting of these) reaches the model, and how the loss sees the output; the rules,
+from the user's side: docs/make_it_yours.md ("Any batch, any output, any loss").
 """
 
 from __future__ import annotations
@@ -28,17 +22,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device) for k, v in batch.items()}
-        return moved if type(batch) is dict else _rebuild(batch, moved)
+        try:  # BatchEncoding and other dict-likes: keep their type where they allow it
+            return moved if type(batch) is dict else type(batch)(moved)
+        except Exception:
+            return moved
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
-
-
-def _rebuild(original: Mapping, moved: dict) -> Any:
-    try:  # BatchEncoding and other dict-likes: keep their type where they allow it
-        return type(original)(moved)
-    except Exception:
-        return moved
 
 
 def rows(batch: Any) -> int:
@@ -97,7 +87,11 @@ class Caller:
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
-        signature = _signature(fn)
+        # An nn.Module's __call__ takes *args: its forward says what it wants.
+        try:
+            signature = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        except (TypeError, ValueError):
+            signature = None
         names = [] if signature is None else list(signature.parameters.values())[1:]
         self.by_name = {p.name for p in names} & {"batch", "model"}
         positional = [
@@ -114,15 +108,6 @@ class Caller:
         args = (output, target(batch)) if self.wants_target else (output,)
         offered = {"batch": batch, "model": model}
         return self.fn(*args, **{name: offered[name] for name in self.by_name})
-
-
-def _signature(fn: Callable) -> inspect.Signature | None:
-    # An nn.Module's __call__ takes *args: its forward says what it wants.
-    call = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    try:
-        return inspect.signature(call)
-    except (TypeError, ValueError):
-        return None
 
 
 class BatchLoss:

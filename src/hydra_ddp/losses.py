@@ -1,10 +1,5 @@
-"""Example losses, chosen with `loss=<name>`.
-
-Any callable is a loss here: `loss(output, target)` (e.g. `_target_: torch.nn.MSELoss`,
-conf/loss/mse.yaml, or a plain function), or with parameters named `batch` and `model` to get
-the whole batch and the module (see batches.py). It returns a scalar tensor, or a dict with
-`loss` and extra terms logged next to it.
-"""
+"""Example losses, chosen with `loss=<name>`. Any callable is a loss (what it is given and
+returns: docs/make_it_yours.md, "Any batch, any output, any loss")."""
 
 from __future__ import annotations
 

@@ -15,10 +15,6 @@ import torch.nn.functional as F
 from hydra_ddp.components import check
 
 
-def _check_dropout(dropout: float) -> None:
-    check(0 <= dropout < 1, "dropout", "in [0, 1)", dropout)
-
-
 class MLP(nn.Module):
     """Flattened input, `depth` hidden layers of width `hidden`, `out_features` outputs."""
 
@@ -28,7 +24,7 @@ class MLP(nn.Module):
         super().__init__()
         check(hidden > 0, "hidden", "> 0", hidden)
         check(depth >= 1, "depth", ">= 1", depth)
-        _check_dropout(dropout)
+        check(0 <= dropout < 1, "dropout", "in [0, 1)", dropout)
         layers: list[nn.Module] = []
         width = in_features
         for _ in range(depth):
@@ -55,7 +51,7 @@ class CNN(nn.Module):
         super().__init__()
         check(channels > 0, "channels", "> 0", channels)
         check(hidden > 0, "hidden", "> 0", hidden)
-        _check_dropout(dropout)
+        check(0 <= dropout < 1, "dropout", "in [0, 1)", dropout)
         c, h, w = image_shape
         self.shape = tuple(image_shape)
         self.features = nn.Sequential(
@@ -130,7 +126,7 @@ class GPT(nn.Module):
             f"> 0 and divisible by n_head={n_head}",
             n_embd,
         )
-        _check_dropout(dropout)
+        check(0 <= dropout < 1, "dropout", "in [0, 1)", dropout)
         self.tok = nn.Embedding(vocab_size, n_embd)
         self.pos = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)

@@ -19,9 +19,9 @@ import numpy as np
 
 from hydra_ddp.data.policies import (
     BUILT_IN,
-    SamplerPolicy,
     build_policy,
     from_settings,
+    rank_epoch,
     rows_in,
     train_file_rows,
 )
@@ -79,36 +79,23 @@ class Setup:
 def rows_read(
     setup: Setup, num_rows: int, file_rows: list[int], epoch: int, first: int, stop: int
 ) -> np.ndarray:
-    """The global rows that batches [first, stop) of `epoch` read on every rank together (a row
-    read twice, as strided's padding does, appears twice)."""
-    out = []
+    """Whether each global row is read by batches [first, stop) of `epoch`, on any rank."""
+    read, policy = np.zeros(num_rows, dtype=bool), from_settings(setup.settings)
     for rank in range(setup.world_size):
-        sampler, local_to_global = _sampler(setup, num_rows, file_rows, epoch, rank)
+        mine, sampler = rank_epoch(
+            policy, num_rows, file_rows, setup.world_size, rank, epoch, setup.batch_size
+        )
         stop_here = min(stop, len(sampler))
-        if stop_here <= first:
-            continue
-        order = sampler.indices(epoch)[first * setup.batch_size : stop_here * setup.batch_size]
-        out.append(order if local_to_global is None else local_to_global[order])
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-
-
-def _sampler(
-    setup: Setup, num_rows: int, file_rows: list[int], epoch: int, rank: int
-) -> tuple[Any, np.ndarray | None]:
-    """Rank `rank`'s sampler in `epoch` under `setup`, and the global row of each row it holds
-    (None: it holds the whole split)."""
-    policy: SamplerPolicy = from_settings(setup.settings)
-    world = setup.world_size
-    rank_ranges = policy.rank_ranges(num_rows, file_rows, world, epoch)
-    if rank_ranges is None:
-        return policy.sampler(num_rows, None, rank, world, setup.batch_size), None
-    mine = rows_in(rank_ranges[rank])
-    return policy.sampler(len(mine), rank_ranges, rank, world, setup.batch_size), mine
+        if stop_here > first:
+            order = sampler.indices(epoch)[first * setup.batch_size : stop_here * setup.batch_size]
+            read[order if mine is None else rows_in(mine)[order]] = True
+    return read
 
 
 def batches_per_epoch(setup: Setup, num_rows: int, file_rows: list[int], limit: int) -> int:
     """Batches per epoch and rank (the same on every rank), at most `limit` (0: no limit)."""
-    batches = len(_sampler(setup, num_rows, file_rows, 0, 0)[0])
+    policy, world = from_settings(setup.settings), setup.world_size
+    batches = len(rank_epoch(policy, num_rows, file_rows, world, 0, 0, setup.batch_size)[1])
     return min(batches, limit) if limit else batches
 
 
@@ -120,13 +107,10 @@ def twice_and_skipped(
     `old` and `new` reads it from its batch `start` to its end (`limit`: batches per epoch at
     most). Read twice: rows read before that the rest reads again. Skipped: rows a whole epoch
     of `new` reads that neither part reads."""
-    before = np.zeros(num_rows, dtype=bool)
-    before[rows_read(old, num_rows, file_rows, epoch, 0, done)] = True
+    before = rows_read(old, num_rows, file_rows, epoch, 0, done)
     length = batches_per_epoch(new, num_rows, file_rows, limit)
-    after = np.zeros(num_rows, dtype=bool)
-    after[rows_read(new, num_rows, file_rows, epoch, start, length)] = True
-    whole = np.zeros(num_rows, dtype=bool)
-    whole[rows_read(new, num_rows, file_rows, epoch, 0, length)] = True
+    after = rows_read(new, num_rows, file_rows, epoch, start, length)
+    whole = rows_read(new, num_rows, file_rows, epoch, 0, length)
     return int(np.sum(before & after)), int(np.sum(whole & ~before & ~after))
 
 

@@ -6,6 +6,7 @@ them (`sampler`), decided once per epoch for every rank at once. Chosen by `samp
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import numpy as np
@@ -197,10 +198,7 @@ def from_settings(settings: dict[str, Any]) -> SamplerPolicy:
     """The policy a checkpoint's recorded settings describe (for the resume arithmetic)."""
     if settings.get("policy") in BUILT_IN:
         kind = BUILT_IN[settings["policy"]]
-        keys = ["shuffle", "seed", "drop_last"] + (
-            ["shard_by", "rotate"] if kind is Sharded else []
-        )
-        return kind(**{k: settings[k] for k in keys})
+        return kind(**{k: settings[k] for k in inspect.signature(kind).parameters})
     return build(settings, "sampler")
 
 
@@ -247,9 +245,19 @@ def partition_files(
 
 def samples_per_epoch(rank_ranges: list[Ranges]) -> int:
     """Min over ranks of the rows each holds: the number every rank uses per epoch."""
-    if not rank_ranges:
-        raise ValueError("rank_ranges must hold one list of ranges per rank, got an empty list")
     return min(sum(stop - start for start, stop in ranges) for ranges in rank_ranges)
+
+
+def rank_epoch(
+    policy: SamplerPolicy, num_rows: int, file_rows: list[int], world: int, rank: int,
+    epoch: int, batch_size: int,
+) -> tuple[Ranges | None, EpochSampler]:  # fmt: skip
+    """Rank `rank`'s rows of the training split in `epoch` (None: all of them) and its sampler
+    over them: what its loader reads, and what a resume counts rows read twice by."""
+    rank_ranges = policy.rank_ranges(num_rows, file_rows, world, epoch)
+    mine = None if rank_ranges is None else rank_ranges[rank]
+    held = num_rows if mine is None else sum(b - a for a, b in mine)
+    return mine, policy.sampler(held, rank_ranges, rank, world, batch_size)
 
 
 def rows_in(ranges: Ranges) -> np.ndarray:

@@ -42,10 +42,7 @@ _CHUNK_INDICES = 1 << 16
 
 def _splitmix64(x: int) -> int:
     """One step of the splitmix64 generator: a fast, well-mixing 64-bit hash."""
-    z = (x + _GOLDEN_GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * _MIX_MUL1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX_MUL2) & _MASK64
-    return z ^ (z >> 31)
+    return int(_mix64_inplace(np.array([(x + _GOLDEN_GAMMA) & _MASK64], dtype=np.uint64))[0])
 
 
 def _combine(*parts: int) -> int:
@@ -168,11 +165,12 @@ class EpochSampler(Sampler[np.ndarray]):
     """Batches of row indices for one rank, epoch by epoch, resumable mid-epoch: what a sampler
     policy's `sampler()` returns (the contract: `hydra_ddp.protocols.EpochSampler`). A subclass
     sets `num_samples` (this rank's rows per epoch, the same batch count on every rank) and
-    defines `_order(epoch)` (a permutation, or None) and `_rows(sample_ids, order)` (this
-    rank's i-th samples -> indices into the rows it loaded); epochs, batching, `drop_last` and
-    the resume position are done here."""
+    `_domain` (the rows `_order(epoch)` permutes), and defines `_key(epoch)` and
+    `_rows(sample_ids, order)` (this rank's i-th samples -> indices into the rows it loaded);
+    epochs, batching, `drop_last` and the resume position are done here."""
 
     num_samples: int
+    _domain: int
 
     def __init__(self, batch_size: int, drop_last: bool, shuffle: bool, seed: int) -> None:
         super().__init__()
@@ -184,7 +182,12 @@ class EpochSampler(Sampler[np.ndarray]):
         self.start_batch = 0
 
     def _order(self, epoch: int) -> FeistelPermutation | None:
-        raise NotImplementedError
+        """The epoch's permutation of the `_domain` rows (None: unshuffled), keyed by the
+        subclass's `_key(epoch)`. FEISTEL_ROUNDS is read here, at call time, not bound at
+        definition."""
+        if not self.shuffle:
+            return None
+        return FeistelPermutation(self._domain, _combine(*self._key(epoch)), FEISTEL_ROUNDS)
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
         raise NotImplementedError
@@ -274,7 +277,7 @@ class StridedSampler(EpochSampler):
         drop_last: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed)
-        self.num_rows = _check_int("num_rows", num_rows, 1)
+        self.num_rows = self._domain = _check_int("num_rows", num_rows, 1)
         self.world_size = _check_int("world_size", world_size, 1)
         self.rank = _check_int("rank", rank, 0)
         if self.rank >= self.world_size:
@@ -289,13 +292,8 @@ class StridedSampler(EpochSampler):
         else:
             self.num_samples = -(-self.num_rows // self.world_size)
 
-    def _order(self, epoch: int) -> FeistelPermutation | None:
-        if not self.shuffle:
-            return None
-        # FEISTEL_ROUNDS is read here, at call time, not bound at definition.
-        return FeistelPermutation(
-            self.num_rows, _combine(_TAG_STRIDED, self.seed, epoch), rounds=FEISTEL_ROUNDS
-        )
+    def _key(self, epoch: int) -> tuple[int, ...]:
+        return _TAG_STRIDED, self.seed, epoch
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
         positions = sample_ids * self.world_size + self.rank
@@ -329,7 +327,7 @@ class ShardedSampler(EpochSampler):
     ) -> None:
         super().__init__(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed)
         self.rank = _check_int("rank", rank, 0)
-        self.local_rows = _check_int("local_rows", local_rows, 1)
+        self.local_rows = self._domain = _check_int("local_rows", local_rows, 1)
         self.num_samples = _check_int("samples_per_epoch", samples_per_epoch, 1)
         if self.num_samples > self.local_rows:
             raise ValueError(
@@ -337,14 +335,8 @@ class ShardedSampler(EpochSampler):
                 "it must be the min over ranks of their local rows"
             )
 
-    def _order(self, epoch: int) -> FeistelPermutation | None:
-        if not self.shuffle:
-            return None
-        return FeistelPermutation(
-            self.local_rows,
-            _combine(_TAG_SHARDED, self.seed, epoch, self.rank),
-            rounds=FEISTEL_ROUNDS,
-        )
+    def _key(self, epoch: int) -> tuple[int, ...]:
+        return _TAG_SHARDED, self.seed, epoch, self.rank
 
     def _rows(self, sample_ids: np.ndarray, order: FeistelPermutation | None) -> np.ndarray:
         if order is None:

@@ -43,18 +43,9 @@ class DataSource:
 
 
 class TorchDatasets(DataSource):
-    """One map-style `torch.utils.data.Dataset` per split, each a component of its own:
-
-        data:
-          _target_: hydra_ddp.data.TorchDatasets
-          train: {_target_: my_data.Images, root: /data, split: train, augment: true}
-          val: {_target_: my_data.Images, root: /data, split: val}
-          test: {_target_: my_data.Images, root: /data, split: test}
-          spec: {out_features: 10}       # what the model is told (optional)
-          collate_fn: null               # default: torch's default_collate
-
-    Items are read one `dataset[i]` at a time, in DataLoader workers (`trainer.num_workers`),
-    and batched by `collate_fn`; `sampler=sharded` gives each rank a `Subset`."""
+    """One map-style `torch.utils.data.Dataset` per split, each a component of its own (the
+    YAML: docs/make_it_yours.md), read one `dataset[i]` at a time and batched by `collate_fn`
+    (default: torch's `default_collate`); `sampler=sharded` gives each rank a `Subset`."""
 
     per_item = True  # batched by a DataLoader batch sampler (view.loader)
 
@@ -126,6 +117,7 @@ def _split_rows(
 ) -> dict[str, np.ndarray]:
     """A seeded shuffle of range(n) cut into val, test and train row indices (also what the
     checkpoint's split record says, see `InMemoryArrays.origin`)."""
+    check_fractions(val_fraction, test_fraction)
     order = np.random.default_rng(seed).permutation(n)
     n_val, n_test = round(n * val_fraction), round(n * test_fraction)
     return {
@@ -171,7 +163,6 @@ def split_digits(
     [0, 1], the labels (int64), and each split's row indices."""
     from sklearn.datasets import load_digits
 
-    check_fractions(val_fraction, test_fraction)
     bunch = load_digits()
     x = (bunch.data / 16.0).astype(np.float32)
     y = bunch.target.astype(np.int64)
@@ -197,7 +188,6 @@ class Diabetes(InMemoryArrays):
     def __init__(self, val_fraction: float, test_fraction: float, split_seed: int):
         from sklearn.datasets import load_diabetes
 
-        check_fractions(val_fraction, test_fraction)
         bunch = load_diabetes()
         x = bunch.data.astype(np.float32)
         y = bunch.target.astype(np.float32)[:, None]

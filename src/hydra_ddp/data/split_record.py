@@ -46,15 +46,8 @@ def _merged(ranges: list[tuple[int, int]]) -> np.ndarray:
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> int:
-    """Rows in both sets of sorted disjoint ranges."""
-    i = j = total = 0
-    while i < len(a) and j < len(b):
-        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return int(total)
+    """Rows in both sets of disjoint ranges: |a| + |b| - |a or b|."""
+    return _size(a) + _size(b) - _size(_merged([*a, *b]))
 
 
 def _size(ranges: np.ndarray) -> int:

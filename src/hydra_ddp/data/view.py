@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from hydra_ddp.data.datasets import check_loaded
-from hydra_ddp.data.policies import build_policy, rows_in, train_file_rows
+from hydra_ddp.data.policies import build_policy, rank_epoch, rows_in, train_file_rows
 from hydra_ddp.data.sources import DataSource
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.distributed.preemption import data_worker_init
@@ -46,13 +46,12 @@ class TrainData:
     def _view(self, epoch: int) -> None:
         """The rows the policy gives this rank in `epoch`, loaded and checked, its batches of
         them, and the loader."""
-        n, world, rank = self.source.num_rows("train"), self.env.world_size, self.env.rank
-        rank_ranges = self.policy.rank_ranges(n, train_file_rows(self.source), world, epoch)
-        self.dataset = self.source.load("train", None if rank_ranges is None else rank_ranges[rank])
-        check_loaded(self.dataset, self.source.spec, "train")
-        self.sampler = self.policy.sampler(
-            len(self.dataset), rank_ranges, rank, world, self.batch_size
+        n, files = self.source.num_rows("train"), train_file_rows(self.source)
+        mine, self.sampler = rank_epoch(
+            self.policy, n, files, self.env.world_size, self.env.rank, epoch, self.batch_size
         )
+        self.dataset = self.source.load("train", mine)
+        check_loaded(self.dataset, self.source.spec, "train")
         self.loader = loader(self.source, self.dataset, self.sampler, self.env, self.num_workers)
         self._epoch = epoch
 
@@ -121,10 +120,6 @@ class EvalData:
         check_loaded(self.dataset, source.spec, split)
         self.sampler = EvenBatches(indices, counts, rank, batch_size)
         self._loader: DataLoader | None = None
-
-    def is_padding(self, i: int) -> bool:
-        """Batch i of this rank is padding: it counts for nothing."""
-        return self.sampler.is_padding(i)
 
     def padded_ranks(self, i: int) -> tuple[bool, ...]:
         """Per rank, whether its batch i is padding."""

@@ -18,8 +18,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from hydra_ddp import step
-
 
 class RingPoints(Dataset):
     def __init__(self, rows: int = 2048, seed: int = 0, noise: float = 0.05) -> None:
@@ -82,10 +80,7 @@ class Phase:
     def __call__(self, *inputs: torch.Tensor) -> Any:
         return self.model(*inputs, phase=self.phase)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
-
-    def no_sync(self) -> Any:
-        # The template's no_sync: DDP's no_sync(), FSDP2's set_requires_gradient_sync(False)
-        # (an FSDP2 model has no no_sync), nothing for an unwrapped model.
-        return step.no_sync(self.model)
+    def __getattr__(self, name: str) -> Any:
+        # zero_grad, and what the template's step.no_sync looks for: DDP's no_sync(), FSDP2's
+        # set_requires_gradient_sync (an FSDP2 model has no no_sync), neither when unwrapped.
+        return getattr(self.model, name)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
+
+from hydra_ddp.data import CharText
 
 
 class TextSnippets(Dataset):
@@ -27,16 +30,10 @@ class TextSnippets(Dataset):
     def __init__(
         self, split: str, max_len: int = 48, snippets: int = 512, shifted: bool = True
     ) -> None:
-        from pydoc_data.topics import topics
-
-        text = "\n\n".join(topics[k] for k in sorted(topics))
-        self.chars = sorted(set(text))
-        self.vocab_size = len(self.chars)
-        index = {c: i for i, c in enumerate(self.chars)}
-        n = len(text)
-        bounds = {"train": (0, int(0.9 * n)), "val": (int(0.9 * n), int(0.95 * n))}
-        start, stop = bounds.get(split, (int(0.95 * n), n))
-        self.text = torch.tensor([index[c] for c in text[start:stop]], dtype=torch.long)
+        # The characters of `data=text` (CharText), its last tenth held out as val and test.
+        source = CharText(block_size=1, val_fraction=0.05, test_fraction=0.05)
+        self.vocab_size = source.spec["vocab_size"]
+        self.text = torch.from_numpy(source.streams[split].astype(np.int64))
         self.max_len, self.snippets, self.shifted = max_len, snippets, shifted
 
     def __len__(self) -> int:
