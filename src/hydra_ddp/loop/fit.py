@@ -28,9 +28,8 @@ from hydra_ddp.config import NanPolicy, TrainerConfig
 from hydra_ddp.distributed import DistEnv, all_gather_floats, all_reduce_sum
 from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
-from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.evaluation import Evaluator, Pruning
 from hydra_ddp.loop.position import Position, batches
-from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.wrapping import EMA, Wrapped
 from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir import jsonfile
