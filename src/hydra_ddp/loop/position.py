@@ -25,12 +25,6 @@ class Position:
     batch_in_epoch: int = 0  # micro-batches of this epoch already trained on
     samples_seen: int = 0  # by this rank
 
-    def drawn(self, epoch: int, batch_in_epoch: int) -> None:
-        """Batch `batch_in_epoch` (from 1) of `epoch` was drawn. The epoch moves on only when
-        the next epoch's first batch is drawn: at the end of an epoch, batch_in_epoch is its
-        length."""
-        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
-
     def epochs_done(self, length: int) -> int:
         """Epochs completed (`length`: micro-batches per epoch)."""
         return self.epoch + (1 if self.batch_in_epoch >= length else 0)

@@ -50,15 +50,8 @@ def evaluate(
         totals = score(model, data, env.device, loss_fn, metrics, autocast, limit, env.rank)
     finally:
         model.train(was_training)
-    # One copy to the host for the whole split.
-    names = list(totals)
-    flat = torch.cat([totals[n] for n in names]).cpu().tolist() if names else []
-    local, at = {}, 0
-    for name in names:
-        size = totals[name].numel()
-        local[name], at = flat[at : at + size], at + size
     # A rank may hold no rows of a split: summing by name needs no sizes agreed in advance.
-    merged = sum_by_name(local, env)
+    merged = sum_by_name({name: t.tolist() for name, t in totals.items()}, env)
     loss = merged.get("loss", [0.0, 0.0])
     out = {"loss": loss[0] / max(loss[1], 1)}
     for name, metric in metrics.items():
