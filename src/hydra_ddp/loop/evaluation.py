@@ -187,7 +187,7 @@ class Evaluator:
     checkpointer: Checkpointer
     tracker: Tracker
     console: Console
-    pruning: Pruning | None = None
+    pruning: Pruning
     last: dict[str, float] = field(default_factory=dict, init=False)  # the newest validation's
     _improved: bool = field(default=False, init=False)  # the final validation improved the monitor
 
@@ -217,10 +217,10 @@ class Evaluator:
             self.checkpointer.save(name="best.pt")  # collective
         elif self.monitor.should_stop:
             self.monitor.stop(position.step)
-        if self.pruning is not None:  # a trial of a pruning sweep: report, maybe stop here
-            value = val[self.monitor.metric]
-            if self.pruning.should_prune(position.step, value):  # collective
-                self.monitor.prune(position.step, value)
+        # A trial of a pruning sweep: report, maybe stop here (a no-op outside one).
+        value = val[self.monitor.metric]
+        if self.pruning.should_prune(position.step, value):  # collective
+            self.monitor.prune(position.step, value)
         return val
 
     def final_validation(self, position: Any) -> dict[str, float]:

@@ -82,8 +82,7 @@ def build_loop(
         loss_fn=job.components.loss, metrics=job.components.metrics, autocast=autocast,
         limit=tcfg.limit_eval_batches, interval=tcfg.eval_interval,
         total_steps=job.total_steps, monitor=objects.monitor, checkpointer=checkpointer,
-        tracker=tracker, console=job.console,
-        pruning=Pruning(env),  # a no-op unless a pruning sweep started this job
+        tracker=tracker, console=job.console, pruning=Pruning(env),
     )  # fmt: skip
     # This rank's stats: its own file, the console (rank 0) and the tracker's sinks.
     stats = StepStats(

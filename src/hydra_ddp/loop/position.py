@@ -37,11 +37,6 @@ def epoch_length(batches: int, tcfg: TrainerConfig) -> int:
     return min(tcfg.limit_train_batches, batches) if tcfg.limit_train_batches else batches
 
 
-def total_epochs(total_steps: int, grad_accum: int, micro_batches_per_epoch: int) -> int:
-    """The epochs the run starts (the last maybe in part), for an epoch-stepped schedule."""
-    return -(-total_steps * grad_accum // max(micro_batches_per_epoch, 1))
-
-
 def batches(data: TrainData, start: Position, tcfg: TrainerConfig) -> Iterator[tuple]:
     """(epoch, batch_in_epoch, batch) from `start` on, forever; batch_in_epoch counts from 1.
     trainer.overfit_batches: the first N batches of epoch 0, every epoch."""
