@@ -212,7 +212,8 @@ class Evaluator:
         improved; stop early after too many evaluations without."""
         val = self.last = self.evaluate("val")
         self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
-        self.console.info_main("step %d | val %s", position.step, _fmt(val))
+        shown = " ".join(f"{k} {v:.4f}" for k, v in val.items())
+        self.console.info_main("step %d | val %s", position.step, shown)
         if self.monitor.update(position.step, val, self.env):  # collective
             self.checkpointer.save(name="best.pt")  # collective
         elif self.monitor.should_stop:
@@ -248,10 +249,6 @@ class Evaluator:
             },
         )
         return self.last, test
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 # --------------------------------------------------------------------------------------------
