@@ -32,7 +32,7 @@ from conftest import FAST, job_dirs, ok, python_train, summary, user_env
 from omegaconf import OmegaConf
 
 from hydra_ddp.launch.command import find_own_plugins
-from hydra_ddp.loop import pruning
+from hydra_ddp.loop import evaluation as pruning
 from hydra_ddp.rundir import sweeps
 
 NEEDS = 'needs Optuna, the sweep extra: pip install -e ".[sweep]"'

@@ -3,14 +3,10 @@
 
 Its rows are DeepSpeed's model-state estimate (parameters, gradients, optimizer state) plus what
 that leaves out: DDP's buckets, FSDP2's gathered units, activations, PowerSGD's state and the
-cuBLAS workspaces of a CUDA job. The rules for the last three follow torch's documented
-behaviour or source; what each row counts, and how well the plan holds: docs/memory_plan.md.
-
-Measured, not assumed: the job's own model, optimizers and step function run one step (on the
-CPU, or the meta device for a big model) at two small batch sizes, and the optimizer state and
-the tensors autograd saved are counted; activations are extrapolated linearly in the batch.
-The gradients are made as the activations are freed and freed after the step, so the peak is
-everything else plus the larger of the two.
+cuBLAS workspaces of a CUDA job. What each row counts, what is measured (one step of the job's
+own model, optimizers and step function at two small batch sizes) and what is estimated, and
+how well the plan holds: docs/memory_plan.md. The gradients are made as the activations are
+freed and freed after the step, so the peak is everything else plus the larger of the two.
 """
 
 from __future__ import annotations
@@ -130,30 +126,44 @@ def plan_memory(
 ) -> MemoryPlan:
     """One rank's plan under `wrapper` on `world_size` ranks (wrapped when more than one), at
     trainer.batch_size, on `device` (cpu or cuda)."""
-    wrapped = world_size > 1
     (b1, a1), (b2, a2) = sorted(counted.activations.items())
     half = cfg.trainer.precision in (Precision.bf16, Precision.fp16)
     if wrapper == Wrapper.fsdp2:
         half = half or cfg.ddp.param_dtype in _HALF
     scale = 0.5 if half else 1.0  # 16-bit autocast: the saved floats take half the bytes
-    sharded = wrapper == Wrapper.fsdp2 and wrapped
-    shard = world_size if sharded else 1
+    wrapped = world_size > 1
+    shard = world_size if wrapper == Wrapper.fsdp2 and wrapped else 1
+    return _plan(
+        counted, cfg, world_size, wrapper, device, wrapped, shard, b1, int(a1 * scale),
+        (a2 - a1) / (b2 - b1) * scale,
+    ).at(cfg.trainer.batch_size)  # fmt: skip
+
+
+def _plan(counted: Counted, cfg: TrainConfig, world_size: int, wrapper: Wrapper, device: str,
+          wrapped: bool, shard: int, batch_size: int, activations: int,
+          per_row: float) -> MemoryPlan:  # fmt: skip
+    """The plan from `counted`'s bytes, the model states split in `shard`s; `wrapped`: in a
+    process group (DDP's buckets, fsdp2's gathered units, a comm hook's state)."""
     ddp = wrapper == Wrapper.ddp and wrapped and cfg.ddp.enabled
     return MemoryPlan(
         wrapper=wrapper.value,
         world_size=world_size,
-        batch_size=b1,
+        batch_size=batch_size,
         params=-(-counted.params // shard),
         grads=-(-counted.trainable // shard),
         optimizer=-(-counted.optimizer // shard),
         buckets=counted.trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
-        gathered=gathered_bytes(counted.root_unit, counted.units, cfg) if sharded else 0,
-        activations=int(a1 * scale),
-        activations_per_row=(a2 - a1) / (b2 - b1) * scale,
+        gathered=(
+            gathered_bytes(counted.root_unit, counted.units, cfg)
+            if wrapper == Wrapper.fsdp2 and wrapped
+            else 0
+        ),
+        activations=activations,
+        activations_per_row=per_row,
         where=counted.where,
         hook_state=counted.hook_state if ddp else 0,
-        workspaces=workspace_bytes(cfg, device, ddp),
-    ).at(cfg.trainer.batch_size)
+        workspaces=workspaces(cfg, ddp) * cublas_workspace_size() if device == "cuda" else 0,
+    )
 
 
 def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counted:
@@ -217,10 +227,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    return _nbytes(local(t))
-
-
 def _own_bytes(unit: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> int:
     """A unit's parameters that no unit inside it holds."""
     inner = {id(p) for _, u in units if u is not unit for p in u.parameters()}
@@ -229,7 +235,10 @@ def _own_bytes(unit: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
-        _local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        _nbytes(local(v))
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
     )
 
 
@@ -244,30 +253,24 @@ def of_this_run(
         return None
     try:
         params = [*model.parameters()]
-        gathered = 0
-        if cfg.ddp.wrapper == Wrapper.fsdp2 and env.distributed:
-            # The units as fully_shard made them (their classes renamed FSDP<name>).
-            units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
-            unit_bytes = [_own_bytes(unit, units) for _, unit in units]
-            root = sum(_nbytes(p) for p in params) - sum(unit_bytes)
-            gathered = gathered_bytes(root, unit_bytes, cfg)
-        ddp = cfg.ddp.wrapper == Wrapper.ddp and env.distributed and cfg.ddp.enabled
-        trainable = sum(_local_bytes(p) for p in params if p.requires_grad)
-        return MemoryPlan(
-            wrapper=cfg.ddp.wrapper.value,
-            world_size=env.world_size,
-            batch_size=cfg.trainer.batch_size,
-            params=sum(_local_bytes(t) for t in (*params, *model.buffers())),
-            grads=trainable,
+        # The units as fully_shard made them (their classes renamed FSDP<name>), if it did.
+        units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
+        unit_bytes = [_own_bytes(unit, units) for _, unit in units]
+        held = Counted(
+            params=sum(_nbytes(local(t)) for t in (*params, *model.buffers())),
+            values=0,
+            trainable=sum(_nbytes(local(p)) for p in params if p.requires_grad),
             optimizer=sum(_state_bytes(o) for o in optimizers),
-            buckets=trainable if ddp and not cfg.ddp.gradient_as_bucket_view else 0,
-            gathered=gathered,
-            activations=meter.activations,
-            activations_per_row=meter.activations / max(meter.rows, 1),
+            root_unit=sum(_nbytes(p) for p in params) - sum(unit_bytes),
+            units=unit_bytes,
+            activations={},
             where="run",
-            hook_state=powersgd_bytes(params, cfg) if ddp else 0,
-            workspaces=workspace_bytes(cfg, env.device.type, ddp),
+            hook_state=powersgd_bytes(params, cfg),
         )
+        return _plan(
+            held, cfg, env.world_size, cfg.ddp.wrapper, env.device.type, env.distributed, 1,
+            cfg.trainer.batch_size, meter.activations, meter.activations / max(meter.rows, 1),
+        )  # fmt: skip
     except Exception as e:
         log.warning("no memory plan in summary.json: %s: %s", type(e).__name__, e)
         return None
@@ -335,12 +338,6 @@ def powersgd_bytes(parameters: list[torch.Tensor], cfg: TrainConfig) -> int:
         if 2 * (n + m) * r < n * m:
             factors += (n + m) * r * p.element_size()
     return errors + 2 * min(errors, int(cfg.ddp.bucket_cap_mb * 2**20)) + factors
-
-
-def workspace_bytes(cfg: TrainConfig, device: str, ddp: bool) -> int:
-    """The cuBLAS workspaces a job on `device` keeps (0 on CPU); `ddp`: wrapped in DDP with a
-    process group (PowerSGD runs only there)."""
-    return workspaces(cfg, ddp) * cublas_workspace_size() if device == "cuda" else 0
 
 
 def workspaces(cfg: TrainConfig, ddp: bool) -> int:

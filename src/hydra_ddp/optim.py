@@ -1,11 +1,6 @@
-"""The optimizers: parameter groups, several named optimizers, the example schedules.
-
-The optimizer and its schedule are components (`optim._target_`, `scheduler._target_`); the
-template's own keys (docs/configuration.md, docs/make_it_yours.md): `optim.param_groups` (name
-patterns with their own settings; biases and norm weights take no weight decay unless a group
-sets one), several named optimizers (`optim` without a `_target_`: each with `params` and
-optionally its own `scheduler`; a GAN: `optim=gan`), and a scheduler's `interval: step | epoch`
-or `monitor: val/<metric>` (stepped after each validation with that metric, as in Lightning).
+"""The optimizers: parameter groups (`optim.param_groups`), several named optimizers (`optim`
+without a `_target_`), each schedule's `interval` / `monitor`, and the example schedules; what
+each key does: docs/make_it_yours.md ("Optimizers and your own step"), docs/configuration.md.
 """
 
 from __future__ import annotations

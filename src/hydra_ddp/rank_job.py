@@ -75,6 +75,7 @@ class RankJob:
     evals: dict[str, EvalData]
     micro_batches_per_epoch: int  # per rank
     total_steps: int  # optimizer steps
+    total_epochs: int  # what an epoch-stepped schedule runs for
     total_micro: int | None  # micro-batches of trainer.epochs (None: trainer.max_steps)
     callbacks: Callbacks
     resume_from: Path | None

@@ -1,14 +1,17 @@
 """Validation during training (`Evaluator`), judged by the metric `trainer.monitor` names
 (`Monitor`: the best step, its checkpoint kept as `checkpoints/best.pt`, early stopping after
-`trainer.early_stop_patience` evaluations without an improvement, a pruning sweep's stop), and
-the evaluation of a saved checkpoint (`evaluate_run`, behind `python -m hydra_ddp.eval`).
+`trainer.early_stop_patience` evaluations without an improvement, a pruning sweep's stop:
+`Pruning`), and the evaluation of a saved checkpoint (`evaluate_run`, behind
+`python -m hydra_ddp.eval`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -24,7 +27,10 @@ from hydra_ddp.distributed import DistEnv, all_gather_objects, process_group, us
 from hydra_ddp.distributed.ddp import sync_buffers
 from hydra_ddp.distributed.failures import translated_evaluation
 from hydra_ddp.errors import UserError
-from hydra_ddp.loop.pruning import Pruning
+from hydra_ddp.launcher_env import OPTUNA_STORAGE_ENV as STORAGE_ENV
+from hydra_ddp.launcher_env import OPTUNA_STUDY_ENV as STUDY_ENV
+from hydra_ddp.launcher_env import OPTUNA_TRIAL_ENV as TRIAL_ENV
+from hydra_ddp.loop import PRUNED_ATTR, PRUNER_ATTR
 from hydra_ddp.loop.scoring import evaluate, predict
 from hydra_ddp.metrics import Metric
 from hydra_ddp.rundir import jsonfile
@@ -59,7 +65,7 @@ class Monitor:
         self.best_step = 0
         self.bad_evals = 0  # evaluations in a row without an improvement
         self.stopped_early = False
-        self.pruned = False  # stopped by a pruning sweep's pruner (pruning.py)
+        self.pruned = False  # stopped by a pruning sweep's pruner (`Pruning`)
 
     def update(self, step: int, val: dict[str, float], env: DistEnv) -> bool:
         """Record an evaluation at `step`; True when it is the best so far."""
@@ -123,6 +129,49 @@ class Monitor:
         self.bad_evals = int(state["bad_evals"])
 
 
+class Pruning:
+    """Collective: a job that is one trial of a pruning Optuna sweep (`hydra/sweeper=optuna_pruned`)
+    reports the monitored metric at every evaluation and stops when the study's pruner says so;
+    a no-op outside one. The sweeper names the study's storage, the study and the job's trial in
+    three variables of `hydra.job.env_set`. Global rank 0 alone reports, through Optuna's
+    `Trial`; the others follow its decision. A pruned job ends like an early stop and marks its
+    trial with the step."""
+
+    def __init__(self, env: DistEnv) -> None:
+        self.env = env
+        self.active = TRIAL_ENV in os.environ
+        self.trial = _trial() if self.active and env.is_main else None
+
+    def should_prune(self, step: int, value: float) -> bool:
+        """Collective: report `value` at `step` to the trial; True on every rank when rank 0's
+        pruner stops the trial there (rank 0 then marks it with the step)."""
+        if not self.active:
+            return False
+        pruned = False
+        if self.trial is not None:
+            # NaN is what the pruners expect of a diverged run: they prune it.
+            self.trial.report(float(value) if math.isfinite(value) else float("nan"), step)
+            pruned = self.trial.should_prune()
+            if pruned:
+                self.trial.set_user_attr(PRUNED_ATTR, step)
+        # One rank alone stopping would leave the others waiting in a collective.
+        return bool(all_gather_objects(pruned, self.env)[0])
+
+
+def _trial() -> Any:
+    """This job's trial, with the sweep's pruner. The storage variable holds an Optuna storage
+    URL, or the JSON of a storage's config (`_target_` and arguments)."""
+    import optuna
+    from hydra.utils import instantiate
+
+    spec, name = os.environ[STORAGE_ENV], os.environ[STUDY_ENV]
+    storage = optuna.storages.get_storage(instantiate(json.loads(spec)) if spec[0] == "{" else spec)
+    study = optuna.load_study(study_name=name, storage=storage)
+    study.pruner = instantiate(study.user_attrs[PRUNER_ATTR])
+    ids = storage.get_study_id_from_name(name), int(os.environ[TRIAL_ENV])
+    return optuna.trial.Trial(study, storage.get_trial_id_from_study_id_trial_number(*ids))
+
+
 @dataclass(kw_only=True)
 class Evaluator:
     env: DistEnv
@@ -138,7 +187,7 @@ class Evaluator:
     checkpointer: Checkpointer
     tracker: Tracker
     console: Console
-    pruning: Pruning | None = None
+    pruning: Pruning
     last: dict[str, float] = field(default_factory=dict, init=False)  # the newest validation's
     _improved: bool = field(default=False, init=False)  # the final validation improved the monitor
 
@@ -163,15 +212,16 @@ class Evaluator:
         improved; stop early after too many evaluations without."""
         val = self.last = self.evaluate("val")
         self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
-        self.console.info_main("step %d | val %s", position.step, _fmt(val))
+        shown = " ".join(f"{k} {v:.4f}" for k, v in val.items())
+        self.console.info_main("step %d | val %s", position.step, shown)
         if self.monitor.update(position.step, val, self.env):  # collective
             self.checkpointer.save(name="best.pt")  # collective
         elif self.monitor.should_stop:
             self.monitor.stop(position.step)
-        if self.pruning is not None:  # a trial of a pruning sweep: report, maybe stop here
-            value = val[self.monitor.metric]
-            if self.pruning.should_prune(position.step, value):  # collective
-                self.monitor.prune(position.step, value)
+        # A trial of a pruning sweep: report, maybe stop here (a no-op outside one).
+        value = val[self.monitor.metric]
+        if self.pruning.should_prune(position.step, value):  # collective
+            self.monitor.prune(position.step, value)
         return val
 
     def final_validation(self, position: Any) -> dict[str, float]:
@@ -199,10 +249,6 @@ class Evaluator:
             },
         )
         return self.last, test
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 # --------------------------------------------------------------------------------------------

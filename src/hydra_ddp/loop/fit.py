@@ -25,12 +25,11 @@ from hydra_ddp.batches import rows, to_device
 from hydra_ddp.callbacks import Context
 from hydra_ddp.checkpoint import Checkpointer, state
 from hydra_ddp.config import NanPolicy, TrainerConfig
-from hydra_ddp.distributed import DistEnv, all_gather_floats, all_reduce_sum
+from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
-from hydra_ddp.loop.evaluation import Evaluator
+from hydra_ddp.loop.evaluation import Evaluator, Pruning
 from hydra_ddp.loop.position import Position, batches
-from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.wrapping import EMA, Wrapped
 from hydra_ddp.rank_job import RankJob
 from hydra_ddp.rundir import jsonfile
@@ -83,8 +82,7 @@ def build_loop(
         loss_fn=job.components.loss, metrics=job.components.metrics, autocast=autocast,
         limit=tcfg.limit_eval_batches, interval=tcfg.eval_interval,
         total_steps=job.total_steps, monitor=objects.monitor, checkpointer=checkpointer,
-        tracker=tracker, console=job.console,
-        pruning=Pruning(env),  # a no-op unless a pruning sweep started this job
+        tracker=tracker, console=job.console, pruning=Pruning(env),
     )  # fmt: skip
     # This rank's stats: its own file, the console (rank 0) and the tracker's sinks.
     stats = StepStats(
@@ -134,8 +132,9 @@ def fit(loop: Loop) -> float:
         t_step = time.perf_counter()
         micro_batches = []
         for _ in range(_micro_batches(job, pos)):
-            epoch, batch_in_epoch, batch = next(data)
-            pos.drawn(epoch, batch_in_epoch)
+            # The epoch moves on only when the next epoch's first batch is drawn: at the end
+            # of an epoch, batch_in_epoch (counted from 1) is its length.
+            pos.epoch, pos.batch_in_epoch, batch = next(data)
             micro_batches.append(batch)
         data_wait = time.perf_counter() - t_step
         micro_batches = [to_device(b, env.device) for b in micro_batches]
@@ -278,21 +277,23 @@ def _summary(loop: Loop, start_step: int, wall: float, val: dict, test: dict) ->
     """Collective: the job's summary.json, the same on every rank."""
     job, env, pos, stats = loop.job, loop.env, loop.pos, loop.stats
     unit = job.components.source.unit
-    samples = all_reduce_sum([float(stats.total_samples)], env)[0]
-    held = all_gather_floats([job.train_data.rows_held, job.train_data.bytes_held], env)
     # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
     state = state_bytes(job.components.model, job.components.optimizers.optimizers.values())
+    data = job.train_data
+    ranks = all_gather_floats(
+        [stats.total_samples, stats.last_loss, data.rows_held, data.bytes_held, state], env
+    )
     summary: dict[str, Any] = {
         "world_size": env.world_size,
         "steps": pos.step,
         "steps_this_run": pos.step - start_step,
         "epochs": pos.epoch + (pos.batch_in_epoch / max(job.micro_batches_per_epoch, 1)),
-        "train_loss": all_reduce_sum([stats.last_loss], env)[0] / env.world_size,
-        f"{unit}_per_s": samples / max(wall, 1e-9),
+        "train_loss": sum(r[1] for r in ranks) / env.world_size,
+        f"{unit}_per_s": sum(r[0] for r in ranks) / max(wall, 1e-9),
         "wall_time_s": wall,
-        "rows_held_per_rank": [int(h[0]) for h in held],
-        "state_bytes_per_rank": [int(b[0]) for b in all_gather_floats([state], env)],
-        "bytes_held_per_rank": [int(h[1]) for h in held],
+        "rows_held_per_rank": [int(r[2]) for r in ranks],
+        "state_bytes_per_rank": [int(r[4]) for r in ranks],
+        "bytes_held_per_rank": [int(r[3]) for r in ranks],
         "sampler": job.train_data.policy.name,
         "objective": val[loop.evaluator.monitor.metric],  # trainer.monitor
     }

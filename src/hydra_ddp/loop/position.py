@@ -25,12 +25,6 @@ class Position:
     batch_in_epoch: int = 0  # micro-batches of this epoch already trained on
     samples_seen: int = 0  # by this rank
 
-    def drawn(self, epoch: int, batch_in_epoch: int) -> None:
-        """Batch `batch_in_epoch` (from 1) of `epoch` was drawn. The epoch moves on only when
-        the next epoch's first batch is drawn: at the end of an epoch, batch_in_epoch is its
-        length."""
-        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
-
     def epochs_done(self, length: int) -> int:
         """Epochs completed (`length`: micro-batches per epoch)."""
         return self.epoch + (1 if self.batch_in_epoch >= length else 0)
@@ -41,11 +35,6 @@ def epoch_length(batches: int, tcfg: TrainerConfig) -> int:
     if tcfg.overfit_batches:
         return min(tcfg.overfit_batches, batches)
     return min(tcfg.limit_train_batches, batches) if tcfg.limit_train_batches else batches
-
-
-def total_epochs(total_steps: int, grad_accum: int, micro_batches_per_epoch: int) -> int:
-    """The epochs the run starts (the last maybe in part), for an epoch-stepped schedule."""
-    return -(-total_steps * grad_accum // max(micro_batches_per_epoch, 1))
 
 
 def batches(data: TrainData, start: Position, tcfg: TrainerConfig) -> Iterator[tuple]:

@@ -20,7 +20,7 @@ from hydra_ddp.data import EvalData, TrainData, check_source
 from hydra_ddp.distributed import DistEnv, use_device
 from hydra_ddp.loop.checkpointing import resume_point
 from hydra_ddp.loop.evaluation import monitor_key
-from hydra_ddp.loop.position import epoch_length, total_epochs
+from hydra_ddp.loop.position import epoch_length
 from hydra_ddp.rank_job import RankJob, build_components
 from hydra_ddp.rundir import provenance
 from hydra_ddp.tracking import RunInfo, Tracker
@@ -72,7 +72,8 @@ def prepare(
     # the last step takes what is left (a smaller step) when they do not divide.
     total_micro = tcfg.epochs * per_epoch if tcfg.max_steps <= 0 else None
     total_steps = tcfg.max_steps if total_micro is None else -(-total_micro // tcfg.grad_accum)
-    epochs = total_epochs(total_steps, tcfg.grad_accum, per_epoch)
+    # The epochs the run starts (the last maybe in part), for an epoch-stepped schedule.
+    epochs = -(-total_steps * tcfg.grad_accum // max(per_epoch, 1))
     components = build_components(cfg, train_data.source, env.device, total_steps, epochs)
     callbacks = Callbacks(cfg.callbacks, data=train_data.source)
     resume_from = resume_point(cfg, env, run, console)
@@ -92,6 +93,7 @@ def prepare(
         evals=evals,
         micro_batches_per_epoch=per_epoch,
         total_steps=total_steps,
+        total_epochs=epochs,
         total_micro=total_micro,
         callbacks=callbacks,
         resume_from=resume_from,

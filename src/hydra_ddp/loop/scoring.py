@@ -50,15 +50,8 @@ def evaluate(
         totals = score(model, data, env.device, loss_fn, metrics, autocast, limit, env.rank)
     finally:
         model.train(was_training)
-    # One copy to the host for the whole split.
-    names = list(totals)
-    flat = torch.cat([totals[n] for n in names]).cpu().tolist() if names else []
-    local, at = {}, 0
-    for name in names:
-        size = totals[name].numel()
-        local[name], at = flat[at : at + size], at + size
     # A rank may hold no rows of a split: summing by name needs no sizes agreed in advance.
-    merged = sum_by_name(local, env)
+    merged = sum_by_name({name: t.tolist() for name, t in totals.items()}, env)
     loss = merged.get("loss", [0.0, 0.0])
     out = {"loss": loss[0] / max(loss[1], 1)}
     for name, metric in metrics.items():
@@ -235,8 +228,10 @@ def predict(
     for name in gathered[0][3]:
         batches = [b for *_, p in gathered for b in p[name]]
         entries[name], described[name or "output"] = _assemble(batches, order, pad)
-    saved = _structure(kind, entries, size)
-    torch.save(saved, out)
+    if kind == "tuple":  # None: an entry not per row
+        torch.save(tuple(entries.get(str(i)) for i in range(size)), out)
+    else:
+        torch.save(entries[""] if kind == "tensor" else entries, out)
     jsonfile.write(
         out.with_suffix(".json"),
         {"rows": len(order), "kind": kind, "key": key, "pad_value": pad, "entries": described},
@@ -262,14 +257,6 @@ def _assemble(
     for i, r in enumerate(rows):
         whole[(i, *(slice(0, n) for n in r.shape))] = r
     return whole, {"shape": list(whole.shape), "dtype": dtype, "padded": True}
-
-
-def _structure(kind: str, entries: dict[str, Any], size: int) -> Any:
-    if kind == "tensor":
-        return entries[""]
-    if kind == "tuple":
-        return tuple(entries.get(str(i)) for i in range(size))  # None: an entry not per row
-    return entries
 
 
 def _fmt(described: dict[str, Any]) -> str:

@@ -15,7 +15,6 @@ from hydra_ddp.checkpoint.init_from import apply
 from hydra_ddp.config import Precision, Wrapper
 from hydra_ddp.distributed.ddp import wrap_model
 from hydra_ddp.distributed.fsdp import local, reshard
-from hydra_ddp.loop.position import total_epochs
 from hydra_ddp.optim import Optimizers
 from hydra_ddp.rank_job import RankJob
 
@@ -89,8 +88,7 @@ def wrap_job(job: RankJob) -> Wrapped:
         apply(components.model, job.init_sharded, env.distributed)  # collective
     if sharded:  # fully_shard replaced the parameters: the optimizers must hold the new ones
         components.optimizers = Optimizers.build(
-            cfg.optim, cfg.scheduler, model, job.total_steps,
-            total_epochs(job.total_steps, tcfg.grad_accum, job.micro_batches_per_epoch),
+            cfg.optim, cfg.scheduler, model, job.total_steps, job.total_epochs,
             ["loss", *cfg.metrics],
         )  # fmt: skip
     # Compiled after the DDP wrap, as torch's DDP docs recommend: dynamo's DDPOptimizer then

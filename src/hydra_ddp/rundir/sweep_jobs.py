@@ -144,7 +144,7 @@ def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) 
             for value in sorted(secrets, key=len, reverse=True):
                 detail = detail.replace(value, redact.REDACTED)
             detail = redact.text(detail)  # and the live W&B API key
-        elif summary.get("pruned"):  # a pruning sweep's pruner stopped it (loop/pruning.py)
+        elif summary.get("pruned"):  # a pruning sweep's pruner stopped it (loop/evaluation.py)
             status, detail = PRUNED, f"pruned at step {summary.get('steps')}"
         elif summary:
             status, detail = "ok", None

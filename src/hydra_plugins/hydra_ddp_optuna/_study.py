@@ -28,7 +28,10 @@ from optuna.trial import TrialState
 
 from hydra_ddp import redact
 from hydra_ddp.errors import UserError, first_line
-from hydra_ddp.loop.pruning import PRUNED_ATTR, PRUNER_ATTR, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
+from hydra_ddp.launcher_env import OPTUNA_STORAGE_ENV as STORAGE_ENV
+from hydra_ddp.launcher_env import OPTUNA_STUDY_ENV as STUDY_ENV
+from hydra_ddp.launcher_env import OPTUNA_TRIAL_ENV as TRIAL_ENV
+from hydra_ddp.loop import PRUNED_ATTR, PRUNER_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +208,7 @@ class _Run:
                 self.study.tell(trial.number, state=TrialState.FAIL)
 
     def tell_jobs_the_study(self) -> None:
-        """The storage and study name to every job's environment (loop/pruning.py), through
+        """The storage and study name to every job's environment (loop/evaluation.py), through
         Hydra overrides each launcher applies; the pruner's config to the study."""
         self.study.set_user_attr(PRUNER_ATTR, self.pruner_config)
         storage = json.dumps(self.storage) if isinstance(self.storage, dict) else self.storage
