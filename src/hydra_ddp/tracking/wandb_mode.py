@@ -22,8 +22,8 @@ WANDB_MAX_LEN = 128  # W&B rejects longer groups/names/job types
 # WANDB_MODE's values as W&B reads them.
 _ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
               "disabled": "disabled"}  # fmt: skip
-# W&B's cloud, by both its names: `wandb login` of wandb >= 0.31 saves the key for the first
-# (its default host), which reads an older login's entry for the second too.
+# W&B's cloud, by both its names: `wandb login` saves the key for the first (W&B's default
+# host), an older release's login for the second, and W&B reads either.
 _CLOUD = ("api.forge.coreweave.com", "api.wandb.ai")
 
 
