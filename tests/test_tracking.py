@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import pytest
-from conftest import REPO, wandb_env
+from conftest import REPO, user_env, wandb_env
 from helpers import ranks, wandb_records
 from helpers._tracking_worker import STEPS, resume_attempt, run_job, sequential
 from helpers.inproc import job, train_ranks
@@ -274,6 +275,24 @@ def test_auto_mode_resolution(
         # Online without a login would prompt on a terminal: one line instead, at once.
         with pytest.raises(UserError, match=r"logger.mode=online but W&B has no login for"):
             resolve_mode(WandbMode.online)
+
+
+def test_auto_mode_finds_the_login_wandb_login_writes(tmp_path: Path, monkeypatch) -> None:
+    """`wandb login` (the CLI of the installed W&B, told not to ask the server) writes a netrc
+    entry for the host W&B uses by default, whatever W&B calls it: auto goes online, online
+    starts."""
+    env = user_env(tmp_path, HOME=str(tmp_path), NETRC=str(tmp_path / ".netrc"))
+    cli = [sys.executable, "-m", "wandb", "login", "--no-verify", FAKE_KEY]
+    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert (tmp_path / ".netrc").is_file(), done.stdout + done.stderr
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("HOME", "NETRC", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.chdir(tmp_path)
+    mode, reason = resolve_mode(WandbMode.auto)
+    assert mode == "online" and FAKE_KEY not in reason, reason
+    assert resolve_mode(WandbMode.online)[0] == "online"
 
 
 def test_auto_mode_finds_a_self_hosted_login(tmp_path: Path, monkeypatch) -> None:

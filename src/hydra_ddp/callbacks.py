@@ -5,12 +5,8 @@
     python -m hydra_ddp.train +callbacks.count._target_=my_callbacks.Count +callbacks.count.every=5
 
 The contract (the hooks in `HOOKS`, when each runs, on which ranks, what is checkpointed) is
-`hydra_ddp.protocols.Callback`.
-
-Under ddp=fsdp2 a parameter, its gradient and what is computed from them are DTensors, of which
-`.item()` reads this rank's part only. ctx.log logs such a value whole: the hook call ends with
-the ranks agreeing on the DTensors they were given (one small all-gather per hook call of a
-sharded job), then `full_tensor()` of each, in the same order on every rank.
+`hydra_ddp.protocols.Callback`; how ctx.log logs a DTensor whole under ddp=fsdp2:
+docs/state_across_ranks.md.
 """
 
 from __future__ import annotations

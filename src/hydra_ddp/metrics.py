@@ -40,16 +40,6 @@ def logits_of(output: Any) -> torch.Tensor:
     return getattr(output, "logits", output)
 
 
-def _nll_sum(output: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(output)
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        target.reshape(-1),
-        reduction="sum",
-        ignore_index=IGNORE_INDEX,
-    )
-
-
 class Accuracy(Metric):
     """Share of positions whose argmax over the last axis is the target (padding excluded)."""
 
@@ -67,8 +57,15 @@ class Perplexity(Metric):
     positions that are not padding (IGNORE_INDEX)."""
 
     def sums(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(output)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            target.reshape(-1),
+            reduction="sum",
+            ignore_index=IGNORE_INDEX,
+        )
         valid = (target != IGNORE_INDEX).sum()
-        return torch.stack([_nll_sum(output, target).double(), valid.double()])
+        return torch.stack([nll.double(), valid.double()])
 
     def compute(self, totals: list[float]) -> float:
         return math.exp(min(totals[0] / max(totals[1], 1), 700.0))

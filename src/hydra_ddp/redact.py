@@ -1,11 +1,6 @@
-"""One rule for what counts as a secret, applied wherever a config or a command line leaves the
-job's own `.hydra/` record (W&B, the console, the rank logs, `run.json`, a sweep's records).
-
-A key is secret when its last part contains `token`, `secret`, `password`/`passwd`,
-`api_key`/`apikey`, `access_key`, `credential` or `private_key`, except the tokenizer's
-vocabulary (`pad_token`, `*_token_id`, ...) and token counts (`max_tokens`, `tokens_per_s`).
-Its value becomes `<redacted>`, as does the live `WANDB_API_KEY` wherever it appears.
-`.hydra/config.yaml` on your disk stays complete: evaluation and resume rebuild the job from it.
+"""One rule for what counts as a secret (docs/tracking.md, "Secrets stay on your disk"), applied
+wherever a config or a command line leaves the job's own `.hydra/` record; `.hydra/config.yaml`
+stays complete: evaluation and resume rebuild the job from it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The sink that is always there: JSON lines under ``<output_dir>/stats/``: every rank's stats
 and ``ctx.log`` values in ``rank{r}.jsonl``; rank 0's aggregates in ``aggregate.jsonl``, its
-evaluations in ``eval.jsonl`` and the final values in ``summary.json``.
-
-A resumed job continues the same files after moving the rows past its checkpoint (written by the
-attempt that went on beyond it) to ``stats/superseded/<file>``: no step appears twice in a stats
-file, and nothing is deleted.
+evaluations in ``eval.jsonl`` and the final values in ``summary.json``; what a resume and
+trainer.resume=never do to them: docs/tracking.md.
 """
 
 from __future__ import annotations

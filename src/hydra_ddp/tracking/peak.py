@@ -1,12 +1,6 @@
 """The measured peak memory of one rank's training, which summary.json sets beside the memory
-plan (hydra_ddp/memory.py) so that every run checks the plan.
-
-CUDA: torch.cuda.max_memory_allocated, the allocator's peak of tensor bytes (what the plan
-counts). CPU: the parameters and optimizer state held when the window starts plus how far the
-process's peak resident memory (VmHWM, reset through /proc/self/clear_refs) rose in it, with
-glibc's malloc made to map and unmap large blocks on their own meanwhile, so its retention does
-not count (docs/memory_plan.md, "The plan is checked by every run"). None where /proc cannot be
-read.
+plan (hydra_ddp/memory.py) so that every run checks the plan; how it is measured on CUDA and on
+CPU: docs/memory_plan.md, "The plan is checked by every run". None where /proc cannot be read.
 """
 
 from __future__ import annotations

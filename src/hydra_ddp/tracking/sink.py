@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from hydra_ddp.protocols import Kind, Record
 from hydra_ddp.tracking import names
@@ -76,11 +75,6 @@ def _scalar_or_text(key: str, value: Any) -> Any:
         return value
     if isinstance(value, numbers.Real):
         return float(value)
-    if isinstance(value, DTensor):
-        raise ValueError(
-            f"ctx.log value {key!r} is a DTensor, of which this rank holds a part: call "
-            ".full_tensor() on it on every rank and log that"
-        )
     if torch.is_tensor(value) and value.numel() == 1:
         return value.item()
     if type(value).__module__ == "numpy" and getattr(value, "size", None) == 1:

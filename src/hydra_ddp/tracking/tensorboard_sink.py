@@ -1,8 +1,5 @@
-"""The TensorBoard sink (``logger=tensorboard``): one event-file folder per rank,
-``<output_dir>/tensorboard/rank{r}``, so `tensorboard --logdir <output_dir>/tensorboard` shows
-every rank as its own run: its stats and ``ctx.log`` values as ``train/<stat>``, rank 0's
-aggregates as ``agg/<stat>`` and evaluations as keyed (``val/acc``). A resumed job purges the
-steps past its checkpoint from the view (SummaryWriter's purge_step).
+"""The TensorBoard sink (``logger=tensorboard``), one event-file folder per rank: docs/extending.md.
+A resumed job purges the steps past its checkpoint from the view (SummaryWriter's purge_step).
 """
 
 from __future__ import annotations

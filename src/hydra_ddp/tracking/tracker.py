@@ -142,15 +142,13 @@ class Tracker:
         self._forwarded(forwarded)
 
     def _forwarded(self, forwarded: List[Tuple[int, Queued]]) -> None:
-        """Rank 0: the other ranks' ctx.log rows, to the sinks that write them (W&B gather)."""
+        """Rank 0: the other ranks' ctx.log rows, to the sink that writes them (W&B gather);
+        only gathered when `self.forward`."""
         if not self.env.is_main:
             return
         for rank, rows in forwarded:
             for step, row in rows:
-                record = Record(Kind.values, rank, row, time.time())
-                for sink in self.sinks[1:]:
-                    if getattr(sink, "gathers_values", False):
-                        sink.log(record, step)
+                self.sinks[-1].log(Record(Kind.values, rank, row, time.time()), step)
 
     def log_values(self, step: int, new: Mapping[str, Any]) -> None:
         """A callback's `ctx.log` at `step` on this rank (ValueError: see sink.py). Not

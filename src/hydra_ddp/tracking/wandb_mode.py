@@ -22,6 +22,9 @@ WANDB_MAX_LEN = 128  # W&B rejects longer groups/names/job types
 # WANDB_MODE's values as W&B reads them.
 _ENV_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
               "disabled": "disabled"}  # fmt: skip
+# W&B's cloud, by both its names: `wandb login` saves the key for the first (W&B's default
+# host), an older release's login for the second, and W&B reads either.
+_CLOUD = ("api.forge.coreweave.com", "api.wandb.ai")
 
 
 def resolve_mode(mode: WandbMode) -> tuple[str, str]:
@@ -63,7 +66,8 @@ def credentials_source() -> Optional[str]:
     for name in files:
         path = Path(name).expanduser()
         try:
-            if netrc.netrc(str(path)).authenticators(host):
+            entries = netrc.netrc(str(path))
+            if any(entries.authenticators(h) for h in (_CLOUD if host in _CLOUD else [host])):
                 return f"{path.name} for {host} ({where})"
         except (netrc.NetrcParseError, OSError):
             continue

@@ -1,17 +1,6 @@
-"""The W&B sink (``logger=wandb``), in one of the layouts W&B documents for distributed training
-(``logger.layout``); how its run starts and fails: wandb_mode.py.
-
-  ``gather``  rank 0's run only: ``rank{r}/<stat>`` of every rank (other ranks' ``ctx.log``
-              values forwarded at the next interval) and ``agg/<stat>``;
-  ``group``   one run per rank (``job_type=rank{r}``): its own ``train/<stat>``, rank 0's also
-              ``agg/<stat>``;
-  ``shared``  one run all ranks write (W&B's shared mode, online only): ``rank{r}/<stat>``.
-
-Keys are plotted against ``trainer/step`` (``define_metric``), never W&B's own ``_step``, so
-eval and train rows share one x axis. Every stats row names the W&B run it went to, so a
-restart, a resume or a re-run in the same dir reopens that run with ``resume="allow"`` and sends
-only the rows after the newest step an earlier attempt could have sent (the stats file gets each
-row before W&B does); a dir whose stats name no run gets new random ids (docs/wandb_resume.md).
+"""The W&B sink (``logger=wandb``) in the ``logger.layout`` W&B documents for distributed
+training, and how a job started again in its dir reopens its runs: docs/tracking.md and
+docs/wandb_resume.md. How its run starts and fails: wandb_mode.py.
 """
 
 from __future__ import annotations
