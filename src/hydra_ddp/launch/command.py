@@ -27,7 +27,7 @@ from hydra_ddp.errors import UserError, first_line, no_such_key
 from hydra_ddp.launch import interrupt
 from hydra_ddp.launcher_env import launcher_rank, torchrun_worker, under_launcher
 from hydra_ddp.rundir import claim, sweeps
-from hydra_ddp.rundir.paths import override_value, register_resolvers
+from hydra_ddp.rundir.paths import register_resolvers
 
 if TYPE_CHECKING:
     from hydra_ddp.launch.runner import TrainFn
@@ -270,9 +270,12 @@ def _check_run_dir(argv: list[str]) -> None:
     given = [a for a in argv if a.startswith("hydra.run.dir=")]
     if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
         return
-    path = override_value(given[-1])
-    if path is None:
-        return  # Hydra reports what it cannot parse
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:  # the value as Hydra reads it (`'out/a b'` is `out/a b`)
+        path = str(OverridesParser.create().parse_overrides(given[-1:])[0].value())
+    except Exception:  # Hydra reports what it cannot parse
+        return
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

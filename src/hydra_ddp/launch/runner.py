@@ -53,6 +53,8 @@ TrainFn = Callable[[TrainConfig, Any, RunInfo], dict[str, Any]]
 def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
     """The job's objective for sweepers; NaN for a failed job of a sweep."""
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    # A job in a process of its own (submitit, Ray): its sweep goes on collecting the others.
+    collected = multirun and (under_submitit() or RAY_JOB_ENV in os.environ)
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         interrupt.let_through()  # a Ctrl-C held while this module imported (command.hydra_entry)
@@ -77,12 +79,12 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
         if multirun:
             # FAILED under submitit (a job that was not requeued), else PREEMPTED
             sweeps.record_failure(output_dir, str(e), "FAILED" if under_submitit() else "PREEMPTED")
-            if under_submitit() or RAY_JOB_ENV in os.environ:  # its sweep collects the others
-                return float("nan")
+        if collected:
+            return float("nan")
         sys.exit(e.exit_code)  # in one process a sweep ends too (command.py reports it)
     except KeyboardInterrupt:
         # Ctrl-C before the loop handles signals, or a second one: one line, not a traceback.
-        if multirun and (under_submitit() or RAY_JOB_ENV in os.environ):
+        if collected:
             raise
         interrupt.ignore_more()
         if launcher_rank() == 0:  # said once: before start_rank, other ranks' consoles speak

@@ -157,15 +157,11 @@ def worker(
 
 
 def _setup_worker_logging(output_dir: Path, rank: int, stem: str) -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
     console = logging.StreamHandler(sys.stderr)
     # Only rank 0 talks on the console; every rank keeps its full log.
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.addFilter(lambda r: not getattr(r, _FILE_ONLY, False))
     file = logging.FileHandler(output_dir / f"{stem}_rank{rank}.log")
-    for handler in (console, file):
-        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-        root.addHandler(handler)
+    logging.basicConfig(
+        level=logging.INFO, format=_LOG_FORMAT, handlers=[console, file], force=True
+    )
