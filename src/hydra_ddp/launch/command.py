@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -100,14 +102,12 @@ def compose_typed(
 ) -> TrainConfig:
     """The config `python -m hydra_ddp.train overrides...` trains with, typed and checked,
     composed in this process (for the API, the memory plan and the check)."""
-    from hydra import compose, initialize_config_dir
-
     from hydra_ddp.launch.runner import to_typed
 
     conf = str(Path(config_path).resolve()) if config_path is not None else config_dir()
     find_own_plugins()  # before Hydra's one plugin scan per process: hydra/launcher=ray, ...
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return to_typed(compose(config_name, overrides=overrides))
+    with hydra.initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return to_typed(hydra.compose(config_name, overrides=overrides))
 
 
 def config_dir() -> str:
@@ -165,9 +165,6 @@ def config_dirs_given(argv: list[str]) -> list[str]:
 
 def _parse(items: list[str]) -> list[Any]:
     """Hydra's parse of each override; one it cannot read is refused in one line."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     parser, parsed = OverridesParser.create(), []
     for item in items:
         try:
@@ -270,8 +267,6 @@ def _check_run_dir(argv: list[str]) -> None:
     given = [a for a in argv if a.startswith("hydra.run.dir=")]
     if not given or "${" in given[-1] or any(a in ("-m", "--multirun") for a in argv):
         return
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:  # the value as Hydra reads it (`'out/a b'` is `out/a b`)
         path = str(OverridesParser.create().parse_overrides(given[-1:])[0].value())
     except Exception:  # Hydra reports what it cannot parse
