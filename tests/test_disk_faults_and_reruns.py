@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from hydra_ddp import checkpoint
 from hydra_ddp.distributed.failures import LOST_CONTACT, worker_failed
 from hydra_ddp.errors import UserError
-from hydra_ddp.launch import overrides
+from hydra_ddp.launch import command as overrides
 from hydra_ddp.rundir import sweeps
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))

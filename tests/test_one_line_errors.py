@@ -23,7 +23,7 @@ from hydra_ddp.losses import CrossEntropy
 def test_a_quoted_run_dir_makes_no_stray_quoted_tree(tmp_path: Path, monkeypatch) -> None:
     """Previously: `"hydra.run.dir='out/a b'"` made `'out/a b'` (quotes and all) in the working
     directory before Hydra, which reads the value without its quotes, ran in `out/a b`."""
-    from hydra_ddp.launch import overrides
+    from hydra_ddp.launch import command as overrides
 
     monkeypatch.chdir(tmp_path)
     overrides.check_command_line(["hydra.run.dir='out/a b'", "trainer.max_steps=1"], [])

@@ -1,6 +1,6 @@
 """The command line's smaller doors: user variables under `vars` (added with or without `+`,
 and the error for an unknown top-level key says so), what the command refuses in one line
-before Hydra composes (launch/overrides.py), `hydra_ddp.eval` takes the training command line's
+before Hydra composes (launch/command.py), `hydra_ddp.eval` takes the training command line's
 override grammar, the "not an argument" error says how to start clean when a replaced model's
 arguments were merged in, and the unused-parameter error names the parameters."""
 
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from hydra_ddp.components import build
 from hydra_ddp.errors import UserError
 from hydra_ddp.eval import job_config
-from hydra_ddp.launch import overrides
+from hydra_ddp.launch import command as overrides
 from hydra_ddp.launch.command import config_dir
 
 

@@ -27,9 +27,8 @@ from hydra_ddp.config import TrainConfig
 from hydra_ddp.disk import check_regular
 from hydra_ddp.distributed import env_from_environ
 from hydra_ddp.errors import UserError, exit_code, first_line
-from hydra_ddp.launch import workers
 from hydra_ddp.launch.command import config_dir
-from hydra_ddp.launch.runner import to_typed
+from hydra_ddp.launch.runner import spawn, to_typed
 from hydra_ddp.launcher_env import launcher_rank, under_launcher
 from hydra_ddp.loop.evaluation import Request, evaluate_run
 from hydra_ddp.tracking import RunInfo
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = job_config(request.run, overrides)
         run = RunInfo(output_dir=request.run, job_name="eval", group="eval", config={})
         if cfg.dist.nproc_per_node > 1 and not under_launcher():
-            workers.spawn(cfg, run, evaluate_run, (request,), log_stem="eval")
+            spawn(cfg, run, evaluate_run, (request,), log_stem="eval")
         else:
             evaluate_run(cfg, env_from_environ(cfg.dist), run, request)
     except Exception as e:

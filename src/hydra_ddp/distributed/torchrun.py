@@ -20,7 +20,7 @@ import sys
 from hydra_ddp.distributed.preemption import stop_exit_codes
 from hydra_ddp.launcher_env import AGENT_SIGNALS
 
-# torch's elastic agent (torchrun, and the self-launch's agent in launch/workers.py) and what
+# torch's elastic agent (torchrun, and the self-launch's agent in launch/runner.py) and what
 # it logs as it stops its workers on a signal: the job's own line says it once.
 AGENT_LOGS = (
     "torch.distributed.elastic.agent.server.api",

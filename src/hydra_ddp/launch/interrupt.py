@@ -112,16 +112,6 @@ def hold() -> None:
     _held["previous"] = signal.signal(signal.SIGINT, lambda *_: _held.update(caught=True))
 
 
-@contextlib.contextmanager
-def held_while_importing() -> Iterator[None]:
-    """`hold` while a job's modules import; `let_through` at the end."""
-    hold()
-    try:
-        yield
-    finally:
-        let_through()
-
-
 def let_through() -> None:
     """Put back the SIGINT handler `hold` replaced, and raise the Ctrl-C it noted, if any."""
     if "previous" not in _held:

@@ -124,7 +124,7 @@ def swept_keys(task_overrides: Sequence[str], sweeper_params: Any = None) -> lis
     lines = [f"{k}={v}" for k, v in params.items()] + list(task_overrides)
     keys: list[str] = []
     for override in OverridesParser.create().parse_overrides(lines):
-        key = _key(override)
+        key = override.key_or_group + (f"@{override.package}" if override.package else "")
         if override.is_sweep_override() and key not in keys:
             keys.append(key)
     return keys
@@ -158,25 +158,8 @@ def swept_overrides(
     return [(k, redact.REDACTED if v and redact.is_secret(k) else v) for k, v in pairs]
 
 
-def override_value(line: str) -> str | None:
-    """A `key=value` override's value as Hydra reads it (`'out/a b'` is `out/a b`); None when
-    Hydra's grammar does not parse it."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        value = OverridesParser.create().parse_overrides([line])[0].value()
-    except Exception:  # Hydra's own error, said when it composes
-        return None
-    return value if isinstance(value, str) else str(value)
-
-
-def _key(override: Any) -> str:
-    key = override.key_or_group
-    return f"{key}@{override.package}" if override.package else key
-
-
 def split_override(line: str) -> tuple[str, str]:
-    """`+a.b=1e-3` -> ("a.b", "1e-3"): the key as `_key` spells it and the value as typed."""
+    """`+a.b=1e-3` -> ("a.b", "1e-3"): the key as `swept_keys` spells it and the value as typed."""
     key, _, value = str(line).partition("=")
     return key.lstrip("+~"), value
 

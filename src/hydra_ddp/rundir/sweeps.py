@@ -15,8 +15,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Sequence
 
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import redact
@@ -130,8 +131,6 @@ class SweepReport(Callback):
         )
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        from hydra.core.utils import JobStatus
-
         if job_return.hydra_cfg is None or launcher_rank() != 0:
             return  # under submitit every task of a job gets here: rank 0 speaks for the job
         output_dir = Path(job_return.hydra_cfg.hydra.runtime.output_dir)
@@ -251,6 +250,4 @@ def _swept_keys(config: DictConfig) -> list[str]:
 
 
 def _is_multirun(config: DictConfig) -> bool:
-    from hydra.types import RunMode
-
     return OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN

@@ -126,14 +126,12 @@ class _Run:
         self.config, self.launcher = sweeper.config, sweeper.launcher
         self.sweep_dir, self.space, self.storage = sweep_dir, space, storage
         self.n_jobs = max(int(params.get("n_jobs") or 1), 1)
-        self.sampler = instantiate(params["sampler"])
         self.pruner_config = pruner = params.get("pruner")
-        self.pruner = instantiate(pruner) if pruner else optuna.pruners.NopPruner()
         self.study = optuna.create_study(
             study_name=str(params["study_name"]),
-            storage=self._open(),
-            sampler=self.sampler,
-            pruner=self.pruner,
+            storage=instantiate(storage) if isinstance(storage, dict) else storage,
+            sampler=instantiate(params["sampler"]),
+            pruner=instantiate(pruner) if pruner else optuna.pruners.NopPruner(),
             direction=str(params.get("direction", "minimize")),
             load_if_exists=True,
         )
@@ -141,7 +139,7 @@ class _Run:
         seed = params["sampler"].get("seed")
         if done and seed is not None:
             # A continued study: the same seed would propose the first points again.
-            self.sampler = self.study.sampler = instantiate(params["sampler"], seed=seed + done)
+            self.study.sampler = instantiate(params["sampler"], seed=seed + done)
         self.next_num = max(map(_num, self.mine()), default=-1) + 1
 
     def run(self, n_trials: int) -> None:
@@ -159,9 +157,6 @@ class _Run:
                 trial.set_user_attr(NUM_ATTR, self.next_num + i)
             self.launch(trials)
         _write_results(self.study, self.sweep_dir)
-
-    def _open(self) -> Any:
-        return instantiate(self.storage) if isinstance(self.storage, dict) else self.storage
 
     def mine(self) -> list[optuna.trial.FrozenTrial]:
         trials = self.study.get_trials(deepcopy=False)
@@ -194,11 +189,7 @@ class _Run:
             jobs = [[*job, *_env_set({TRIAL_ENV: str(t.number)})] for t, job in zip(trials, jobs)]
         returns = self.launcher.launch(jobs, initial_job_idx=first)
         self.next_num = max(self.next_num, first + len(jobs))
-        # Afresh: Optuna's cache of this process's trials misses what their jobs wrote.
-        name, sampler, pruner = self.study.study_name, self.sampler, self.pruner
-        self.study = optuna.load_study(
-            study_name=name, storage=self._open(), sampler=sampler, pruner=pruner
-        )
+        # What the jobs wrote to their trials: Optuna reads an unfinished trial from the storage.
         for trial, ret in zip(trials, returns):
             if PRUNED_ATTR in self.study.get_trials(deepcopy=False)[trial.number].user_attrs:
                 self.study.tell(trial.number, state=TrialState.PRUNED)

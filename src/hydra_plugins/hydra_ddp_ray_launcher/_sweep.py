@@ -219,8 +219,7 @@ def _submit(launcher: Any, job: RayJob) -> Any:
         max_retries=0,  # a failed job is reported, not run again behind the user's back
         name=f"job{job.num}",
     )
-    grace = float(launcher.params.get("stop_grace_s", 60.0))
-    return remote.remote(spec, env, os.getcwd(), grace, launcher.stop_file)
+    return remote.remote(spec, env, os.getcwd(), launcher.grace_s, launcher.stop_file)
 
 
 def _wait(launcher: Any, jobs: list[RayJob]) -> dict[int, JobReturn]:
@@ -232,7 +231,7 @@ def _wait(launcher: Any, jobs: list[RayJob]) -> dict[int, JobReturn]:
     returns: dict[int, JobReturn] = {}
     pending = list(by_ref)
     cancelled_at: float | None = None
-    grace, stop = float(launcher.params.get("stop_grace_s", 60.0)), launcher.stop
+    grace, stop = launcher.grace_s, launcher.stop
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
         for ref in done:

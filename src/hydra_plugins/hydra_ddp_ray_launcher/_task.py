@@ -31,18 +31,14 @@ def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: s
     """The Ray task: one job in a fresh process; its pickled JobReturn, or why there is none.
 
     A stop is asked by creating `stop_file` (in the sweep dir, seen by every node): Ray's cancel
-    does not interrupt a running task, and waiting on a Ray call would give its CPUs back."""
-    import ray
-
+    does not interrupt a running task, and waiting on a Ray call would give its CPUs back.
+    CUDA_VISIBLE_DEVICES: Ray sets it to the task's GPUs, and the job inherits it."""
     if os.path.exists(stop_file):
         return NOT_STARTED
     job_env = {k: v for k, v in os.environ.items() if k not in _RAY_WORKER_ENV}
     if job_env.get("PYTHONBREAKPOINT", "").startswith("ray."):
         del job_env["PYTHONBREAKPOINT"]
     job_env.update(env)
-    gpus = ray.get_gpu_ids()
-    if gpus:  # what Ray assigned: the job sees these GPUs only
-        job_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     job_env[JOB_STARTED_ENV] = repr(time.time())
     result_read, result_write = os.pipe()
     try:
