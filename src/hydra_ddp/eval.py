@@ -1,11 +1,5 @@
-"""Evaluate a finished (or stopped) run's checkpoint, or predict with it, without training.
-
-    python -m hydra_ddp.eval run=outputs/2026-11-30/17-01-28    # last checkpoint, test split
-    python -m hydra_ddp.eval run=<dir> ckpt=best split=val      # or ckpt=<file>
-    python -m hydra_ddp.eval run=<dir> predict=true             # + predictions_test.pt
-    python -m hydra_ddp.eval run=<dir> predict=true predict_key=scores predict_pad=-100
-    python -m hydra_ddp.eval run=<dir> dist.nproc_per_node=2 trainer.batch_size=256
-    torchrun --standalone --nproc_per_node=2 -m hydra_ddp.eval run=<dir>
+"""`python -m hydra_ddp.eval`: evaluate a finished (or stopped) run's checkpoint, or predict with
+it, without training (USAGE below; examples in docs/make_it_yours.md; under torchrun too).
 
 The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments override it with
 the training command line's grammar), the checkpoint's weights (its EMA, when the run kept one)
@@ -43,20 +37,26 @@ USAGE = (
 _MINE = ("run", "ckpt", "split", "predict", "predict_key", "predict_pad")
 
 
-def parse(argv: list[str]) -> tuple[Request, list[str]]:
-    """The eval arguments, and the config overrides among them."""
+def arguments(argv: list[str], names: tuple[str, ...], usage: str) -> tuple[dict, list[str]]:
+    """A command's `key=value` arguments of `names` (run= among them), and the others."""
     mine: dict[str, str] = {}
-    overrides = []
+    others = []
     for arg in argv:
         key, eq, value = arg.partition("=")
         if not eq and not arg.startswith("~"):
-            raise UserError(f"{arg!r} is not key=value. {USAGE}")
-        if key in _MINE:
+            raise UserError(f"{arg!r} is not key=value. {usage}")
+        if key in names:
             mine[key] = value
         else:
-            overrides.append(arg)
+            others.append(arg)
     if "run" not in mine:
-        raise UserError(f"run=<run dir> is missing. {USAGE}")
+        raise UserError(f"run=<run dir> is missing. {usage}")
+    return mine, others
+
+
+def parse(argv: list[str]) -> tuple[Request, list[str]]:
+    """The eval arguments, and the config overrides among them."""
+    mine, overrides = arguments(argv, _MINE, USAGE)
     if mine.get("split", "test") not in ("test", "val"):
         raise UserError(f"split={mine['split']} is not a split: use split=test or split=val")
     predict = mine.get("predict", "false").lower()
