@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ USAGE = (
     "usage: python -m hydra_ddp.eval run=<run dir> [ckpt=last|best|<file>] [split=test|val] "
     "[predict=true [predict_key=<name>] [predict_pad=<value>]] [key=value | +key=value ...]"
 )
-_MINE = ("run", "ckpt", "split", "predict", "predict_key", "predict_pad")
+_MINE = tuple(f.name for f in fields(Request))
 
 
 def arguments(argv: list[str], names: tuple[str, ...], usage: str) -> tuple[dict, list[str]]:
@@ -72,15 +73,9 @@ def parse(argv: list[str]) -> tuple[Request, list[str]]:
             f"predict_pad={pad}: give the number to pad with (e.g. predict_pad=-100), or leave "
             "it out to keep one tensor per row"
         ) from None
-    request = Request(
-        run=Path(mine["run"]),
-        ckpt=mine.get("ckpt", "last"),
-        split=mine.get("split", "test"),
-        predict=predict == "true",
-        predict_key=mine.get("predict_key") or None,
-        predict_pad=pad_value,
-    )
-    return request, overrides
+    mine.update(run=Path(mine["run"]), predict=predict == "true", predict_pad=pad_value)
+    mine["predict_key"] = mine.get("predict_key") or None
+    return Request(**mine), overrides
 
 
 def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:

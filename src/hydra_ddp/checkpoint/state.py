@@ -1,16 +1,13 @@
 """What a checkpoint holds: the members a job declares when it is built (`members`: the
-template's `DEFAULT_MEMBERS`, then the user's), handed to both checkpointers.
-
-A member's `get` returns a torch `Stateful` from the job's `CheckpointedObjects`, or None when
-the job lacks it (no EMA, no comm hook): then it is neither saved nor loaded. Resume loads the
-members in the table's order. A user's object joins through a callback whose
-`checkpoint_members()` returns e.g. `[Member("counter", lambda objects: self.counter)]`
-(docs/extending.md).
+template's `DEFAULT_MEMBERS`, then the user's, as docs/extending.md shows), handed to both
+checkpointers. A member whose `get` returns None (the job has no EMA, no comm hook) is neither
+saved nor loaded; resume loads the members in the table's order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -120,10 +117,7 @@ class OptimizerState:
             return
         if self.optimizers.single and "default" in state:
             state = state["default"]
-
-        def into_shards(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-            set_optimizer_state_dict(self.model, optimizer, saved)
-
+        into_shards = functools.partial(set_optimizer_state_dict, self.model)
         self.optimizers.load_optimizers(state, loading_from(), into_shards)
 
 
