@@ -57,7 +57,8 @@ def export(
     out = Path(out) if out else run / "export" / path.name.split(".")[0]
     about = {"run": str(run.resolve()), "checkpoint": str(path.resolve()),
              "step": int(state["step"]), "weights": "ema" if use_ema else "model"}  # fmt: skip
-    tokens = _tokens(source)
+    chars = getattr(source, "chars", None)  # the data's vocabulary, where it has one
+    tokens = list(chars) if isinstance(chars, (str, list)) and chars else None
     tmp = _start(out)
     try:
         if format == "hf":
@@ -83,11 +84,6 @@ def export(
     log.info("%s (step %d, %s, %d parameters) -> %s%s", path, about["step"], about["weights"],
              count, out, " (Hugging Face layout)" if format == "hf" else "")  # fmt: skip
     return out
-
-
-def _tokens(source: Any) -> list[str] | None:
-    chars = getattr(source, "chars", None)
-    return list(chars) if isinstance(chars, (str, list)) and chars else None
 
 
 def _hf(model: torch.nn.Module, folder: Path, about: dict[str, Any]) -> None:
