@@ -65,11 +65,9 @@ class DCPCheckpointer(Checkpointer):
         self._pending: tuple[Any, Path, Path, str | None] | None = None
         # The background save's collectives on a group of their own: on the training group
         # they could interleave with the step's all-gathers (torchtitan does the same).
-        self._group = (
-            dist.new_group(backend="gloo")  # collective
-            if self.async_save and self.env.distributed
-            else None
-        )
+        self._group = None
+        if self.async_save and self.env.distributed:
+            self._group = dist.new_group(backend="gloo")  # collective
 
     def _main(self, member: state.Member) -> bool:
         return not (member.per_rank or member.sharded)
