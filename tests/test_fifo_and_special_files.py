@@ -20,6 +20,7 @@ from helpers.inproc import compose, isolated, train_here
 from omegaconf import OmegaConf
 
 from hydra_ddp import checkpoint
+from hydra_ddp.checkpoint.init_from import for_fresh_run
 from hydra_ddp.data import SyntheticArrays
 from hydra_ddp.distributed.failures import worker_failed
 from hydra_ddp.errors import UserError
@@ -80,7 +81,7 @@ def test_init_from_that_is_not_a_checkpoint_says_so_for_init_from(
     else:
         os.mkfifo(path)
     with pytest.raises(UserError) as e:
-        checkpoint.init_weights(torch.nn.Linear(2, 2), str(path), strict=True)
+        for_fresh_run(torch.nn.Linear(2, 2), str(path), None)
     line = str(e.value)
     assert "trainer.init_from" in line and "trainer.resume" not in line and "\n" not in line
     if content == "fifo":

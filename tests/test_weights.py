@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file, save_model
 
 from hydra_ddp import checkpoint
-from hydra_ddp.checkpoint.init_from import init_weights
+from hydra_ddp.checkpoint.init_from import for_fresh_run
 from hydra_ddp.components import build
 from hydra_ddp.errors import UserError
 from hydra_ddp.export import load, read_config, vocabulary
@@ -170,7 +170,7 @@ def test_bad_weights_are_one_line_each(made: dict[str, Path], tmp_path: Path) ->
     an export folder missing a file: one line each, naming what to do."""
     other = GPT(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
     with pytest.raises(UserError) as e:
-        init_weights(other, str(made["export"]), strict=True)
+        for_fresh_run(other, str(made["export"]), None)
     line = str(e.value)
     assert "\n" not in line and "does not fit this model" in line and "trainer.init_map" in line
     assert (
@@ -186,12 +186,12 @@ def test_bad_weights_are_one_line_each(made: dict[str, Path], tmp_path: Path) ->
     data[8 : 8 + len(header)] = header.replace(f"[{first[0]}]", f"[{first[0] * 4}]", 1).encode()
     lying.write_bytes(bytes(data))
     with pytest.raises(UserError, match=r"not a readable safetensors file \(its header does"):
-        init_weights(other, str(lying), strict=True)
+        for_fresh_run(other, str(lying), None)
     empty_hf = tmp_path / "hf_no_weights"
     empty_hf.mkdir()
     (empty_hf / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match="the folder holds no weights.*save_pretrained"):
-        init_weights(other, str(empty_hf), strict=True)
+        for_fresh_run(other, str(empty_hf), None)
     for gone in ("model.safetensors", "vocab.json", "config.json"):
         broken = tmp_path / f"no_{gone}"
         shutil.copytree(made["export"], broken)
@@ -199,11 +199,11 @@ def test_bad_weights_are_one_line_each(made: dict[str, Path], tmp_path: Path) ->
         with pytest.raises(UserError, match=f"(missing|no) {gone}"):
             load(broken)
     with pytest.raises(UserError, match="export folder missing model.safetensors"):
-        init_weights(other, str(tmp_path / "no_model.safetensors"), strict=True)
+        for_fresh_run(other, str(tmp_path / "no_model.safetensors"), None)
     no_tensors = tmp_path / "notes.pt"
     torch.save({"lr": 0.1}, no_tensors)
     with pytest.raises(UserError, match="holds no state dict"):
-        init_weights(other, str(no_tensors), strict=True)
+        for_fresh_run(other, str(no_tensors), None)
     # --format hf of a model that is not a transformers one; an unknown argument.
     with pytest.raises(SystemExit) as code:
         main([f"run={made['run']}", "--format", "hf", f"out={tmp_path / 'hf_out'}"])

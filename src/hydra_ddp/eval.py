@@ -1,11 +1,5 @@
-"""Evaluate a finished (or stopped) run's checkpoint, or predict with it, without training.
-
-    python -m hydra_ddp.eval run=outputs/2026-11-30/17-01-28    # last checkpoint, test split
-    python -m hydra_ddp.eval run=<dir> ckpt=best split=val      # or ckpt=<file>
-    python -m hydra_ddp.eval run=<dir> predict=true             # + predictions_test.pt
-    python -m hydra_ddp.eval run=<dir> predict=true predict_key=scores predict_pad=-100
-    python -m hydra_ddp.eval run=<dir> dist.nproc_per_node=2 trainer.batch_size=256
-    torchrun --standalone --nproc_per_node=2 -m hydra_ddp.eval run=<dir>
+"""`python -m hydra_ddp.eval`: evaluate a finished (or stopped) run's checkpoint, or predict with
+it, without training (USAGE below; examples in docs/make_it_yours.md; under torchrun too).
 
 The job is rebuilt from the run's `.hydra/config.yaml` (the other arguments override it with
 the training command line's grammar), the checkpoint's weights (its EMA, when the run kept one)
@@ -17,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +34,29 @@ USAGE = (
     "usage: python -m hydra_ddp.eval run=<run dir> [ckpt=last|best|<file>] [split=test|val] "
     "[predict=true [predict_key=<name>] [predict_pad=<value>]] [key=value | +key=value ...]"
 )
-_MINE = ("run", "ckpt", "split", "predict", "predict_key", "predict_pad")
+_MINE = tuple(f.name for f in fields(Request))
+
+
+def arguments(argv: list[str], names: tuple[str, ...], usage: str) -> tuple[dict, list[str]]:
+    """A command's `key=value` arguments of `names` (run= among them), and the others."""
+    mine: dict[str, str] = {}
+    others = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq and not arg.startswith("~"):
+            raise UserError(f"{arg!r} is not key=value. {usage}")
+        if key in names:
+            mine[key] = value
+        else:
+            others.append(arg)
+    if "run" not in mine:
+        raise UserError(f"run=<run dir> is missing. {usage}")
+    return mine, others
 
 
 def parse(argv: list[str]) -> tuple[Request, list[str]]:
     """The eval arguments, and the config overrides among them."""
-    mine: dict[str, str] = {}
-    overrides = []
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        if not eq and not arg.startswith("~"):
-            raise UserError(f"{arg!r} is not key=value. {USAGE}")
-        if key in _MINE:
-            mine[key] = value
-        else:
-            overrides.append(arg)
-    if "run" not in mine:
-        raise UserError(f"run=<run dir> is missing. {USAGE}")
+    mine, overrides = arguments(argv, _MINE, USAGE)
     if mine.get("split", "test") not in ("test", "val"):
         raise UserError(f"split={mine['split']} is not a split: use split=test or split=val")
     predict = mine.get("predict", "false").lower()
@@ -71,15 +72,9 @@ def parse(argv: list[str]) -> tuple[Request, list[str]]:
             f"predict_pad={pad}: give the number to pad with (e.g. predict_pad=-100), or leave "
             "it out to keep one tensor per row"
         ) from None
-    request = Request(
-        run=Path(mine["run"]),
-        ckpt=mine.get("ckpt", "last"),
-        split=mine.get("split", "test"),
-        predict=predict == "true",
-        predict_key=mine.get("predict_key") or None,
-        predict_pad=pad_value,
-    )
-    return request, overrides
+    mine.update(run=Path(mine["run"]), predict=predict == "true", predict_pad=pad_value)
+    mine["predict_key"] = mine.get("predict_key") or None
+    return Request(**mine), overrides
 
 
 def job_config(run_dir: Path, overrides: list[str]) -> TrainConfig:

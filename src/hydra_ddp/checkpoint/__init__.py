@@ -7,7 +7,6 @@ one line; `init_from`: trainer.init_from's weights of any format loaded into a m
 """
 
 from hydra_ddp.checkpoint.checkpointer import Checkpointer, save
-from hydra_ddp.checkpoint.init_from import init_weights
 from hydra_ddp.checkpoint.reader import (
     best,
     checkpoint_dir,
@@ -23,7 +22,6 @@ __all__ = [
     "Checkpointer",
     "best",
     "checkpoint_dir",
-    "init_weights",
     "latest",
     "load",
     "model_weights",

@@ -40,7 +40,6 @@ class Checkpointer:
     members, with every rank's per-rank ones gathered into the same file."""
 
     sharded = False  # ddp=fsdp2's subclass writes and resumes checkpoint folders
-    async_save = False
 
     def __init__(
         self,
@@ -52,9 +51,11 @@ class Checkpointer:
         interval: int = 0,
         keep: int = 1,
         total_steps: int = 0,
+        async_save: bool = False,  # trainer.async_ckpt: only ddp=fsdp2's folders are
     ) -> None:
         self.output_dir, self.env, self.objects = Path(output_dir), env, objects
         self.interval, self.keep, self.total_steps = interval, keep, total_steps
+        self.async_save = async_save
         held = ((m, m.get(objects)) for m in members)
         self.members = [(m, obj) for m, obj in held if obj is not None]
 

@@ -60,17 +60,14 @@ class DCPCheckpointer(Checkpointer):
 
     sharded = True
 
-    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.async_save = async_save
         self._pending: tuple[Any, Path, Path, str | None] | None = None
         # The background save's collectives on a group of their own: on the training group
         # they could interleave with the step's all-gathers (torchtitan does the same).
-        self._group = (
-            dist.new_group(backend="gloo")  # collective
-            if async_save and self.env.distributed
-            else None
-        )
+        self._group = None
+        if self.async_save and self.env.distributed:
+            self._group = dist.new_group(backend="gloo")  # collective
 
     def _main(self, member: state.Member) -> bool:
         return not (member.per_rank or member.sharded)
@@ -187,10 +184,8 @@ class DCPCheckpointer(Checkpointer):
         folder = checkpoint_dir(self.output_dir)
         source, tmp = folder / f"step_{step:08d}{SUFFIX}", folder / ".best.dcp.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for p in source.iterdir():
-            if p.name != MANIFEST:
-                link_or_copy(p, tmp / p.name)
+        ignore = shutil.ignore_patterns(MANIFEST)
+        shutil.copytree(source, tmp, ignore=ignore, copy_function=link_or_copy)
         write_synced(tmp / MANIFEST, (source / MANIFEST).read_bytes())  # last: tmp is whole
         fsync_dir(tmp)
         swap_into_place(tmp, folder / f"best{SUFFIX}")

@@ -1,12 +1,7 @@
-"""`trainer.init_from`: start a model from weights of any format, with `trainer.init_map`'s
-prefix renames, and one line saying what was loaded.
-
-Beyond a checkpoint (reader.py) it reads a Hugging Face `save_pretrained` folder, a
-`.safetensors` file or index, and a `torch.save` state dict (bare, or under `model` or
-`state_dict`, e.g. Lightning's). `plan` matches names and shapes from the file's index alone,
-so bad input fails before any process group; `apply` copies the tensors into the whole model,
-or after ddp=fsdp2's wrap into each rank's shards. Tied tensors (a GPT's embedding and head)
-count as loaded when either name is: an HF or export file stores them once.
+"""`trainer.init_from`: start a model from weights of any format docs/weights.md lists, with
+`trainer.init_map`'s prefix renames, and one line saying what was loaded. `plan` matches names
+and shapes from the file's index alone, so bad input fails before any process group; `apply`
+copies the tensors into the whole model, or after ddp=fsdp2's wrap into each rank's shards.
 """
 
 from __future__ import annotations
@@ -215,7 +210,7 @@ def plan(
         if k in theirs and k not in pairs
     ]
     loaded = set(pairs)
-    for names in _tied(model):
+    for names in _tied(model):  # an HF or export file stores a tied tensor (a GPT's head) once
         if loaded & set(names):
             loaded.update(names)
     result = LoadPlan(
@@ -280,15 +275,6 @@ def apply(model: torch.nn.Module, planned: LoadPlan, distributed: bool = False) 
         model.load_state_dict(fits, strict=False)
     whole = not (planned.missing or planned.unexpected or planned.reshaped)
     (log.info if whole else log.warning)("%s", planned.line())
-
-
-def init_weights(
-    model: torch.nn.Module, source: str, strict: bool, init_map: Mapping[str, str] | None = None
-) -> Path:
-    """trainer.init_from into a whole model: plan, then apply. Returns what was read."""
-    planned = plan(model, open_weights(source), init_map, strict)
-    apply(model, planned)
-    return planned.weights.path
 
 
 def _part(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -243,22 +243,29 @@ def check_whole(path: Path, key: str) -> None:
 # ---- what it holds ----
 
 
-def load(path: Path, map_location: Any = "cpu", key: str = "trainer.resume") -> dict[str, Any]:
-    """A checkpoint's state: a step file whole; a checkpoint folder's model (and EMA),
-    assembled by DCP without a process group, and its step; an export folder's model and
-    step."""
+def load(path: Path, key: str = "trainer.resume") -> dict[str, Any]:
+    """A checkpoint's state: a step file whole; a checkpoint folder's model (and EMA) in the
+    step file's layout, assembled by DCP without a process group, and its step; an export
+    folder's model and step."""
     path = Path(path)
     if path.is_dir() and (path / CONFIG).is_file():
         return read_state(path)
-    if path.is_dir():
-        return _sharded_state(path, key)
-    state = read_archive(path, key, map_location)
-    if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise refuse(f"{path} is not a hydra-ddp checkpoint (no model/step entries)", key)
+    if not path.is_dir():
+        state = read_archive(path, key)
+        if not isinstance(state, dict) or "model" not in state or "step" not in state:
+            raise refuse(f"{path} is not a hydra-ddp checkpoint (no model/step entries)", key)
+        return state
+    tensors = dcp_tensors(path, ("model", "ema"), key)
+    extra = read_archive(path / EXTRA, key)
+    state = {"step": int(extra["step"])}
+    state["model"] = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    if any(k.startswith("ema.") for k in tensors):
+        state["ema"] = {f"module.{k[4:]}": v for k, v in tensors.items() if k.startswith("ema.")}
+        state["ema"]["n_averaged"] = torch.tensor(int(extra.get("ema_n_averaged", 1)))
     return state
 
 
-def read_archive(path: Path, key: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+def read_archive(path: Path, key: str, mmap: bool = False) -> Any:
     """What a torch.save file holds, read with `torch.load(weights_only=True)`."""
     path = Path(path)
     check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
@@ -269,7 +276,7 @@ def read_archive(path: Path, key: str, map_location: Any = "cpu", mmap: bool = F
         with warnings.catch_warnings():
             # e.g. "Detected pickle protocol 4": noise next to the one-line error below.
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except _BAD_BYTES as e:
         # weights_only names a forbidden global ("unsupported GLOBAL posix.system") when the
         # file asks to import and call code; any other failure means bad bytes.
@@ -282,18 +289,6 @@ def read_archive(path: Path, key: str, map_location: Any = "cpu", mmap: bool = F
                 "you trust, re-saved as plain tensors"
             ) from e
         raise refuse(f"{path} is not a readable checkpoint ({first_line(e, 160)})", key) from e
-
-
-def _sharded_state(path: Path, key: str) -> dict[str, Any]:
-    """A checkpoint folder's model and EMA in the step file's layout."""
-    tensors = dcp_tensors(path, ("model", "ema"), key)
-    extra = read_archive(path / EXTRA, key)
-    state: dict[str, Any] = {"step": int(extra["step"])}
-    state["model"] = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    if any(k.startswith("ema.") for k in tensors):
-        state["ema"] = {f"module.{k[4:]}": v for k, v in tensors.items() if k.startswith("ema.")}
-        state["ema"]["n_averaged"] = torch.tensor(int(extra.get("ema_n_averaged", 1)))
-    return state
 
 
 def dcp_tensors(path: Path, members: tuple[str, ...], key: str) -> dict[str, torch.Tensor]:

@@ -1,20 +1,18 @@
 """What a checkpoint holds: the members a job declares when it is built (`members`: the
-template's `DEFAULT_MEMBERS`, then the user's), handed to both checkpointers.
-
-A member's `get` returns a torch `Stateful` from the job's `CheckpointedObjects`, or None when
-the job lacks it (no EMA, no comm hook): then it is neither saved nor loaded. Resume loads the
-members in the table's order. A user's object joins through a callback whose
-`checkpoint_members()` returns e.g. `[Member("counter", lambda objects: self.counter)]`
-(docs/extending.md).
+template's `DEFAULT_MEMBERS`, then the user's, as docs/extending.md shows), handed to both
+checkpointers. A member whose `get` returns None (the job has no EMA, no comm hook) is neither
+saved nor loaded; resume loads the members in the table's order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -66,13 +64,6 @@ class Member:
     was_global: bool = False
 
 
-class Calls:
-    """A Stateful made of two calls."""
-
-    def __init__(self, save: Callable[[], Any], load: Callable[[Any], Any]) -> None:
-        self.state_dict, self.load_state_dict = save, load
-
-
 class ModelState:
     """The unwrapped model; ddp=fsdp2: its shards, by parameter name (any number of ranks)."""
 
@@ -86,7 +77,7 @@ class ModelState:
         if self.sharded:
             set_model_state_dict(self.model, state)
         else:
-            load_model_state(self.model, {"model": state}, loading_from())
+            load_model_state(self.model, state, loading_from())
 
 
 def load_model_state(
@@ -94,7 +85,7 @@ def load_model_state(
 ) -> None:
     """Load weights, turning a shape mismatch (a checkpoint of another model) into one line."""
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state)
     except RuntimeError as e:
         wrong = ("size mismatch", "Missing key", "Unexpected key")
         lines = str(e).splitlines()
@@ -126,10 +117,7 @@ class OptimizerState:
             return
         if self.optimizers.single and "default" in state:
             state = state["default"]
-
-        def into_shards(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-            set_optimizer_state_dict(self.model, optimizer, saved)
-
+        into_shards = functools.partial(set_optimizer_state_dict, self.model)
         self.optimizers.load_optimizers(state, loading_from(), into_shards)
 
 
@@ -145,9 +133,11 @@ def _ema_count(objects: CheckpointedObjects) -> Stateful | None:
     ema = objects.ema
     if ema is None or not objects.sharded:
         return None
-    return Calls(
-        lambda: {"ema_n_averaged": ema.n_averaged},
-        lambda state: setattr(ema, "n_averaged", int(state.get("ema_n_averaged", 1))),
+    return SimpleNamespace(
+        state_dict=lambda: {"ema_n_averaged": ema.n_averaged},
+        load_state_dict=lambda state: setattr(
+            ema, "n_averaged", int(state.get("ema_n_averaged", 1))
+        ),
     )
 
 
@@ -155,7 +145,9 @@ def _schedules(objects: CheckpointedObjects) -> Stateful | None:
     optimizers = objects.optimizers
     if optimizers is None:
         return None
-    return Calls(optimizers.scheduler_state, optimizers.load_schedules)
+    return SimpleNamespace(
+        state_dict=optimizers.scheduler_state, load_state_dict=optimizers.load_schedules
+    )
 
 
 def _opt(objects: CheckpointedObjects) -> Stateful | None:
@@ -179,7 +171,7 @@ def _rng(objects: CheckpointedObjects) -> Stateful:
         if device.type == "cuda" and "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
-    return Calls(save, load)
+    return SimpleNamespace(state_dict=save, load_state_dict=load)
 
 
 # The template's members, in load order (the schedules before the optimizers).

@@ -1,15 +1,7 @@
-"""`python -m hydra_ddp.export`: a run's checkpoint as a folder anyone can load (export_format.py).
-
-    python -m hydra_ddp.export run=outputs/2026-12-02/08-00-00     # newest checkpoint
-    python -m hydra_ddp.export run=<dir> ckpt=best                 # or ckpt=<path>
-    python -m hydra_ddp.export run=<dir> out=<folder> --format hf  # save_pretrained's layout
-    python -m hydra_ddp.export run=<dir> weights=model             # not the EMA
-
-The model is rebuilt on the CPU from the run's .hydra/config.yaml (a ddp=fsdp2 run's shards
-assembled by DCP: no GPU, no process group) and written to `<run>/export/<checkpoint name>/`
-(or `out=`), whole, then renamed into place. When the run kept an EMA, the export holds the
-average (what the run evaluated) unless `weights=model`.
-"""
+"""`python -m hydra_ddp.export`: a run's checkpoint as a folder anyone can load (export_format.py;
+the commands and the layout: docs/weights.md). The model is rebuilt on the CPU from the run's
+.hydra/config.yaml (a ddp=fsdp2 run's shards assembled by DCP: no GPU, no process group) and
+written whole into a temporary folder, then renamed into place."""
 
 from __future__ import annotations
 
@@ -31,7 +23,7 @@ from hydra_ddp.checkpoint.state import load_model_state
 from hydra_ddp.components import build
 from hydra_ddp.disk import why_write_failed
 from hydra_ddp.errors import UserError, exit_code
-from hydra_ddp.eval import job_config
+from hydra_ddp.eval import arguments, job_config
 from hydra_ddp.export_format import CONFIG, MARK, VOCAB, WEIGHTS
 
 log = logging.getLogger("hydra_ddp.export")
@@ -40,7 +32,7 @@ USAGE = (
     "usage: python -m hydra_ddp.export run=<run dir> [ckpt=last|best|<path>] [out=<folder>] "
     "[weights=ema|model] [--format folder|hf]"
 )
-FORMATS = ("folder", "hf")
+FORMATS, NAMES = ("folder", "hf"), ("run", "ckpt", "out", "format", "weights")
 
 
 def export(
@@ -59,14 +51,14 @@ def export(
     source = build(cfg.data, "data")
     with torch.device("cpu"):
         model = build(cfg.model, "model", **source.spec)
-    use_ema = "ema" in state and weights == "ema"
-    if use_ema:  # what the run evaluated, and what eval loads
-        state = {"model": checkpoint.model_weights(state), "step": state["step"]}
-    load_model_state(model, state, path, hint="or export another checkpoint (ckpt=)")
+    use_ema = "ema" in state and weights == "ema"  # what the run evaluated, and what eval loads
+    weights_in = checkpoint.model_weights(state, weights)
+    load_model_state(model, weights_in, path, hint="or export another checkpoint (ckpt=)")
     out = Path(out) if out else run / "export" / path.name.split(".")[0]
     about = {"run": str(run.resolve()), "checkpoint": str(path.resolve()),
              "step": int(state["step"]), "weights": "ema" if use_ema else "model"}  # fmt: skip
-    tokens = _tokens(source)
+    chars = getattr(source, "chars", None)  # the data's vocabulary, where it has one
+    tokens = list(chars) if isinstance(chars, (str, list)) and chars else None
     tmp = _start(out)
     try:
         if format == "hf":
@@ -92,11 +84,6 @@ def export(
     log.info("%s (step %d, %s, %d parameters) -> %s%s", path, about["step"], about["weights"],
              count, out, " (Hugging Face layout)" if format == "hf" else "")  # fmt: skip
     return out
-
-
-def _tokens(source: Any) -> list[str] | None:
-    chars = getattr(source, "chars", None)
-    return list(chars) if isinstance(chars, (str, list)) and chars else None
 
 
 def _hf(model: torch.nn.Module, folder: Path, about: dict[str, Any]) -> None:
@@ -125,18 +112,15 @@ def _start(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(name)s][%(levelname)s] - %(message)s")
     try:
-        args: dict[str, str] = {}
-        given = list(sys.argv[1:] if argv is None else argv)
-        while given:
-            arg = given.pop(0)
-            if arg == "--format" and given:  # also --format=hf and format=hf
-                arg = f"format={given.pop(0)}"
-            key, eq, value = arg.removeprefix("--").partition("=")
-            if not eq or key not in ("run", "ckpt", "out", "format", "weights"):
-                raise UserError(f"{arg!r} is not run=, ckpt=, out=, weights= or --format. {USAGE}")
-            args[key] = value
-        if "run" not in args:
-            raise UserError(f"run=<run dir> is missing. {USAGE}")
+        given = [a.removeprefix("--") for a in (sys.argv[1:] if argv is None else argv)]
+        if "format" in given[:-1]:  # --format hf; also --format=hf and format=hf
+            at = given.index("format")
+            given[at : at + 2] = [f"format={given[at + 1]}"]
+        args, others = arguments(given, NAMES, USAGE)
+        if others:
+            raise UserError(
+                f"{others[0]!r} is not run=, ckpt=, out=, weights= or --format. {USAGE}"
+            )
         if args.get("format", "folder") not in FORMATS:
             raise UserError(f"--format {args['format']}: use folder (default) or hf. {USAGE}")
         if args.get("weights", "ema") not in ("ema", "model"):

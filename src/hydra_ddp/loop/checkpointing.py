@@ -82,14 +82,11 @@ def checkpointer_for(job: RankJob, objects: state.CheckpointedObjects) -> Checkp
     every callback's `checkpoint_members()`."""
     tcfg = job.cfg.trainer
     members = state.members(job.callbacks.checkpoint_members())
-    common: dict[str, Any] = dict(
-        interval=tcfg.ckpt_interval, keep=tcfg.keep_ckpts, total_steps=job.total_steps
+    kind = DCPCheckpointer if objects.sharded else Checkpointer
+    common = dict(keep=tcfg.keep_ckpts, total_steps=job.total_steps, async_save=tcfg.async_ckpt)
+    return kind(
+        job.run.output_dir, job.env, objects, members, interval=tcfg.ckpt_interval, **common
     )
-    if objects.sharded:
-        return DCPCheckpointer(
-            job.run.output_dir, job.env, objects, members, async_save=tcfg.async_ckpt, **common
-        )
-    return Checkpointer(job.run.output_dir, job.env, objects, members, **common)
 
 
 def resume(job: RankJob, checkpointer: Checkpointer) -> bool:
