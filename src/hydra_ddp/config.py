@@ -27,10 +27,9 @@ from hydra_ddp.logger_config import Layout, LoggerConfig, WandbConsole, WandbMod
 # --------------------------------------------------------------------------------------------
 
 
-class Precision(Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"  # autocast the forward pass to bfloat16 (no loss scaling needed)
-    fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
+# trainer.precision: the type the forward pass is autocast to (fp32: none); bf16 needs no loss
+# scaling, fp16 takes a GradScaler (CUDA only).
+Precision = DType
 
 
 class MonitorMode(Enum):

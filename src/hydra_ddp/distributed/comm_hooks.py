@@ -17,7 +17,7 @@ from hydra_ddp.errors import UserError
 
 class CommHook:
     """The base of a hook (the contract: `hydra_ddp.protocols.CommHook`): `hook(state,
-    bucket)` and its `state`, registered on the DDP wrap."""
+    bucket)` and its `state`, registered on the DDP wrap (`register_comm_hook`)."""
 
     state: Any = None
 
@@ -29,9 +29,6 @@ class CommHook:
 
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__qualname__} must define hook(state, bucket)")
-
-    def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        ddp.register_comm_hook(self.state, self.hook)
 
 
 class FP16Compress(CommHook):
@@ -58,7 +55,7 @@ class BF16Compress(CommHook):
                 f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
                 "ddp=fp16_compress or ddp=powersgd there"
             )
-        super().register(ddp)
+        ddp.register_comm_hook(self.state, self.hook)
 
 
 class PowerSGD(CommHook):

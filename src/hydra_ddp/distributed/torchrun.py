@@ -1,15 +1,7 @@
-"""`python -m hydra_ddp.distributed.torchrun ARGS`: torchrun whose stop on a signal exits like
-its workers.
-
-On SIGTERM or SIGINT torchrun's agent forwards the signal, waits for its workers (which save a
-checkpoint and exit 143 or 130), then lets torch's `SignalException` out: a traceback and
-status 1, which no option of torchrun changes. This runs `torch.distributed.run.main` with the
-same arguments and exits 128 + the signal instead, so the workers' own `stopped on SIGTERM at
-step N ...` line is the last word. Its agent also forwards SIGUSR1 and SIGUSR2 (submitit's and
-many SLURM sites' preemption signals), which torchrun's default `--signals-to-handle` leaves
-out: there they kill the agent at once and lose the checkpoint. An explicit
-`--signals-to-handle` (or `PET_SIGNALS_TO_HANDLE`) still wins.
-"""
+"""`python -m hydra_ddp.distributed.torchrun ARGS`: torchrun (`torch.distributed.run.main`, the
+same arguments) whose stop on a signal exits 128 + the signal, without torch's
+`SignalException` traceback, and whose agent also forwards SIGUSR1 and SIGUSR2 unless told
+otherwise (docs/when_things_go_wrong.md, "Preemption and Ctrl-C")."""
 
 from __future__ import annotations
 

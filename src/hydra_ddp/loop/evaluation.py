@@ -22,7 +22,7 @@ from hydra_ddp.config import MonitorMode, TrainConfig, TrainerConfig
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv, all_gather_objects, process_group, use_device
 from hydra_ddp.distributed.ddp import sync_buffers
-from hydra_ddp.distributed.failures import translated_evaluation
+from hydra_ddp.distributed.failures import translated
 from hydra_ddp.errors import UserError
 from hydra_ddp.loop.pruning import Pruning
 from hydra_ddp.loop.scoring import evaluate, predict
@@ -238,7 +238,7 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     doing = [f"evaluating split {request.split}"]
     with (
         process_group(env, cfg.dist),
-        translated_evaluation(env.rank, cfg.dist.timeout_s, run.output_dir, doing),
+        translated(env.rank, cfg.dist.timeout_s, run.output_dir, doing),
     ):
         results = evaluate(model, split, env, loss_fn, metrics, autocast)  # collective
         if request.predict:
