@@ -1,11 +1,7 @@
 """A rank's failure as one line: a dead peer, a timed-out collective, a dead DataLoader
-worker, a full disk, DDP's paragraphs.
-
-Training and evaluation run under `translated`, so a message is written once whichever path
-raised it. Each rank also writes its first error to `<run dir>/errors/rank<r>.txt`, from which
-the launcher names the rank that failed first (`worker_failed`), not one that only lost contact
-with it.
-"""
+worker, a full disk, DDP's paragraphs (`translated`, around training and evaluation), and the
+launcher's line naming the rank that failed first (`worker_failed`; docs/when_things_go_wrong.md,
+"Which rank failed")."""
 
 from __future__ import annotations
 
