@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from hydra_ddp.components import build, check
 from hydra_ddp.config import COMM_HOOKS
@@ -35,8 +36,6 @@ class FP16Compress(CommHook):
     """All-reduce gradients in float16: half the bytes on the wire, small precision loss."""
 
     def __init__(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         self.hook = default_hooks.fp16_compress_hook  # type: ignore[method-assign]
 
 
@@ -44,8 +43,6 @@ class BF16Compress(CommHook):
     """All-reduce gradients in bfloat16 (NCCL >= 2.10): half the bytes, float32's range."""
 
     def __init__(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         self.hook = default_hooks.bf16_compress_hook  # type: ignore[method-assign]
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -68,8 +65,6 @@ class PowerSGD(CommHook):
     def __init__(self, rank: int, start_iter: int, device: Any = "cpu") -> None:
         check(rank >= 1, "rank", ">= 1", rank)
         check(start_iter >= 2, "start_iter", ">= 2 (PowerSGD's error feedback)", start_iter)
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
         self.device = torch.device(device)
         self.state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter

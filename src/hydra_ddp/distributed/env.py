@@ -92,7 +92,8 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
             "dist.device=cuda but CUDA is not available here: use dist.device=cpu or auto"
         )
     count = torch.cuda.device_count()
-    if count == 1 and local_rank > 0 and _one_gpu_per_task():
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if count == 1 and local_rank > 0 and len(visible) == 1:
         # SLURM's --gpus-per-task=1 (or a binding script) shows each task only its own GPU.
         return torch.device("cuda", 0)
     if local_rank >= count:
@@ -102,11 +103,6 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
             f"at most {count}, or use dist.device=cpu"
         )
     return torch.device("cuda", local_rank)
-
-
-def _one_gpu_per_task() -> bool:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return len([d for d in visible.split(",") if d.strip()]) == 1
 
 
 def backend_for(cfg: DistConfig, device: torch.device) -> str:
