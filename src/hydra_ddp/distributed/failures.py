@@ -195,12 +195,7 @@ def worker_failed(
         rank = min(said, key=lambda r: (said[r][0], r))
     else:
         rank = min(exit_codes)
-    if rank in said:
-        why = said[rank][1]
-    elif rank in exit_codes:
-        why = _exit_reason(exit_codes[rank])
-    else:
-        why = "it stopped"
+    why = said[rank][1] if rank in said else _exit_reason(exit_codes[rank])
     return UserError(
         f"worker rank {rank} failed: {why} (log: {output_dir / f'{log_stem}_rank{rank}.log'})"
     )
