@@ -5,7 +5,7 @@ or is a plain function `(state, bucket) -> Future`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,13 +93,6 @@ class PowerSGD(CommHook):
         state.rng.set_state(("MT19937", keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
 
-class _Function(CommHook):
-    """A plain function (state, bucket) -> Future as the hook, with no state."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.hook = fn  # type: ignore[method-assign]
-
-
 def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) -> Any:
     """The hook `ddp.comm_hook` names (None for `none`): a built-in's name (PowerSGD then takes
     ddp.powersgd_rank and ddp.powersgd_start_iter), or a component built with `device` offered."""
@@ -110,9 +103,7 @@ def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, dev
         if spec["_target_"].endswith("PowerSGD"):
             spec.update(rank=powersgd_rank, start_iter=powersgd_start_iter)
     hook = build(spec, "ddp.comm_hook", _as_function=True, device=device)
-    if callable(hook) and not hasattr(hook, "hook"):
-        return _Function(hook)
-    if not callable(getattr(hook, "hook", None)):
+    if not callable(getattr(hook, "hook", hook)):  # a plain function is a stateless hook
         raise UserError(
             f"ddp.comm_hook._target_={spec['_target_']} built a {type(hook).__qualname__} "
             "without hook(state, bucket): give a function (state, bucket) -> Future or a class "
@@ -128,8 +119,8 @@ def register_comm_hook(hook: Any, ddp: torch.nn.parallel.DistributedDataParallel
     if callable(getattr(hook, "register", None)):
         hook.register(ddp)
     else:
-        ddp.register_comm_hook(getattr(hook, "state", None), hook.hook)
-    return getattr(hook, "name", None) or type(hook).__qualname__
+        ddp.register_comm_hook(getattr(hook, "state", None), getattr(hook, "hook", hook))
+    return getattr(hook, "name", None) or getattr(hook, "__name__", type(hook).__qualname__)
 
 
 def _to(value: Any, device: torch.device) -> Any:
