@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.config import Backend, Device, DistConfig
+from hydra_ddp.config import Device, DistConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launcher_env import LAUNCHER_VARS, submitit_tasks
 
@@ -103,14 +103,3 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
             f"at most {count}, or use dist.device=cpu"
         )
     return torch.device("cuda", local_rank)
-
-
-def backend_for(cfg: DistConfig, device: torch.device) -> str:
-    if cfg.backend == Backend.auto:
-        return "nccl" if device.type == "cuda" else "gloo"
-    if cfg.backend == Backend.nccl and device.type != "cuda":
-        raise UserError(
-            "dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
-            "dist.backend=gloo (or auto)"
-        )
-    return cfg.backend.value

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.config import DistConfig
-from hydra_ddp.distributed.env import DistEnv, backend_for
+from hydra_ddp.config import Backend, DistConfig
+from hydra_ddp.distributed.env import DistEnv
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,14 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     if not env.launched:
         return
     use_device(env)
-    backend = backend_for(cfg, env.device)
+    backend = cfg.backend.value
+    if cfg.backend == Backend.auto:
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+    elif cfg.backend == Backend.nccl and env.device.type != "cuda":
+        raise UserError(
+            "dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
+            "dist.backend=gloo (or auto)"
+        )
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
