@@ -40,7 +40,16 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    _check_resolves(os.environ.get("MASTER_ADDR", ""), env.rank)
+    try:
+        # A MASTER_ADDR that names no host would make every rank retry for dist.timeout_s and
+        # then blame the port: say so at once.
+        socket.getaddrinfo(os.environ.get("MASTER_ADDR", ""), None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(
+            f"rank {env.rank}: MASTER_ADDR={os.environ.get('MASTER_ADDR', '')} does not resolve "
+            f"to an address ({e}): set it to the head node's host name or IP (under SLURM: the "
+            "first of `scontrol show hostnames $SLURM_JOB_NODELIST`)"
+        ) from None
     # A client of a port that accepts connections but never answers (another program's
     # listener) waits in torch's store handshake with no timeout: give up from a thread.
     watchdog = threading.Timer(
@@ -83,19 +92,6 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
         env.device,
         where,  # jobs side by side (a Ray sweep) each have their own
     )
-
-
-def _check_resolves(host: str, rank: int) -> None:
-    """A MASTER_ADDR that names no host would make every rank retry for dist.timeout_s and then
-    blame the port: say so at once."""
-    try:
-        socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError) as e:
-        raise UserError(
-            f"rank {rank}: MASTER_ADDR={host} does not resolve to an address ({e}): set it to "
-            "the head node's host name or IP (under SLURM: the first of `scontrol show "
-            "hostnames $SLURM_JOB_NODELIST`)"
-        ) from None
 
 
 def _give_up(message: str) -> None:
