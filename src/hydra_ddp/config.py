@@ -27,10 +27,9 @@ from hydra_ddp.logger_config import Layout, LoggerConfig, WandbConsole, WandbMod
 # --------------------------------------------------------------------------------------------
 
 
-class Precision(Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"  # autocast the forward pass to bfloat16 (no loss scaling needed)
-    fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
+# trainer.precision: the type the forward pass is autocast to (fp32: none); bf16 needs no loss
+# scaling, fp16 takes a GradScaler (CUDA only).
+Precision = DType
 
 
 class MonitorMode(Enum):
@@ -160,19 +159,17 @@ class TrainerConfig:
                 "val/loss or val/<a metrics.* name>, e.g. val/acc",
             ),
         ]
-        _check_grad_clip(self.grad_clip)
+        # grad_clip: a number >= 0, or a map of optimizer name -> number >= 0.
+        clips = (
+            self.grad_clip.items() if isinstance(self.grad_clip, dict) else [(None, self.grad_clip)]
+        )
+        for name, clip in clips:
+            key = "trainer.grad_clip" if name is None else f"trainer.grad_clip.{name}"
+            number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
+            allowed = ">= 0 (0 disables), or a map by optimizer name ({generator: 1.0, ...})"
+            check_setting(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
         for key, ok, allowed in rules:
             check_setting(ok, f"trainer.{key}", allowed, getattr(self, key))
-
-
-def _check_grad_clip(value: Any) -> None:
-    """trainer.grad_clip: a number >= 0, or a map of optimizer name -> number >= 0."""
-    allowed = ">= 0 (0 disables), or a map by optimizer name ({generator: 1.0, ...})"
-    items = value.items() if isinstance(value, dict) else [(None, value)]
-    for name, clip in items:
-        key = "trainer.grad_clip" if name is None else f"trainer.grad_clip.{name}"
-        number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
-        check_setting(number and clip >= 0, key, allowed if name is None else ">= 0", clip)
 
 
 class Backend(Enum):

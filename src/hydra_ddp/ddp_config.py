@@ -25,6 +25,8 @@ class Wrapper(Enum):
 
 
 class DType(Enum):
+    """A float type: trainer.precision (config.Precision), ddp.param_dtype, ddp.reduce_dtype."""
+
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"

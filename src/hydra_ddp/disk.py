@@ -114,23 +114,19 @@ def os_cause(e: BaseException) -> OSError | None:
     return None
 
 
-def why_write_failed(e: BaseException, folder: Path | None = None) -> str:
-    """A failed write's cause in a few words: the OS's, else (DCP pickles each rank's failure,
-    dropping its context) a full disk told from the free space in `folder`, else the
-    library's first line."""
-    return _cause(e, folder)[1]
-
-
 def write_failed(e: BaseException, path: Path, folder: Path | None = None) -> UserError:
     """The one line for a checkpoint write that failed; `folder`: see why_write_failed."""
-    code, why = _cause(e, folder)
+    code, why = why_write_failed(e, folder)
     return UserError(
         f"could not write checkpoint {path} ({why}): {write_advice(code)}; the checkpoints "
         "already there are intact"
     )
 
 
-def _cause(e: BaseException, folder: Path | None) -> tuple[int | None, str]:
+def why_write_failed(e: BaseException, folder: Path | None = None) -> tuple[int | None, str]:
+    """A failed write's errno and cause in a few words: the OS's, else (DCP pickles each rank's
+    failure, dropping its context) a full disk told from the free space in `folder`, else the
+    library's first line (errno None)."""
     cause = os_cause(e)
     if cause is not None and cause.strerror:
         return cause.errno, cause.strerror

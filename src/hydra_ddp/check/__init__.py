@@ -20,6 +20,7 @@ import torch
 from hydra_ddp.check import checks, runs
 from hydra_ddp.check.checks import Result
 from hydra_ddp.check.runs import CheckPlan, Run
+from hydra_ddp.errors import UserError, first_line
 
 # The checks in the table's order: the name --only and --skip take -> the row's title.
 CHECKS = {
@@ -34,8 +35,6 @@ def main(config_path: str | Path | None = None, config_name: str = "train") -> N
     """`python -m hydra_ddp.check`, `hydra-ddp-check` and a thin project's `api.run_checks`
     (--config-path and --config-name on the command line win). Exits 0, 1 (a check failed) or 2
     (bad input)."""
-    from hydra_ddp.errors import UserError, first_line
-
     args = _parser().parse_intermixed_args()
     try:
         wanted = _wanted(args.only, args.skip)
@@ -174,8 +173,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _wanted(only: str | None, skip: str | None) -> list[str]:
-    from hydra_ddp.errors import UserError
-
     lists = [[n.strip() for n in (text or "").split(",") if n.strip()] for text in (only, skip)]
     for flag, names in zip(("--only", "--skip"), lists):
         if set(names) - set(CHECKS):
@@ -187,7 +184,6 @@ def _wanted(only: str | None, skip: str | None) -> list[str]:
 def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> CheckPlan:
     """The user's config, composed, typed and checked as training would, and where the runs go:
     hydra.run.dir if given (new or empty), else a temporary dir."""
-    from hydra_ddp.errors import UserError
     from hydra_ddp.launch.command import compose_typed
     from hydra_ddp.launcher_env import under_launcher
 

@@ -1,8 +1,5 @@
-"""The callback the checker adds to each of its runs, writing into the checker's dir (it has no
-`state_dict`: no checkpoint holds anything of it). Every rank appends one JSON line per step:
-the loss, a digest of each row, the model's plain attributes. As asked, it keeps step 1's
-state, RNG, batch and gradients, stops the run after a step as SIGTERM would, and at the end
-measures how far the ranks' tensors are apart and predicts the validation split.
+"""The callback the checker adds to each of its runs (docs/check.md says what it records),
+writing into the checker's dir; it has no `state_dict`: no checkpoint holds anything of it.
 """
 
 from __future__ import annotations

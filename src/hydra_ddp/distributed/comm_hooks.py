@@ -5,10 +5,11 @@ or is a plain function `(state, bucket) -> Future`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from hydra_ddp.components import build, check
 from hydra_ddp.config import COMM_HOOKS
@@ -17,7 +18,7 @@ from hydra_ddp.errors import UserError
 
 class CommHook:
     """The base of a hook (the contract: `hydra_ddp.protocols.CommHook`): `hook(state,
-    bucket)` and its `state`, registered on the DDP wrap."""
+    bucket)` and its `state`, registered on the DDP wrap (`register_comm_hook`)."""
 
     state: Any = None
 
@@ -30,16 +31,11 @@ class CommHook:
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__qualname__} must define hook(state, bucket)")
 
-    def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        ddp.register_comm_hook(self.state, self.hook)
-
 
 class FP16Compress(CommHook):
     """All-reduce gradients in float16: half the bytes on the wire, small precision loss."""
 
     def __init__(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         self.hook = default_hooks.fp16_compress_hook  # type: ignore[method-assign]
 
 
@@ -47,8 +43,6 @@ class BF16Compress(CommHook):
     """All-reduce gradients in bfloat16 (NCCL >= 2.10): half the bytes, float32's range."""
 
     def __init__(self) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         self.hook = default_hooks.bf16_compress_hook  # type: ignore[method-assign]
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -58,7 +52,7 @@ class BF16Compress(CommHook):
                 f">= 2.10, but this job runs the {dist.get_backend()} backend: use "
                 "ddp=fp16_compress or ddp=powersgd there"
             )
-        super().register(ddp)
+        ddp.register_comm_hook(self.state, self.hook)
 
 
 class PowerSGD(CommHook):
@@ -71,8 +65,6 @@ class PowerSGD(CommHook):
     def __init__(self, rank: int, start_iter: int, device: Any = "cpu") -> None:
         check(rank >= 1, "rank", ">= 1", rank)
         check(start_iter >= 2, "start_iter", ">= 2 (PowerSGD's error feedback)", start_iter)
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
         self.device = torch.device(device)
         self.state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter
@@ -101,13 +93,6 @@ class PowerSGD(CommHook):
         state.rng.set_state(("MT19937", keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
 
-class _Function(CommHook):
-    """A plain function (state, bucket) -> Future as the hook, with no state."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.hook = fn  # type: ignore[method-assign]
-
-
 def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, device: Any) -> Any:
     """The hook `ddp.comm_hook` names (None for `none`): a built-in's name (PowerSGD then takes
     ddp.powersgd_rank and ddp.powersgd_start_iter), or a component built with `device` offered."""
@@ -118,9 +103,7 @@ def build_comm_hook(spec: Any, powersgd_rank: int, powersgd_start_iter: int, dev
         if spec["_target_"].endswith("PowerSGD"):
             spec.update(rank=powersgd_rank, start_iter=powersgd_start_iter)
     hook = build(spec, "ddp.comm_hook", _as_function=True, device=device)
-    if callable(hook) and not hasattr(hook, "hook"):
-        return _Function(hook)
-    if not callable(getattr(hook, "hook", None)):
+    if not callable(getattr(hook, "hook", hook)):  # a plain function is a stateless hook
         raise UserError(
             f"ddp.comm_hook._target_={spec['_target_']} built a {type(hook).__qualname__} "
             "without hook(state, bucket): give a function (state, bucket) -> Future or a class "
@@ -136,8 +119,8 @@ def register_comm_hook(hook: Any, ddp: torch.nn.parallel.DistributedDataParallel
     if callable(getattr(hook, "register", None)):
         hook.register(ddp)
     else:
-        ddp.register_comm_hook(getattr(hook, "state", None), hook.hook)
-    return getattr(hook, "name", None) or type(hook).__qualname__
+        ddp.register_comm_hook(getattr(hook, "state", None), getattr(hook, "hook", hook))
+    return getattr(hook, "name", None) or getattr(hook, "__name__", type(hook).__qualname__)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.config import Backend, Device, DistConfig
+from hydra_ddp.config import Device, DistConfig
 from hydra_ddp.errors import UserError
 from hydra_ddp.launcher_env import LAUNCHER_VARS, submitit_tasks
 
@@ -92,7 +92,8 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
             "dist.device=cuda but CUDA is not available here: use dist.device=cpu or auto"
         )
     count = torch.cuda.device_count()
-    if count == 1 and local_rank > 0 and _one_gpu_per_task():
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if count == 1 and local_rank > 0 and len(visible) == 1:
         # SLURM's --gpus-per-task=1 (or a binding script) shows each task only its own GPU.
         return torch.device("cuda", 0)
     if local_rank >= count:
@@ -102,19 +103,3 @@ def _pick_device(cfg: DistConfig, local_rank: int) -> torch.device:
             f"at most {count}, or use dist.device=cpu"
         )
     return torch.device("cuda", local_rank)
-
-
-def _one_gpu_per_task() -> bool:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return len([d for d in visible.split(",") if d.strip()]) == 1
-
-
-def backend_for(cfg: DistConfig, device: torch.device) -> str:
-    if cfg.backend == Backend.auto:
-        return "nccl" if device.type == "cuda" else "gloo"
-    if cfg.backend == Backend.nccl and device.type != "cuda":
-        raise UserError(
-            "dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
-            "dist.backend=gloo (or auto)"
-        )
-    return cfg.backend.value

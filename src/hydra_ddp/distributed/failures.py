@@ -1,11 +1,7 @@
 """A rank's failure as one line: a dead peer, a timed-out collective, a dead DataLoader
-worker, a full disk, DDP's paragraphs.
-
-Training and evaluation run under `translated` / `translated_evaluation`, so a message is
-written once whichever path raised it. Each rank also writes its first error to
-`<run dir>/errors/rank<r>.txt`, from which the launcher names the rank that failed first
-(`worker_failed`), not one that only lost contact with it.
-"""
+worker, a full disk, DDP's paragraphs (`translated`, around training and evaluation), and the
+launcher's line naming the rank that failed first (`worker_failed`; docs/when_things_go_wrong.md,
+"Which rank failed")."""
 
 from __future__ import annotations
 
@@ -71,13 +67,20 @@ def _loader_died(e: BaseException) -> bool:
     return any(data_dir in frame.filename for frame in traceback.extract_tb(e.__traceback__))
 
 
-def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) -> UserError | None:
-    """The one-line UserError for an exception raised while a rank trains, or None when it has
-    no better message than its own traceback."""
+def one_line(
+    e: BaseException, rank: int, timeout_s: float, output_dir: Path, doing: str = ""
+) -> UserError | None:
+    """The one-line UserError for an exception raised while a rank trains (or, `doing`, while
+    it evaluates or predicts), or None when it has no better message than its own traceback."""
     if isinstance(e, UserError):
         return e
     if isinstance(e, RuntimeError) and "Expected to have finished reduction" in str(e):
         return unused_parameters([])  # DDP's own is a paragraph about reductions and buckets
+    if lost_peer(e) and doing:  # no restart suggested: restarts resume training
+        return UserError(
+            f"rank {rank} {LOST_CONTACT} while {doing} ({first_line(e)}): that rank most "
+            f"likely failed, see its log in {output_dir} (eval_rank<r>.log) for why"
+        )
     if lost_peer(e):
         # Every survivor of a dead rank gets the same collective traceback, which says nothing
         # about the cause.
@@ -111,14 +114,26 @@ def one_line(e: BaseException, rank: int, timeout_s: float, output_dir: Path) ->
 
 
 @contextlib.contextmanager
-def translated(rank: int, timeout_s: float, output_dir: Path) -> Iterator[None]:
+def translated(
+    rank: int, timeout_s: float, output_dir: Path, doing: list[str] | None = None
+) -> Iterator[None]:
     """Re-raise what `one_line` can say in one line as that UserError (the original chained as
     its cause, for the rank's log). The error is recorded for the launcher here, before the
-    group is torn down: the peers' "lost contact" comes after it."""
+    group is torn down: the peers' "lost contact" comes after it. For evaluation and
+    prediction, `doing[0]` says what the rank is doing (updated by the caller as it moves on)
+    and every exception becomes one line naming it, its traceback in the rank's log."""
     try:
         yield
     except Exception as e:
-        better = one_line(e, rank, timeout_s, output_dir)
+        better = one_line(e, rank, timeout_s, output_dir, doing[0] if doing else "")
+        if doing and better is not e:
+            log = logging.getLogger(__name__)
+            log.info("rank %d: the traceback of the error", rank, exc_info=e)
+        if doing and better is None:
+            better = UserError(
+                f"rank {rank} failed while {doing[0]}: {type(e).__name__}: {first_line(e)} "
+                "(its traceback is in this rank's log)"
+            )
         write_rank_error(better or e, rank, Path(output_dir) / "errors")
         if better is None or better is e:
             raise
@@ -134,38 +149,6 @@ def unused_parameters(names: list[str]) -> UserError:
         "expect that: use ddp=unused_params (sets ddp.find_unused_parameters=true), freeze "
         "them (requires_grad=False), or make every parameter take part in the loss"
     )
-
-
-@contextlib.contextmanager
-def translated_evaluation(
-    rank: int, timeout_s: float, output_dir: Path, doing: list[str]
-) -> Iterator[None]:
-    """`translated` for evaluation and prediction: every exception becomes one line naming the
-    rank and what it was doing (`doing[0]`, updated by the caller as it moves on). A lost peer
-    suggests no restart: restarts resume training."""
-    try:
-        yield
-    except Exception as e:
-        if lost_peer(e):
-            better: BaseException | None = UserError(
-                f"rank {rank} {LOST_CONTACT} while {doing[0]} ({first_line(e)}): "
-                f"that rank most likely failed, see its log in {output_dir} (eval_rank<r>.log) "
-                "for why"
-            )
-        else:
-            better = one_line(e, rank, timeout_s, output_dir)
-            if better is not e:
-                log = logging.getLogger(__name__)
-                log.info("rank %d: the traceback of the error", rank, exc_info=e)
-            if better is None:
-                better = UserError(
-                    f"rank {rank} failed while {doing[0]}: {type(e).__name__}: {first_line(e)} "
-                    "(its traceback is in this rank's log)"
-                )
-        write_rank_error(better, rank, Path(output_dir) / "errors")
-        if better is e:
-            raise
-        raise better from e
 
 
 def write_rank_error(e: BaseException, rank: int, errors_dir: Path) -> None:
@@ -212,12 +195,7 @@ def worker_failed(
         rank = min(said, key=lambda r: (said[r][0], r))
     else:
         rank = min(exit_codes)
-    if rank in said:
-        why = said[rank][1]
-    elif rank in exit_codes:
-        why = _exit_reason(exit_codes[rank])
-    else:
-        why = "it stopped"
+    why = said[rank][1] if rank in said else _exit_reason(exit_codes[rank])
     return UserError(
         f"worker rank {rank} failed: {why} (log: {output_dir / f'{log_stem}_rank{rank}.log'})"
     )

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from hydra_ddp.config import DistConfig
-from hydra_ddp.distributed.env import DistEnv, backend_for
+from hydra_ddp.config import Backend, DistConfig
+from hydra_ddp.distributed.env import DistEnv
 from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,27 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
     if not env.launched:
         return
     use_device(env)
-    backend = backend_for(cfg, env.device)
+    backend = cfg.backend.value
+    if cfg.backend == Backend.auto:
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+    elif cfg.backend == Backend.nccl and env.device.type != "cuda":
+        raise UserError(
+            "dist.backend=nccl needs CUDA devices but this rank runs on cpu: use "
+            "dist.backend=gloo (or auto)"
+        )
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     kwargs: dict = {"device_id": env.device} if env.device.type == "cuda" else {}
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    _check_resolves(os.environ.get("MASTER_ADDR", ""), env.rank)
+    try:
+        # A MASTER_ADDR that names no host would make every rank retry for dist.timeout_s and
+        # then blame the port: say so at once.
+        socket.getaddrinfo(os.environ.get("MASTER_ADDR", ""), None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(
+            f"rank {env.rank}: MASTER_ADDR={os.environ.get('MASTER_ADDR', '')} does not resolve "
+            f"to an address ({e}): set it to the head node's host name or IP (under SLURM: the "
+            "first of `scontrol show hostnames $SLURM_JOB_NODELIST`)"
+        ) from None
     # A client of a port that accepts connections but never answers (another program's
     # listener) waits in torch's store handshake with no timeout: give up from a thread.
     watchdog = threading.Timer(
@@ -76,19 +92,6 @@ def init_process_group(env: DistEnv, cfg: DistConfig) -> None:
         env.device,
         where,  # jobs side by side (a Ray sweep) each have their own
     )
-
-
-def _check_resolves(host: str, rank: int) -> None:
-    """A MASTER_ADDR that names no host would make every rank retry for dist.timeout_s and then
-    blame the port: say so at once."""
-    try:
-        socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError) as e:
-        raise UserError(
-            f"rank {rank}: MASTER_ADDR={host} does not resolve to an address ({e}): set it to "
-            "the head node's host name or IP (under SLURM: the first of `scontrol show "
-            "hostnames $SLURM_JOB_NODELIST`)"
-        ) from None
 
 
 def _give_up(message: str) -> None:

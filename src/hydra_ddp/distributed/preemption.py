@@ -1,13 +1,7 @@
 """Stopping on request: a preempted or interrupted job ends with a checkpoint, not a traceback.
-
-Schedulers ask a job to stop before they kill it (SLURM's SIGTERM, submitit's SIGUSR2,
-torchrun forwarding SIGTERM/SIGINT 30 s before its kill, Ctrl-C). The signal only sets a flag;
-at the next step boundary every rank learns whether any rank got one, and all save one
-checkpoint together and stop with `Preempted` (exit status 128 + the signal, as a shell
-reports it). The same command in the same output dir, or a requeue, resumes exactly.
-
-A second request more than a second after the first stops at once ("press Ctrl-C again"); the
-first Ctrl-C of a self-launched job reaches a worker twice (terminal and agent): one request.
+The signal only sets a flag; at the next step boundary every rank learns whether any rank got
+one, and all save one checkpoint together and stop with `Preempted` (exit status 128 + the
+signal). docs/when_things_go_wrong.md ("Preemption and Ctrl-C") says what a user sees.
 """
 
 from __future__ import annotations
@@ -32,6 +26,8 @@ from hydra_ddp.launcher_env import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
+# A second request later than this after the first stops at once; the first Ctrl-C of a
+# self-launched job reaches a worker twice (terminal and agent) within it: one request.
 _REPEAT_WINDOW_S = 1.0
 # Ranks check for a stop request about this often (in steps of rank 0's step time), at most
 # every _MAX_INTERVAL steps: well inside the 30 s a launcher gives before it kills.

@@ -1,15 +1,7 @@
-"""`python -m hydra_ddp.distributed.torchrun ARGS`: torchrun whose stop on a signal exits like
-its workers.
-
-On SIGTERM or SIGINT torchrun's agent forwards the signal, waits for its workers (which save a
-checkpoint and exit 143 or 130), then lets torch's `SignalException` out: a traceback and
-status 1, which no option of torchrun changes. This runs `torch.distributed.run.main` with the
-same arguments and exits 128 + the signal instead, so the workers' own `stopped on SIGTERM at
-step N ...` line is the last word. Its agent also forwards SIGUSR1 and SIGUSR2 (submitit's and
-many SLURM sites' preemption signals), which torchrun's default `--signals-to-handle` leaves
-out: there they kill the agent at once and lose the checkpoint. An explicit
-`--signals-to-handle` (or `PET_SIGNALS_TO_HANDLE`) still wins.
-"""
+"""`python -m hydra_ddp.distributed.torchrun ARGS`: torchrun (`torch.distributed.run.main`, the
+same arguments) whose stop on a signal exits 128 + the signal, without torch's
+`SignalException` traceback, and whose agent also forwards SIGUSR1 and SIGUSR2 unless told
+otherwise (docs/when_things_go_wrong.md, "Preemption and Ctrl-C")."""
 
 from __future__ import annotations
 
@@ -50,15 +42,6 @@ def stop_status(exit_codes: object) -> int | None:
     return max(codes) if codes and codes <= stop_exit_codes() else None
 
 
-def with_agent_signals(argv: list[str]) -> list[str]:
-    """torchrun's arguments, its agent handling `AGENT_SIGNALS` unless told otherwise."""
-    told = any(a.split("=")[0] in _SIGNALS_OPTION for a in argv)
-    if told or "PET_SIGNALS_TO_HANDLE" in os.environ:
-        return argv
-    # First: a later option of the user's, or the script's own arguments, come after it.
-    return [f"{_SIGNALS_OPTION[0]}={AGENT_SIGNALS}", *argv]
-
-
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -66,8 +49,14 @@ def main(argv: list[str] | None = None) -> None:
 
     for name in AGENT_LOGS:
         logging.getLogger(name).addFilter(drop_stop_notes)
+    argv = sys.argv[1:] if argv is None else argv
+    told = any(a.split("=")[0] in _SIGNALS_OPTION for a in argv)
+    if not told and "PET_SIGNALS_TO_HANDLE" not in os.environ:
+        # The agent handles AGENT_SIGNALS; first, so that a later option of the user's, or the
+        # script's own arguments, come after it.
+        argv = [f"{_SIGNALS_OPTION[0]}={AGENT_SIGNALS}", *argv]
     try:
-        torchrun(with_agent_signals(sys.argv[1:] if argv is None else argv))
+        torchrun(argv)
     except SignalException as e:
         sys.exit(128 + int(e.sigval))
     except ChildFailedError as e:

@@ -78,7 +78,8 @@ def export(
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(
-            f"could not write {out} ({why_write_failed(e, out.parent)}): give another out=<folder>"
+            f"could not write {out} ({why_write_failed(e, out.parent)[1]}): "
+            "give another out=<folder>"
         ) from e
     count = sum(p.numel() for p in model.parameters())
     log.info("%s (step %d, %s, %d parameters) -> %s%s", path, about["step"], about["weights"],

@@ -25,7 +25,7 @@ from hydra_ddp.config import MonitorMode, TrainConfig, TrainerConfig
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv, all_gather_objects, process_group, use_device
 from hydra_ddp.distributed.ddp import sync_buffers
-from hydra_ddp.distributed.failures import translated_evaluation
+from hydra_ddp.distributed.failures import translated
 from hydra_ddp.errors import UserError
 from hydra_ddp.launcher_env import OPTUNA_STORAGE_ENV as STORAGE_ENV
 from hydra_ddp.launcher_env import OPTUNA_STUDY_ENV as STUDY_ENV
@@ -284,7 +284,7 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     doing = [f"evaluating split {request.split}"]
     with (
         process_group(env, cfg.dist),
-        translated_evaluation(env.rank, cfg.dist.timeout_s, run.output_dir, doing),
+        translated(env.rank, cfg.dist.timeout_s, run.output_dir, doing),
     ):
         results = evaluate(model, split, env, loss_fn, metrics, autocast)  # collective
         if request.predict:
