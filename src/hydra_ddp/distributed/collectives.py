@@ -12,14 +12,24 @@ from hydra_ddp.distributed.env import DistEnv
 from hydra_ddp.errors import UserError
 
 
+# Numbers go through tensor collectives, not all_gather_object: under NCCL that would pickle,
+# copy to the device and back, and add a size exchange before every gather.
 def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
-    """Sum a few numbers over all ranks, in rank order (so every rank gets the same sums)."""
-    return [sum(column) for column in zip(*all_gather_floats(values, env))]
+    """Sum a few numbers over all ranks (float64, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    if env.distributed:
+        dist.all_reduce(t)
+    return t.tolist()
 
 
 def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
     """Every rank's `values` (same length on all ranks), indexed by rank."""
-    return all_gather_objects([float(v) for v in values], env)
+    if not env.distributed:
+        return [list(map(float, values))]
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    out = [torch.zeros_like(t) for _ in range(env.world_size)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
 
 
 def all_gather_objects(obj: Any, env: DistEnv) -> list[Any]:
