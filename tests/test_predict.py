@@ -163,6 +163,15 @@ def test_an_error_while_predicting_names_the_rank_and_the_cause(mlp_runs, caplog
     assert "max-restarts" not in " ".join(lines)
 
 
+def test_evaluating_with_another_model_is_one_line(mlp_runs, caplog) -> None:
+    with caplog.at_level(logging.ERROR), isolated(), pytest.raises(SystemExit) as stopped:
+        main([f"run={mlp_runs['tensor']}", "model.hidden=64"])
+    assert stopped.value.code == 2
+    line = caplog.records[-1].getMessage()
+    assert "is a checkpoint of a different model (size mismatch" in line, line
+    assert "drop the model.* overrides" in line and "\n" not in line, line
+
+
 @pytest.mark.slow  # a real self-launch of the eval entry
 def test_a_self_launched_eval_names_the_rank_that_failed(mlp_runs, tmp_path: Path) -> None:
     """The launcher's last line names the rank whose own error came first (rank 1's), not the

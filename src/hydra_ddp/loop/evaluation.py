@@ -20,6 +20,7 @@ import torch
 
 from hydra_ddp import checkpoint
 from hydra_ddp.checkpoint import Checkpointer
+from hydra_ddp.checkpoint.state import load_model_state
 from hydra_ddp.components import build
 from hydra_ddp.config import MonitorMode, TrainConfig, TrainerConfig
 from hydra_ddp.data import EvalData
@@ -276,7 +277,9 @@ def evaluate_run(cfg: TrainConfig, env: DistEnv, run: RunInfo, request: Request)
     model = build(cfg.model, "model", **source.spec)
     if "ema" in state:  # the run evaluated its average: so do we
         log.info("evaluating the EMA weights of %s", path)
-    model.load_state_dict(checkpoint.model_weights(state))
+    load_model_state(
+        model, checkpoint.model_weights(state), path, hint="or drop the model.* overrides"
+    )
     model.to(env.device).eval()
     loss_fn = build(cfg.loss, "loss", _as_function=True)
     metrics = {name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()}
