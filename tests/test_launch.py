@@ -685,19 +685,29 @@ def test_submitit_task_exports_torchrun_style_env(clean_env) -> None:
     assert os.environ["RANK"] == "1" and os.environ["WORLD_SIZE"] == "2"
     assert os.environ["LOCAL_RANK"] == "1" and os.environ["LOCAL_WORLD_SIZE"] == "2"
     assert os.environ["MASTER_ADDR"] == socket.gethostname()
-    assert 20000 <= int(os.environ["MASTER_PORT"]) <= 60000
+    # Below Linux's ephemeral ports (32768-60999), which any socket bound to port 0 may take,
+    # and the same for every task of the job.
+    port = int(os.environ["MASTER_PORT"])
+    assert 20000 <= port < 32768
     env = env_from_environ(DistConfig(device=Device.cpu))
     assert (env.rank, env.world_size, env.local_rank) == (1, 2, 1)
     # Idempotent: a second call (e.g. a requeued task) leaves the variables alone.
     export_submitit_env()
     assert os.environ["RANK"] == "1"
+    # Rank 0's task of the same job hosts the group on the same port.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        del os.environ[key]
+    del os.environ["MASTER_PORT"]
+    os.environ.update(SUBMITIT_LOCAL_GLOBALID="0", SUBMITIT_LOCAL_LOCALID="0")
+    export_submitit_env()
+    assert os.environ["RANK"] == "0" and int(os.environ["MASTER_PORT"]) == port
 
     # A MASTER_PORT the user set is respected (submitit's own export refuses to run with it).
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
         del os.environ[key]
     os.environ["MASTER_PORT"] = "29555"
     export_submitit_env()
-    assert os.environ["MASTER_PORT"] == "29555" and os.environ["RANK"] == "1"
+    assert os.environ["MASTER_PORT"] == "29555" and os.environ["RANK"] == "0"
 
 
 def test_the_slurm_preset_asks_for_the_signal_requeues_and_cpus() -> None:

@@ -4,6 +4,7 @@ variables the engine and its Hydra plugins hand each other are named here, once.
 """
 
 import os
+import random
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,12 +46,18 @@ def export_submitit_env() -> None:
     """In a submitit job of several tasks, export RANK/WORLD_SIZE/... as torchrun does."""
     if "RANK" in os.environ or submitit_tasks() <= 1:
         return
+    from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
 
     # A MASTER_ADDR / MASTER_PORT the user set is kept (submitit's export refuses to overwrite).
     given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
     # Keep every GPU visible: the device is picked from LOCAL_RANK, as under torchrun.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    # submitit draws the port from 20000-60000, mostly inside Linux's ephemeral range
+    # (32768-60999) where the kernel hands out ports to every socket bound to port 0 (gloo's
+    # pair listeners, W&B's service, another job's clients): a job then finds its port taken.
+    # Every task derives the same port from the job id, below that range.
+    os.environ["MASTER_PORT"] = str(random.Random(JobEnvironment().job_id).randint(20000, 32767))
     os.environ.update(given)
 
 
