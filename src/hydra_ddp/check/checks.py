@@ -18,7 +18,7 @@ from hydra_ddp.check.compare import close, differences, flat, leaves, max_diff, 
 from hydra_ddp.check.probe import row_digests
 from hydra_ddp.check.runs import CheckPlan, Run, stopped_at
 from hydra_ddp.components import build
-from hydra_ddp.data.policies import build_policy
+from hydra_ddp.data.policies import build_policy, rank_epoch, rows_in, train_file_rows
 from hydra_ddp.ddp_config import COMM_HOOKS
 
 SPLITS = ("train", "val", "test")
@@ -160,16 +160,13 @@ def row_coverage(plan: CheckPlan, a: Run | None) -> Result:
     if tcfg.overfit_batches or tcfg.limit_train_batches:
         return skip("trainer.overfit_batches or limit_train_batches reads part of each epoch")
     source, policy = build(cfg.data, "data"), build_policy(cfg.sampler, cfg.sampler_seed)
-    n = source.num_rows("train")
-    files = source.file_rows("train") if hasattr(source, "file_rows") else [n]
+    n, files = source.num_rows("train"), train_file_rows(source)
     kind, drop = type(policy).__qualname__, bool(getattr(policy, "drop_last", False))
     for epoch in (0, 1):
         reads, batches = np.zeros(n, dtype=np.int64), []
         for rank in range(world):
-            ranges = policy.rank_ranges(n, files, world, epoch)
-            held = None if ranges is None else _rows_of(ranges[rank])
-            count = n if held is None else len(held)
-            sampler = policy.sampler(count, ranges, rank, world, tcfg.batch_size)
+            mine, sampler = rank_epoch(policy, n, files, world, rank, epoch, tcfg.batch_size)
+            held = None if mine is None else rows_in(mine)
             sampler.load_state_dict({"epoch": epoch, "start_batch": 0})
             indices = [np.asarray(i) if held is None else held[np.asarray(i)] for i in sampler]
             batches.append(len(indices))
@@ -335,17 +332,13 @@ def _held_out_trained(source: Any) -> tuple[int, str]:
     origin = getattr(source, "origin", None)
     parts = {s: origin(s) for s in SPLITS} if callable(origin) else {}
     if parts and all(p is not None for p in parts.values()):
-        held = np.concatenate([_rows_of(parts["val"]), _rows_of(parts["test"])])
-        return int(np.isin(held, _rows_of(parts["train"])).sum()), "by origin(split)"
+        held = np.concatenate([rows_in(parts["val"]), rows_in(parts["test"])])
+        return int(np.isin(held, rows_in(parts["train"])).sum()), "by origin(split)"
     if getattr(source, "per_item", False):
         return 0, "not checked: the source has no origin(split)"
     seen = {s: row_digests(d[np.arange(len(d))]) for s in SPLITS for d in [source.load(s, None)]}
     train = set(seen["train"])
     return sum(d in train for d in seen["val"] + seen["test"]), "by content"
-
-
-def _rows_of(ranges: Any) -> np.ndarray:
-    return np.concatenate([np.arange(a, b) for a, b in ranges] or [[]]).astype(np.int64)
 
 
 def _final(run: Run) -> dict[str, Any]:

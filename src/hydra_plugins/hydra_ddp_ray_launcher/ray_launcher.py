@@ -49,7 +49,7 @@ ConfigStore.instance().store(
 class RayLauncher(Launcher):
     def __init__(self, **params: Any) -> None:
         self.params = params
-        self.grace_s = float(params.get("stop_grace_s", 60.0))
+        self.grace_s = float(params["stop_grace_s"])
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
         self.task_function: Optional[TaskFunction] = None
