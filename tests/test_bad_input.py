@@ -479,6 +479,7 @@ def test_cli_refused_resume_is_one_line_exit_2_and_keeps_the_record(
     assert not world["marker"].exists()
 
 
+@pytest.mark.slow
 def test_cli_self_launch_preflight_error_is_one_line_before_any_worker(cwd: Path) -> None:
     """dist.nproc_per_node=2 with an unknown trainer.monitor: the launching process refuses the
     job once (not once per worker), exit 2, and nothing is trained or written."""

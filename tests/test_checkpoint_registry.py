@@ -57,6 +57,7 @@ def test_a_declared_member_is_saved_and_restored_on_2_ranks(tmp_path: Path) -> N
         }
 
 
+@pytest.mark.slow
 def test_a_member_missing_from_the_checkpoint_starts_fresh_or_is_refused(tmp_path: Path) -> None:
     from helpers.inproc import train_ranks
 

@@ -100,6 +100,7 @@ def test_a_live_holder_refuses_and_a_killed_one_is_taken_over_at_once(
     assert "taking over" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_joined_worker_keeps_the_dir_after_its_launcher_dies_a_forked_child_does_not(
     tmp_path: Path, capsys
 ) -> None:

@@ -32,6 +32,7 @@ def _restore_hook(env, cfg, run, path: str) -> dict:
     return {"before": before, **to_cpu(hook.state_dict())}
 
 
+@pytest.mark.slow
 def test_powersgd_state_survives_a_resume(tmp_path: Path) -> None:
     from helpers import ranks
 

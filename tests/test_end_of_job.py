@@ -149,9 +149,10 @@ def test_torchrun_fsdp2_text_gpt_ending_on_a_checkpoint_step_exits_0(tmp_path: P
 
 @pytest.mark.parametrize(
     "old_left",
-    [True, pytest.param(False, marks=pytest.mark.slow)],
+    [True, False],
     ids=["old_best_left", "old_best_deleted"],
 )
+@pytest.mark.slow
 def test_a_kill_inside_the_best_swap_loses_no_best(tmp_path: Path, old_left: bool) -> None:
     """A kill while best.dcp is being replaced (the old folder moved aside, or already deleted,
     the new one whole under its temporary name): `hydra_ddp.eval ckpt=best` evaluates the new

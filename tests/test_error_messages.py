@@ -85,6 +85,7 @@ class _UsesOne(torch.nn.Module):
         return self.parts["used"](x)
 
 
+@pytest.mark.slow
 def test_ddp_unused_parameters(tmp_path):
     (text,) = ranks.run(_unused, world_size=1)
     assert "Expected to have finished reduction" in text

@@ -90,6 +90,7 @@ def test_init_from_that_is_not_a_checkpoint_says_so_for_init_from(
         assert "not a torch.save archive" in line and "(101)" not in line, line
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_past_the_file_size_limit_says_file_too_large(tmp_path: Path) -> None:
     """Previously: `[enforce fail at inline_container.cc...]`, never "file too large". The
     limit (`ulimit -f`) is set in a child process, so this one keeps its own."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import FAST
 from helpers.inproc import train_ranks
@@ -18,6 +19,7 @@ COMMON = [*FAST, "ddp=fsdp2", "trainer.ckpt_interval=2", "trainer.log_interval=1
           "scheduler=constant", "scheduler.warmup_steps=0"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_an_fsdp2_resume_applies_changed_optim_settings(tmp_path: Path) -> None:
     train_ranks(tmp_path, *COMMON, "trainer.max_steps=2")
     resumed = train_ranks(

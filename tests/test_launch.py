@@ -76,6 +76,7 @@ def sweep_dir(root: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_launch_single_node_script_builds_the_torchrun_command(tmp_path: Path) -> None:
     script = REPO / "scripts" / "launch_single_node.sh"
     env = user_env(tmp_path, DRY_RUN="1", PYTHON=sys.executable)

@@ -144,6 +144,7 @@ def test_padded_text_kept_per_row_or_padded_to_the_longest(tmp_path: Path, world
         assert (padded[i, row.shape[0] :] == -100).all()
 
 
+@pytest.mark.slow
 def test_an_error_while_predicting_names_the_rank_and_the_cause(mlp_runs, caplog) -> None:
     with caplog.at_level(logging.ERROR), isolated(), pytest.raises(SystemExit) as stopped:
         main([f"run={mlp_runs['dict']}", "predict=true", "predict_key=nope"])

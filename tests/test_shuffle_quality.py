@@ -1,6 +1,6 @@
 """Statistical quality of the samplers' shuffled orders, against ``torch.randperm``.
 
-The issue: with 4 Feistel rounds the order was measurably non-random. Reproduction and
+With 4 Feistel rounds the order is measurably non-random. Reproduction and
 before/after (``python tests/test_shuffle_quality.py``; sampler seed 0 through
 ``StridedSampler(n, 0, 1, ...).indices(epoch)`` for epochs 0..E-1, i.e. the real per-epoch
 key schedule; ``torch.randperm`` with a generator seeded 0; z against the random-permutation
@@ -64,13 +64,16 @@ import torch
 from hydra_ddp.data import sampling
 from hydra_ddp.data.sampling import FeistelPermutation, ShardedSampler, StridedSampler
 
+# Seconds of statistics over thousands of epochs, for a part that seldom changes: CI runs them
+# (pytest -m slow); test_sampling.py keeps the quick checks of the orders in the default suite.
+pytestmark = pytest.mark.slow
 Z_MAX = 4.5
 # Epochs per size in the tests: enough that 4 rounds fail every adjacency check by a wide
 # margin (z >= 11), few enough for a few seconds in all.
 EPOCHS = {64: 16_000, 4096: 1_000, 65536: 200}
 # torch.randperm(65536) costs ~8 ms, so the control uses fewer epochs there.
 RANDPERM_EPOCHS = {64: 16_000, 4096: 1_000, 65536: 50}
-# The printed table (python tests/test_shuffle_quality.py): the issue's 20,000 epochs at n = 64.
+# The printed table (python tests/test_shuffle_quality.py): 20,000 epochs at n = 64.
 TABLE_EPOCHS = {64: 20_000, 1000: 2_000, 4096: 1_000, 65536: 300}
 _BLOCK = 1 << 18  # elements per vectorised block of epochs
 _CHI_BINS = 64
@@ -209,7 +212,7 @@ def test_position_uniformity(n: int) -> None:
 
 
 def test_first_two_rows_adjacency() -> None:
-    # The issue's reproduction: 4.7 % against 3.1 % with 4 rounds.
+    # With 4 rounds: 4.7 % against 3.1 %.
     stats = _stats("strided", 64)
     assert abs(stats["first_two_adjacent"].z) < Z_MAX, _report(stats)
 

@@ -425,6 +425,7 @@ def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> N
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow
 def test_a_fifo_in_the_sweep_dir_is_refused_in_one_line(tmp_path: Path) -> None:
     """A FIFO at the sweep's journal or at Hydra's own multirun.yaml: previously the sweep
     blocked for ever (opening a FIFO waits for a reader), holding the sweep dir's claim. Now
@@ -631,6 +632,7 @@ def test_api_compose_finds_the_sweep_plugins_in_a_fresh_process(tmp_path: Path) 
     assert done.stdout.strip() == "val/acc"
 
 
+@pytest.mark.slow
 def test_the_memory_plan_command_finds_the_sweep_plugins_in_a_fresh_process(tmp_path: Path) -> None:
     """`python -m hydra_ddp.plan` composes as `api.compose` does: the same overrides as training,
     sweep plugins included."""

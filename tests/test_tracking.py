@@ -192,6 +192,7 @@ def test_shared_layout_offline_fails_on_every_rank(tmp_path: Path) -> None:
     assert not (out / "wandb").exists() and not _runs(out)
 
 
+@pytest.mark.slow
 def test_backend_none_writes_jsonl_only(tmp_path: Path) -> None:
     """In fresh processes: with logger=none (no logger.sink) nothing imports W&B."""
     out = tmp_path / "out"
@@ -577,6 +578,7 @@ def _train_rank(env: DistEnv, cfg, run) -> dict:
     return train(cfg, env, run)
 
 
+@pytest.mark.slow
 def test_wandb_init_failing_on_rank_0_stops_every_rank_at_once(tmp_path: Path) -> None:
     """The gather layout starts W&B on rank 0 only: its failure reaches the other rank through
     one small collective, so both stop with W&B's reason instead of rank 1 waiting

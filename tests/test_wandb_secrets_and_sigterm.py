@@ -58,6 +58,7 @@ def _train(env, cfg, run_info):
     return train(cfg, env, run_info)
 
 
+@pytest.mark.slow
 def test_a_sigterm_stopped_run_finishes_non_zero_and_fresh_ids_are_new(tmp_path: Path) -> None:
     out = tmp_path / "run"
     wandb_env = {"WANDB_MODE": "offline", "WANDB_DIR": None}
