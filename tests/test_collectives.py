@@ -201,6 +201,41 @@ def test_monitor_ranks_take_rank0s_decision() -> None:
     assert done[0] == done[1] == want
 
 
+def test_under_torchrun_the_agents_closing_signal_after_the_checkpoint_kills_no_rank(
+    monkeypatch,
+) -> None:
+    """A stopped rank whose peers exit first gets SIGTERM from torch's agent closing the job,
+    seconds after the signal it stopped on. Once its checkpoint is written that is no second
+    request to stop at once (which killed it, exit -15, so torchrun failed the job): it is
+    ignored until the rank exits. Before the checkpoint a repeat still stops at once."""
+    from hydra_ddp.distributed import preemption
+
+    monkeypatch.setattr(preemption, "_REPEAT_WINDOW_S", 0.0)  # every repeat is a second request
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    forced: list[int] = []
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: forced.append(signum))
+        stopper = StopOnSignal(DistEnv()).start()
+        signal.raise_signal(signal.SIGTERM)
+        assert stopper.agreed() == signal.SIGTERM
+        stopper.saved()
+        time.sleep(0.01)
+        signal.raise_signal(signal.SIGTERM)  # the agent closing the job
+        assert forced == [] and stopper.signals == [signal.SIGTERM]
+        stopper.restore()  # the loop is left; the process exits with 128 + SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: forced.append(signum))
+        stopper = StopOnSignal(DistEnv()).start()
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.01)
+        signal.raise_signal(signal.SIGTERM)  # a second request before the checkpoint
+        assert forced == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
 def test_every_signal_is_remembered_and_each_earlier_handler_runs_after_the_checkpoint() -> None:
     """A site's SIGTERM, then submitit's SIGUSR2: the stop happens on the first, and both
     earlier handlers run after the checkpoint (submitit requeues on its USR2 even when TERM came

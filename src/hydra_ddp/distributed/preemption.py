@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.errors import Stopped
-from hydra_ddp.launcher_env import STOP_SIGNALS
+from hydra_ddp.launcher_env import STOP_SIGNALS, torchrun_worker
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class StopOnSignal:
         self._last_check = time.monotonic()
         self._boundaries = 0  # boundaries since the last check
         self._checked = False
+        self._saved = False  # the stop's checkpoint is written, under torch's agent
 
     def start(self) -> StopOnSignal:
         self._last_check = time.monotonic()
@@ -114,6 +115,8 @@ class StopOnSignal:
         return self
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._saved:
+            return
         now = time.monotonic()
         if signum in self.signals and now - self._when > _REPEAT_WINDOW_S:
             # The same request twice: give the signal back its earlier meaning and deliver it
@@ -155,6 +158,13 @@ class StopOnSignal:
         self._countdown = interval - 1
         return agreed
 
+    def saved(self) -> None:
+        """The stop's checkpoint is written. Under torch's agent, a rank whose peers exit first
+        gets SIGTERM from the agent closing the job: no second request to stop at once, which
+        would kill it before its W&B run is closed and turn the job's exit status into a failure.
+        Until it exits it ignores the stop signals (the agent kills it should its exit hang)."""
+        self._saved = torchrun_worker()
+
     def chain(self) -> None:
         """After the checkpoint: run the earlier Python handler of every signal received, in
         order, e.g. submitit's, which requeues the SLURM job."""
@@ -165,6 +175,8 @@ class StopOnSignal:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
+            if self._saved:  # this worker is on its way out (saved())
+                handler = signal.SIG_IGN
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
 

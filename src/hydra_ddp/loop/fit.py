@@ -246,6 +246,7 @@ def _stop(loop: Loop, signum: int) -> None:
     let an earlier handler of the signal run (submitit's requeue), and leave."""
     loop.stats.close()
     loop.checkpointer.save()  # collective
+    loop.stopper.saved()
     loop.tracker.close(preempted=signum)
     message = stop_message(signum, loop.pos.step, loop.job.total_steps, loop.job.run)
     stopped = Preempted(signum, message)
