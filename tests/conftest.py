@@ -186,3 +186,21 @@ def _rank_workers():
     for child in multiprocessing.active_children():
         child.kill()
         child.join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_left_as_found():
+    """A test that leaves a stop signal's handler changed fails, and the handler is put back.
+    A disposition set to "ignore" is inherited by every process the later tests start: a batch
+    script started by a later test could then no longer trap SLURM's USR1."""
+    import signal
+
+    from hydra_ddp.launcher_env import STOP_SIGNALS
+
+    sigs = [getattr(signal, name) for name in STOP_SIGNALS]
+    before = {sig: signal.getsignal(sig) for sig in sigs}
+    yield
+    changed = [sig.name for sig in sigs if signal.getsignal(sig) is not before[sig]]
+    for sig in sigs:
+        signal.signal(sig, before[sig])
+    assert not changed, f"the test left the handlers of {', '.join(changed)} changed"

@@ -213,7 +213,8 @@ def test_under_torchrun_the_agents_closing_signal_after_the_checkpoint_kills_no_
     monkeypatch.setattr(preemption, "_REPEAT_WINDOW_S", 0.0)  # every repeat is a second request
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     forced: list[int] = []
-    saved = signal.getsignal(signal.SIGTERM)
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {sig: signal.getsignal(sig) for sig in stop_signals}
     try:
         signal.signal(signal.SIGTERM, lambda signum, frame: forced.append(signum))
         stopper = StopOnSignal(DistEnv()).start()
@@ -233,7 +234,10 @@ def test_under_torchrun_the_agents_closing_signal_after_the_checkpoint_kills_no_
         signal.raise_signal(signal.SIGTERM)  # a second request before the checkpoint
         assert forced == [signal.SIGTERM]
     finally:
-        signal.signal(signal.SIGTERM, saved)
+        # restore() left every stop signal ignored, as a worker on its way out wants; this
+        # process (pytest) goes on, and its later child processes would inherit "ignore".
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def test_every_signal_is_remembered_and_each_earlier_handler_runs_after_the_checkpoint() -> None:
