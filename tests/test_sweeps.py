@@ -795,7 +795,10 @@ def test_a_submitit_task_gets_its_cpu_share_of_threads(monkeypatch: pytest.Monke
     from hydra_ddp.distributed import share_cpus_in_submitit_task
 
     before = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # Set, then deleted: monkeypatch records a variable only when it exists, and the function
+    # under test sets OMP_NUM_THREADS itself; without the record it would outlive this test.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     try:
