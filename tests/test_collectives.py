@@ -22,6 +22,7 @@ from hydra_ddp.config import MonitorMode, TrainerConfig
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.distributed.preemption import StopOnSignal
 from hydra_ddp.errors import UserError
+from hydra_ddp.launcher_env import STOP_SIGNALS
 from hydra_ddp.loop.evaluation import Monitor
 from hydra_ddp.loop.scoring import evaluate
 from hydra_ddp.metrics import Accuracy, MeanSquaredError
@@ -213,8 +214,7 @@ def test_under_torchrun_the_agents_closing_signal_after_the_checkpoint_kills_no_
     monkeypatch.setattr(preemption, "_REPEAT_WINDOW_S", 0.0)  # every repeat is a second request
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     forced: list[int] = []
-    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-    saved = {sig: signal.getsignal(sig) for sig in stop_signals}
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in STOP_SIGNALS)}
     try:
         signal.signal(signal.SIGTERM, lambda signum, frame: forced.append(signum))
         stopper = StopOnSignal(DistEnv()).start()
