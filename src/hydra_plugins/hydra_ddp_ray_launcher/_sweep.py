@@ -29,9 +29,6 @@ from hydra_plugins.hydra_ddp_ray_launcher import _task
 
 log = logging.getLogger(__name__)
 
-# How often the sweep looks at its jobs (and at a stop request).
-_POLL_S = 0.5
-
 
 @dataclass
 class RayJob:
@@ -88,7 +85,6 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], first: int) ->
     return [returns[j.num] for j in jobs]
 
 
-# Keys that do nothing, kept so that a command line that sets them still runs, with a warning.
 _IGNORED_KEYS = {
     "warm_start": "every job starts as a fresh interpreter",
     "warm_idle_s": "no process outlives the sweep",
@@ -233,7 +229,7 @@ def _wait(launcher: Any, jobs: list[RayJob]) -> dict[int, JobReturn]:
     cancelled_at: float | None = None
     grace, stop = launcher.grace_s, launcher.stop
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+        done, pending = ray.wait(pending, num_returns=1, timeout=_task.POLL_S)
         for ref in done:
             job = by_ref[ref]
             returns[job.num] = _result(ref, job)

@@ -21,8 +21,8 @@ from hydra_ddp.launcher_env import JOB_STARTED_ENV
 
 # Ray's own workers' variables; a job's process is not one (its `breakpoint()` would call Ray's).
 _RAY_WORKER_ENV = ("RAY_JOB_ID", "RAY_RAYLET_PID", "RAY_CLIENT_MODE", "RAY_LD_PRELOAD_ON_WORKERS")
-# How often a task looks at the sweep's stop request.
-_POLL_S = 0.5
+# How often a task, and the sweep's wait for its jobs, look at a stop request.
+POLL_S = 0.5
 # What a task returns when the sweep stopped before its job started.
 NOT_STARTED = "not started: the sweep was stopped"
 
@@ -58,7 +58,7 @@ def run(spec: bytes, env: dict[str, str], cwd: str, grace_s: float, stop_file: s
     ended = threading.Event()
     threading.Thread(target=lambda: (proc.wait(), ended.set()), daemon=True).start()
     try:
-        while not ended.wait(_POLL_S):
+        while not ended.wait(POLL_S):
             if os.path.exists(stop_file):
                 _stop(proc, grace_s)
     except KeyboardInterrupt:  # Ray's cancel, where it reaches a running task
