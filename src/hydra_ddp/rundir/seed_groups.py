@@ -1,10 +1,5 @@
-"""Seed groups of a sweep: jobs whose swept overrides differ only in the seed.
-
-With `trainer.seed=range(3) optim.lr=1e-3,3e-3`, one run per learning rate would rank the
-luckiest seed. Each configuration is a group: n, mean, std, min, max and a 95 % Student's t
-interval of its objective and `val_*` metrics, ranked by mean; and whether the best group is
-distinguishable from the next (Welch's t-test, a paired one over the same seeds) with the seeds
-per group a two-sample t-test would need at the spread seen.
+"""Seed groups of a sweep: jobs whose swept overrides differ only in the seed, each group's
+statistics and the comparison of the best two (what each figure means: docs/sweeps.md, "Seeds").
 """
 
 from __future__ import annotations

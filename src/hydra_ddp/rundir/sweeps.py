@@ -84,11 +84,8 @@ def sweep_failed() -> bool:
 
 
 class SweepReport(Callback):
-    """At the end of a multirun, a table of every job (swept overrides, status, objective with
-    the best marked, validation metrics, a failed job's why and logs) in the log and in
-    <sweep dir>/sweep_report.json. Jobs are found from the journal (a line as each starts and
-    ends, in whatever process) and from their dirs. `seed_keys`: the keys whose values are
-    seeds (hydra.callbacks.sweep_report.seed_keys); a sweep over one is reported by group too."""
+    """At the end of a multirun, the report (docs/sweeps.md, "The report") in the log and in
+    <sweep dir>/sweep_report.json. `seed_keys`: hydra.callbacks.sweep_report.seed_keys."""
 
     def __init__(self, seed_keys: Sequence[str] = ()) -> None:
         self.seed_keys = [str(k) for k in seed_keys]
