@@ -134,7 +134,6 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok.weight
-        self.n_layer = n_layer
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -143,10 +142,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 # GPT-2's scaled init of the residual projections keeps activations bounded.
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.n_layer))
-        for m in self.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.reset_parameters()
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * len(self.blocks)))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -154,6 +150,8 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+        if isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -57,7 +57,6 @@ class Rows(Dataset):
                 f"Rows: {len(self.xs)} x segments, {len(self.ys)} y segments and "
                 f"{len(self.origins)} origins; pass one of each per segment"
             )
-        first = self.origins[0] if self.origins else None
         for x, y, o in zip(self.xs, self.ys, self.origins):
             if len(x) != len(y):
                 raise UserError(
@@ -67,8 +66,8 @@ class Rows(Dataset):
             # A batch spanning segments is gathered into one array of the first segment's
             # dtype and shape: a segment that differs would be cast or fail mid-training.
             for arr, ref, name, ref_name in (
-                (x, self.xs[0], o.x, first.x),
-                (y, self.ys[0], o.y, first.y),
+                (x, self.xs[0], o.x, self.origins[0].x),
+                (y, self.ys[0], o.y, self.origins[0].y),
             ):
                 if arr.dtype != ref.dtype or arr.shape[1:] != ref.shape[1:]:
                     raise UserError(

@@ -261,7 +261,6 @@ def rank_epoch(
 
 
 def rows_in(ranges: Ranges) -> np.ndarray:
-    """The row numbers of half-open `ranges`, in order (int64)."""
     parts = [np.arange(a, b, dtype=np.int64) for a, b in ranges]
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 

@@ -64,7 +64,6 @@ def _mix64_inplace(z: np.ndarray) -> np.ndarray:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int; a ValueError naming ``name`` if it is not an int >= minimum."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     value = int(value)

@@ -215,8 +215,7 @@ class CharText(DataSource):
         codes, tokens = np.unique(
             np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), return_inverse=True
         )
-        chars = [chr(c) for c in codes]
-        tokens = tokens.astype(np.uint8 if len(chars) <= 256 else np.int32)
+        tokens = tokens.astype(np.uint8 if len(codes) <= 256 else np.int32)
         n = len(tokens)
         n_test, n_val = int(n * test_fraction), int(n * val_fraction)
         bounds = {
@@ -234,8 +233,8 @@ class CharText(DataSource):
                     f"data.block_size={block_size} is longer than the {s} split "
                     f"({len(stream)} characters): lower data.block_size"
                 )
-        self.spec = {"vocab_size": len(chars), "block_size": block_size}
-        self.chars = "".join(chars)
+        self.spec = {"vocab_size": len(codes), "block_size": block_size}
+        self.chars = "".join(map(chr, codes))
 
     origin_unit = "characters"
 
@@ -291,7 +290,7 @@ class SyntheticArrays(DataSource):
                 f"{manifest} is not a valid manifest ({e!r}): recreate it with "
                 f"`python scripts/make_synthetic.py --out {path}`"
             ) from e
-        self.features, self.classes = features, classes
+        self.features = features
         self.spec = {"in_features": features, "out_features": classes}
         # Every shard's header (np.load with mmap_mode reads only that): a wrong shape or dtype
         # fails here, in the launching process, naming the file.
@@ -355,7 +354,7 @@ class SyntheticArrays(DataSource):
     def load(self, split: str, ranges: Ranges | None) -> Rows:
         files = self.files[split]
         ranges = ranges if ranges is not None else [(0, self.num_rows(split))]
-        starts = np.cumsum([0] + [int(f["rows"]) for f in files])
+        starts = np.cumsum([0] + self.file_rows(split))
         xs, ys, origins = [], [], []
         # A global range may cross file boundaries: cut it into one piece per file.
         for a, b in ranges:

@@ -35,7 +35,6 @@ class TrainData:
         self.batch_size = batch_size
         self.policy = build_policy(sampler, seed)
         check_sampling(source, self.policy, env.world_size, batch_size)
-        self._epoch: int | None = None
         self._view(0)
         if len(self.sampler) == 0:
             raise UserError(
@@ -165,10 +164,6 @@ class EvenBatches:
         self.held = counts[rank]
         self.batches = boundaries(counts, batch_size)
         self.padded = [tuple(start >= c for c in counts) for start, _ in self.batches]
-        self.rank = rank
-
-    def is_padding(self, i: int) -> bool:
-        return self.padded[i][self.rank]
 
     def positions(self, i: int) -> np.ndarray:
         """Local row positions of batch i (of its real rows; none for a padded batch)."""
@@ -179,8 +174,8 @@ class EvenBatches:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        for i, (start, stop) in enumerate(self.batches):
-            if not self.is_padding(i):
+        for start, stop in self.batches:
+            if start < self.held:
                 yield self.indices[start:stop]
             elif self.held:  # the rank's own rows again, as many as the batch needs
                 yield self.indices[np.arange(stop - start) % self.held]

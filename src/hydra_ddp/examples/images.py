@@ -10,21 +10,14 @@ from torch.utils.data import Dataset
 from hydra_ddp.data import split_digits
 
 
-class RandomCropFlip:
+def random_crop_flip(image: torch.Tensor, pad: int = 1) -> torch.Tensor:
     """Pad by `pad` pixels, crop a random window of the original size, flip left-right with
     probability 1/2. Per item, from torch's global RNG (seeded per DataLoader worker)."""
-
-    def __init__(self, pad: int = 1, flip: bool = True) -> None:
-        self.pad, self.flip = pad, flip
-
-    def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        _, h, w = image.shape
-        padded = torch.nn.functional.pad(image, [self.pad] * 4)
-        top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
-        image = padded[:, top : top + h, left : left + w]
-        if self.flip and torch.rand(()) < 0.5:
-            image = image.flip(-1)
-        return image
+    _, h, w = image.shape
+    padded = torch.nn.functional.pad(image, [pad] * 4)
+    top, left = torch.randint(0, 2 * pad + 1, (2,)).tolist()
+    image = padded[:, top : top + h, left : left + w]
+    return image.flip(-1) if torch.rand(()) < 0.5 else image
 
 
 class DigitImages(Dataset):
@@ -42,11 +35,11 @@ class DigitImages(Dataset):
         x, y, rows = split_digits(val_fraction, test_fraction, split_seed)
         self.images = torch.from_numpy(x[rows[split]]).view(-1, 1, 8, 8)
         self.labels = torch.from_numpy(y[rows[split]])
-        self.transform = RandomCropFlip() if augment else None
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.images[i]
-        return (self.transform(image) if self.transform else image), self.labels[i]
+        return (random_crop_flip(image) if self.augment else image), self.labels[i]
