@@ -56,14 +56,11 @@ class PeakMeter:
         if device.type != "cuda":  # from the first step on: its heap is the window's too
             _map_large_blocks(True)
 
-    def saving(
-        self, model: torch.nn.Module, rows: int, micro_batches: int
-    ) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def saving(self, model: torch.nn.Module, rows: int, micro_batches: int) -> Iterator[None]:
         """Around the step that opens the window: count what autograd saves for the backward,
         each storage once and not the parameters' (under fsdp2 the ones a unit gathered), per
         micro-batch of `rows` (each micro-batch's backward frees what its forward saved)."""
-        if self.steps != 1:
-            return contextlib.nullcontext()
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -73,14 +70,13 @@ class PeakMeter:
                 saved[id(storage)] = storage.nbytes()
             return t
 
-        @contextlib.contextmanager
-        def counting() -> Iterator[None]:
-            with saved_tensors_hooks(pack, lambda t: t):
-                yield
-            self.rows = rows
-            self.activations = sum(saved.values()) // max(micro_batches, 1)
-
-        return counting()
+        if self.steps != 1:
+            yield
+            return
+        with saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.rows = rows
+        self.activations = sum(saved.values()) // max(micro_batches, 1)
 
     def step(self, held: Callable[[], int]) -> None:
         """After each training step; `held()`: the bytes held at the window's start."""

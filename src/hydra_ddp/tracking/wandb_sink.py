@@ -155,8 +155,7 @@ class WandbSink(Sink):
         config = redact.config(info.config)
         if info.swept:  # a sweep's job: W&B groups the sweep's runs by these keys
             config["swept"] = info.swept
-        out = Path(info.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        out = Path(info.output_dir)  # made with the stats files, before this sink
         # W&B records sys.argv as the run's command: the same, with secrets blanked.
         argv, sys.argv = sys.argv, [sys.argv[0], *redact.overrides(sys.argv[1:])]
         try:
