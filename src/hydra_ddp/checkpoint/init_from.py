@@ -205,7 +205,7 @@ def plan(
         theirs.setdefault(rename(name, init_map or {}), name)
     pairs = {k: theirs[k] for k in mine if k in theirs and weights.shapes[theirs[k]] == mine[k]}
     reshaped = [
-        f"{k} ({_shape(weights.shapes[theirs[k]])} in the file, {_shape(mine[k])} here)"
+        f"{k} ({list(weights.shapes[theirs[k]])} in the file, {list(mine[k])} here)"
         for k in mine
         if k in theirs and k not in pairs
     ]
@@ -305,10 +305,6 @@ def _tied(model: torch.nn.Module) -> list[list[str]]:
     for name, tensor in named_tensors:
         groups.setdefault(id(tensor), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
-
-
-def _shape(shape: torch.Size) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
 
 
 def _first(names: list[str]) -> str:
