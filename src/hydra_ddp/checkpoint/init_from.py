@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import warnings
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -154,9 +153,7 @@ def _from_checkpoint(path: Path, key: str) -> Weights:
 
 
 def _tensors(obj: dict) -> dict[str, torch.Tensor]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return {k: v for k, v in obj.items() if isinstance(k, str) and torch.is_tensor(v)}
+    return {k: v for k, v in obj.items() if isinstance(k, str) and torch.is_tensor(v)}
 
 
 # ---- the model ----
