@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import warnings
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -154,9 +153,7 @@ def _from_checkpoint(path: Path, key: str) -> Weights:
 
 
 def _tensors(obj: dict) -> dict[str, torch.Tensor]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return {k: v for k, v in obj.items() if isinstance(k, str) and torch.is_tensor(v)}
+    return {k: v for k, v in obj.items() if isinstance(k, str) and torch.is_tensor(v)}
 
 
 # ---- the model ----
@@ -205,7 +202,7 @@ def plan(
         theirs.setdefault(rename(name, init_map or {}), name)
     pairs = {k: theirs[k] for k in mine if k in theirs and weights.shapes[theirs[k]] == mine[k]}
     reshaped = [
-        f"{k} ({_shape(weights.shapes[theirs[k]])} in the file, {_shape(mine[k])} here)"
+        f"{k} ({list(weights.shapes[theirs[k]])} in the file, {list(mine[k])} here)"
         for k in mine
         if k in theirs and k not in pairs
     ]
@@ -305,10 +302,6 @@ def _tied(model: torch.nn.Module) -> list[list[str]]:
     for name, tensor in named_tensors:
         groups.setdefault(id(tensor), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
-
-
-def _shape(shape: torch.Size) -> str:
-    return "[" + ", ".join(map(str, shape)) + "]"
 
 
 def _first(names: list[str]) -> str:

@@ -151,11 +151,7 @@ def named(value: str, key: str) -> Path:
         if found is None:
             raise refuse(f"{key}={value}: the directory holds no complete checkpoint", key)
         return found
-    if not is_sharded(path):
-        check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
-    if not path.exists():
-        raise refuse(f"{key}={value}: no such file", key)
-    check_whole(path, key)
+    check_whole(path, key, missing=f"{key}={value}: no such file")
     return path
 
 
@@ -231,8 +227,13 @@ def crc32(path: Path) -> int:
     return crc
 
 
-def check_whole(path: Path, key: str) -> None:
-    """Refuse, in one line naming `key`, a checkpoint that is empty or not whole."""
+def check_whole(path: Path, key: str, missing: str = "") -> None:
+    """Refuse, in one line naming `key`, a checkpoint that is no regular file or folder, missing
+    (`missing` says how), empty, or not whole."""
+    if not path.is_dir():
+        check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
+    if not path.exists():  # picked, then rotated away by a run in its dir (trainer.keep_ckpts)
+        raise refuse(missing or f"{path} was removed before it could be read", key)
     if path.is_file() and path.stat().st_size == 0:
         raise refuse(f"{path} is empty (a checkpoint whose write never completed?)", key)
     why = why_not_whole(path)
@@ -268,9 +269,6 @@ def load(path: Path, key: str = "trainer.resume") -> dict[str, Any]:
 def read_archive(path: Path, key: str, mmap: bool = False) -> Any:
     """What a torch.save file holds, read with `torch.load(weights_only=True)`."""
     path = Path(path)
-    check_regular(path, "checkpoint", f"point {key} at a checkpoint file")
-    if not path.exists():  # picked, then rotated away by a run in its dir (trainer.keep_ckpts)
-        raise refuse(f"{path} was removed before it could be read", key)
     check_whole(path, key)
     try:
         with warnings.catch_warnings():

@@ -194,19 +194,15 @@ DEFAULT_MEMBERS: tuple[Member, ...] = (
 def members(extra: Iterable[Member] = ()) -> list[Member]:
     """A job's members: the defaults, then `extra` (the user's) in order; one named as a default
     replaces it, where the default loads."""
-    table = list(DEFAULT_MEMBERS)
+    table = {m.name: m for m in DEFAULT_MEMBERS}  # a name given again keeps its place
     for member in extra:
         if not isinstance(member, Member):
             raise UserError(
                 f"checkpoint_members() gave {member!r}: return "
                 "hydra_ddp.checkpoint.state.Member objects"
             )
-        names = [m.name for m in table]
-        if member.name in names:
-            table[names.index(member.name)] = member
-        else:
-            table.append(member)
-    return table
+        table[member.name] = member
+    return list(table.values())
 
 
 _LOADING: ContextVar[Path | None] = ContextVar("checkpoint_loading", default=None)
