@@ -124,6 +124,7 @@ def _other_world(plan: CheckPlan, b: Run) -> Run | str:
     from hydra_ddp import checkpoint
     from hydra_ddp.components import build
     from hydra_ddp.data import check_sampling, epoch_rows
+    from hydra_ddp.data.policies import train_file_rows
 
     cfg = plan.cfg
     world, rows = (1 if plan.world > 1 else 2), cfg.trainer.batch_size * plan.world
@@ -138,8 +139,7 @@ def _other_world(plan: CheckPlan, b: Run) -> Run | str:
         resume_from = runs.quoted(checkpoint.latest(b.dir))
         return runs.train_run(plan, "other_world", f"trainer.batch_size={rows // world}",
                           f"trainer.resume={resume_from}", world=world)  # fmt: skip
-    n = source.num_rows("train")
-    files = source.file_rows("train") if hasattr(source, "file_rows") else [n]
+    n, files = source.num_rows("train"), train_file_rows(source)
     old = epoch_rows.Setup(settings, plan.world, cfg.trainer.batch_size)
     new = epoch_rows.Setup(settings, world, rows // world)
     epoch, done = divmod(plan.stop_step * cfg.trainer.grad_accum,
