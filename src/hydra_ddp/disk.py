@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import IO, Any
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, first_line
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -135,8 +135,7 @@ def why_write_failed(e: BaseException, folder: Path | None = None) -> tuple[int 
             return errno.ENOSPC, os.strerror(errno.ENOSPC)
     except OSError:
         pass
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return None, lines[0][:200] if lines else type(e).__name__
+    return None, first_line(e)
 
 
 def remove_quietly(path: Path) -> None:
