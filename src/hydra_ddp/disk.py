@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,8 +35,6 @@ def write_advice(code: int | None) -> str:
 def check_regular(path: Path, what: str, fix: str) -> None:
     """Refuse `path` in one line unless it is a regular file (or missing: the caller says
     that)."""
-    import stat
-
     try:
         mode = Path(path).stat().st_mode
     except OSError:

@@ -14,12 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from hydra_ddp import checkpoint
+from hydra_ddp.batches import BatchLoss, to_device
 from hydra_ddp.check import probe
 from hydra_ddp.check.runs import CheckPlan, Run, stopped_at
 from hydra_ddp.components import build
+from hydra_ddp.config import COMM_HOOKS, Precision
 from hydra_ddp.data import SPLITS
 from hydra_ddp.data.policies import build_policy, rank_epoch, rows_in, train_file_rows
-from hydra_ddp.ddp_config import COMM_HOOKS
+from hydra_ddp.step import StepTools, autocast_for, scaler_for
 
 
 @dataclass
@@ -225,10 +228,6 @@ def first_difference(a: Run, b: Run, k: int) -> tuple[int, int, Any, Any] | None
 def gradient_sync(plan: CheckPlan, a: Run) -> Result:
     """Step 1's DDP gradient (after the all-reduce, before clipping) against the same step in
     one process: each rank's rows with that rank's RNG state (its dropout draws), averaged."""
-    from hydra_ddp.batches import BatchLoss, to_device
-    from hydra_ddp.config import Precision
-    from hydra_ddp.step import StepTools, autocast_for, scaler_for
-
     cfg = plan.cfg
     if cfg.step is not None or cfg.ddp.meta_init:
         return skip("a step of your own (step._target_) or ddp.meta_init: the reference here is "
@@ -343,8 +342,6 @@ def _held_out_trained(source: Any) -> tuple[int, str]:
 
 
 def _final(run: Run) -> dict[str, Any]:
-    from hydra_ddp import checkpoint
-
     path = checkpoint.latest(run.dir)
     return {} if path is None else probe.flat(checkpoint.load(path))
 
