@@ -325,7 +325,7 @@ def step_costs(rounds: int) -> None:
     from hydra_ddp.step import train_step
 
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1
-    env = DistEnv(rank=0, world_size=2, local_world_size=2)
+    env = DistEnv(rank=0, world_size=2)
     source = Digits(val_fraction=0.15, test_fraction=0.15, split_seed=0)
 
     def minimal_batches():

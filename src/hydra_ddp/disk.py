@@ -12,10 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import IO, Any
 
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, first_line
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -34,8 +35,6 @@ def write_advice(code: int | None) -> str:
 def check_regular(path: Path, what: str, fix: str) -> None:
     """Refuse `path` in one line unless it is a regular file (or missing: the caller says
     that)."""
-    import stat
-
     try:
         mode = Path(path).stat().st_mode
     except OSError:
@@ -135,8 +134,7 @@ def why_write_failed(e: BaseException, folder: Path | None = None) -> tuple[int 
             return errno.ENOSPC, os.strerror(errno.ENOSPC)
     except OSError:
         pass
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return None, lines[0][:200] if lines else type(e).__name__
+    return None, first_line(e)
 
 
 def remove_quietly(path: Path) -> None:

@@ -122,7 +122,6 @@ def _run_task(rank: int, world_size: int, task: _Task) -> tuple[str, Any, str]:
             rank=rank,
             local_rank=rank,
             world_size=world_size,
-            local_world_size=world_size,
             launched=True,
         )
         try:

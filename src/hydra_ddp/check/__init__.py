@@ -17,10 +17,16 @@ from pathlib import Path
 
 import torch
 
+from hydra_ddp import checkpoint
 from hydra_ddp.check import checks, runs
 from hydra_ddp.check.checks import Result
 from hydra_ddp.check.runs import CheckPlan, Run
+from hydra_ddp.components import build
+from hydra_ddp.data import check_sampling, epoch_rows
+from hydra_ddp.data.policies import train_file_rows
 from hydra_ddp.errors import UserError, first_line
+from hydra_ddp.launch.command import compose_typed
+from hydra_ddp.launcher_env import under_launcher
 
 # The checks in the table's order: the name --only and --skip take -> the row's title.
 CHECKS = {
@@ -121,10 +127,6 @@ def _other_world(plan: CheckPlan, b: Run) -> Run | str:
     """B resumed on 1 rank (2 if the job has 1) with the same global batch where the sampler
     policy then continues the epoch exactly; else why not, with the rows it would read twice
     or skip as the sampler counts them."""
-    from hydra_ddp import checkpoint
-    from hydra_ddp.components import build
-    from hydra_ddp.data import check_sampling, epoch_rows
-
     cfg = plan.cfg
     world, rows = (1 if plan.world > 1 else 2), cfg.trainer.batch_size * plan.world
     if rows % world or checks.on_gpu(plan) and world > torch.cuda.device_count():
@@ -138,8 +140,7 @@ def _other_world(plan: CheckPlan, b: Run) -> Run | str:
         resume_from = runs.quoted(checkpoint.latest(b.dir))
         return runs.train_run(plan, "other_world", f"trainer.batch_size={rows // world}",
                           f"trainer.resume={resume_from}", world=world)  # fmt: skip
-    n = source.num_rows("train")
-    files = source.file_rows("train") if hasattr(source, "file_rows") else [n]
+    n, files = source.num_rows("train"), train_file_rows(source)
     old = epoch_rows.Setup(settings, plan.world, cfg.trainer.batch_size)
     new = epoch_rows.Setup(settings, world, rows // world)
     epoch, done = divmod(plan.stop_step * cfg.trainer.grad_accum,
@@ -184,9 +185,6 @@ def _wanted(only: str | None, skip: str | None) -> list[str]:
 def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> CheckPlan:
     """The user's config, composed, typed and checked as training would, and where the runs go:
     hydra.run.dir if given (new or empty), else a temporary dir."""
-    from hydra_ddp.launch.command import compose_typed
-    from hydra_ddp.launcher_env import under_launcher
-
     if under_launcher():
         raise UserError("the check starts its own ranks: run it as a plain command")
     if args.steps < 2:

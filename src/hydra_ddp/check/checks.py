@@ -14,14 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hydra_ddp.check.compare import close, differences, flat, leaves, max_diff, relative, same
-from hydra_ddp.check.probe import row_digests
+from hydra_ddp import checkpoint
+from hydra_ddp.batches import BatchLoss, to_device
+from hydra_ddp.check import probe
 from hydra_ddp.check.runs import CheckPlan, Run, stopped_at
 from hydra_ddp.components import build
+from hydra_ddp.config import COMM_HOOKS, Precision
+from hydra_ddp.data import SPLITS
 from hydra_ddp.data.policies import build_policy, rank_epoch, rows_in, train_file_rows
-from hydra_ddp.ddp_config import COMM_HOOKS
-
-SPLITS = ("train", "val", "test")
+from hydra_ddp.step import StepTools, autocast_for, scaler_for
 
 
 @dataclass
@@ -104,9 +105,9 @@ def resume_equivalence(plan: CheckPlan, a: Run, b: Run, c: Run | None, other: Ru
                     f"step {k}: a plain attribute no checkpoint holds; make it a buffer "
                     "(register_buffer) or save it with checkpoint_members()"
                 )
-            if not close(got["loss"], ref["loss"], tol):
+            if not probe.close(got["loss"], ref["loss"], tol):
                 first_loss = min(first_loss or step, step)
-    members = differences(_final(a), _final(c), tol)
+    members = probe.differences(_final(a), _final(c), tol)
     mine = [m for m in members if ".callbacks." in f".{m}"]  # per-rank ones: rng[r].callbacks
     named = re.search(r"callbacks\.([^.]+)", mine[0])[1] if mine else ""
     callback = mine and (
@@ -219,7 +220,7 @@ def first_difference(a: Run, b: Run, k: int) -> tuple[int, int, Any, Any] | None
         for rank, records in a.records.items():
             x = records.get(step, {}).get("loss")
             y = b.records.get(rank, {}).get(step, {}).get("loss")
-            if x is None or y is None or not close(x, y, 0.0):
+            if x is None or y is None or not probe.close(x, y, 0.0):
                 return step, rank, x, y
     return None
 
@@ -227,10 +228,6 @@ def first_difference(a: Run, b: Run, k: int) -> tuple[int, int, Any, Any] | None
 def gradient_sync(plan: CheckPlan, a: Run) -> Result:
     """Step 1's DDP gradient (after the all-reduce, before clipping) against the same step in
     one process: each rank's rows with that rank's RNG state (its dropout draws), averaged."""
-    from hydra_ddp.batches import BatchLoss, to_device
-    from hydra_ddp.config import Precision
-    from hydra_ddp.step import StepTools, autocast_for, scaler_for
-
     cfg = plan.cfg
     if cfg.step is not None or cfg.ddp.meta_init:
         return skip("a step of your own (step._target_) or ddp.meta_init: the reference here is "
@@ -264,12 +261,12 @@ def gradient_sync(plan: CheckPlan, a: Run) -> Result:
         return verdict(f"{len(unused)} of {len(trainable)} parameters get no gradient", (
             f"{_few(unused)} never get a gradient: use them in forward, drop them, or set "
             "ddp.find_unused_parameters=true (ddp=unused_params)"))  # fmt: skip
-    apart = [n for g in synced[1:] for n in trainable if not same(g.get(n), synced[0].get(n))]
+    apart = [n for g in synced[1:] for n in trainable if not probe.same(g.get(n), synced[0].get(n))]
     if apart:
         return verdict(f"{len(apart)} gradients differ between ranks", (
             f"after the all-reduce the ranks hold other gradients ({_few(apart)}): a comm hook "
             "of yours (ddp.comm_hook), or a step that skips the sync (no_sync)"))  # fmt: skip
-    errors = {n: relative(synced[0].get(n), ref) for n, ref in reference.items()}
+    errors = {n: probe.relative(synced[0].get(n), ref) for n, ref in reference.items()}
     worst = max(errors, key=errors.get, default="")
     tol, why = _grad_tolerance(plan)
     measured = f"relative difference {errors.get(worst, 0):.2g} (tolerance {tol:g}: {why})"
@@ -311,12 +308,13 @@ def checkpoint_round_trip(plan: CheckPlan, a: Run, e: Run | None) -> Result:
     saved = a.load("predictions_val.pt")
     if saved is None or e is None or e.failed():
         return broken(a if saved is None or e is None else e)
-    diff = max_diff(saved, torch.load(a.dir / "predictions_val.pt", weights_only=False))
-    scale = 1 + max((float(t.abs().max()) for t in leaves(saved) if t.numel()), default=0)
+    diff = probe.max_diff(saved, torch.load(a.dir / "predictions_val.pt", weights_only=False))
+    outputs = probe.leaves(saved)
+    scale = 1 + max((float(t.abs().max()) for t in outputs if t.numel()), default=0)
     first, last = (a.records.get(0, {}).get(s, {}).get("attrs", {}) for s in (1, plan.steps))
     changed = [f"model.{key}" for key in first if last.get(key) != first[key]]
     return verdict(
-        f"{len(leaves(saved)[0])} val rows, max |diff| {diff:.3g} (hydra_ddp.eval, new process)",
+        f"{len(outputs[0])} val rows, max |diff| {diff:.3g} (hydra_ddp.eval, new process)",
         diff > max(tolerance(plan), 1e-6) * scale and (
             "the last checkpoint, loaded by hydra_ddp.eval, gives other outputs than the model at "
             "save time: state its state_dict does not hold"
@@ -336,16 +334,16 @@ def _held_out_trained(source: Any) -> tuple[int, str]:
         return int(np.isin(held, rows_in(parts["train"])).sum()), "by origin(split)"
     if getattr(source, "per_item", False):
         return 0, "not checked: the source has no origin(split)"
-    seen = {s: row_digests(d[np.arange(len(d))]) for s in SPLITS for d in [source.load(s, None)]}
+    seen = {
+        s: probe.row_digests(d[np.arange(len(d))]) for s in SPLITS for d in [source.load(s, None)]
+    }
     train = set(seen["train"])
     return sum(d in train for d in seen["val"] + seen["test"]), "by content"
 
 
 def _final(run: Run) -> dict[str, Any]:
-    from hydra_ddp import checkpoint
-
     path = checkpoint.latest(run.dir)
-    return {} if path is None else flat(checkpoint.load(path))
+    return {} if path is None else probe.flat(checkpoint.load(path))
 
 
 def _few(names: list[str], count: int = 3) -> str:

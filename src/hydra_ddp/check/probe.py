@@ -1,17 +1,20 @@
 """The callback the checker adds to each of its runs (docs/check.md says what it records),
 writing into the checker's dir; it has no `state_dict`: no checkpoint holds anything of it.
+Then comparing what two runs left: checkpoints entry by entry, tensors and numbers exactly or
+within a tolerance `tol` relative to one plus their magnitude.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +24,7 @@ from hydra_ddp.batches import to_device
 from hydra_ddp.config import Precision
 from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv
+from hydra_ddp.distributed.fsdp import full
 
 # Steps this long make the ranks look for a stop signal at every boundary, so the stop lands
 # on the step asked for.
@@ -86,7 +90,7 @@ class Probe:
 
 def row_digests(batch: Any) -> list[str]:
     """A short digest of each row of `batch` (every tensor with its row dimension)."""
-    tensors = list(_tensors(batch))
+    tensors = leaves(batch)
     rows = next((t.shape[0] for t in tensors if t.dim()), 0)
     parts = [t.detach().cpu().contiguous().reshape(rows, -1).view(torch.uint8).numpy()
              for t in tensors if t.dim() and t.shape[0] == rows and t.numel()]  # fmt: skip
@@ -126,17 +130,57 @@ def disagreement(model: torch.nn.Module) -> dict[str, float]:
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A detached CPU copy; a DTensor (ddp=fsdp2) gathered whole (`# collective`)."""
-    full = getattr(tensor, "full_tensor", None)
-    return (full() if callable(full) else tensor).detach().cpu().clone()
+    return full(tensor).detach().cpu().clone()
 
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (Mapping, list, tuple)):
-        for value in batch.values() if isinstance(batch, Mapping) else batch:
-            yield from _tensors(value)
+def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A checkpoint's entries by path (`optimizer.state.0.exp_avg`, `rng[1].torch`)."""
+    if isinstance(value, Mapping):
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return {prefix: value}
+    return {key: v for name, item in items for key, v in flat(item, name).items()}
+
+
+def differences(a: dict[str, Any], b: dict[str, Any], tol: float) -> list[str]:
+    return [k for k in sorted(a.keys() | b.keys()) if not same(a.get(k), b.get(k), tol)]
+
+
+def same(x: Any, y: Any, tol: float = 0.0) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        if tol == 0 or not x.is_floating_point() or x.shape != y.shape:
+            return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        return max_diff(x, y) <= tol * (1 + float(x.abs().max()))
+    if isinstance(x, float) and isinstance(y, float):
+        return close(x, y, tol)
+    return type(x) is type(y) and x == y
+
+
+def close(x: float, y: float, tol: float) -> bool:
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    return abs(x - y) <= tol * (1 + abs(x))
+
+
+def relative(got: torch.Tensor | None, ref: torch.Tensor) -> float:
+    if got is None:
+        return math.inf
+    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def max_diff(x: Any, y: Any) -> float:
+    xs, ys = leaves(x), leaves(y)
+    if [t.shape for t in xs] != [t.shape for t in ys]:
+        return math.inf
+    return max((float((p.double() - q.double()).abs().max()) for p, q in zip(xs, ys)
+                if p.numel()), default=0.0)  # fmt: skip
+
+
+def leaves(value: Any) -> list[torch.Tensor]:
+    return [v for v in flat(value).values() if isinstance(v, torch.Tensor)]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hydra_ddp.config import TrainConfig
 
 PROBE = "hydra_ddp_check"  # the probe's name under `callbacks`
@@ -55,8 +57,6 @@ class Run:
 
     def load(self, name: str) -> Any:
         """A tensor file the probe wrote, or None."""
-        import torch
-
         path = self.rec / name
         return torch.load(path, weights_only=False) if path.is_file() else None
 

@@ -12,16 +12,8 @@ from hydra_ddp.distributed.env import DistEnv
 from hydra_ddp.errors import UserError
 
 
-# Numbers go through tensor collectives, not all_gather_object: under NCCL that would pickle,
+# Numbers go through a tensor collective, not all_gather_object: under NCCL that would pickle,
 # copy to the device and back, and add a size exchange before every gather.
-def all_reduce_sum(values: list[float], env: DistEnv) -> list[float]:
-    """Sum a few numbers over all ranks (float64, so counts stay exact)."""
-    t = torch.tensor(values, dtype=torch.float64, device=env.device)
-    if env.distributed:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 def all_gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
     """Every rank's `values` (same length on all ranks), indexed by rank."""
     if not env.distributed:

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hydra_ddp.config import DDPConfig, Wrapper
@@ -108,7 +109,6 @@ def sync_buffers(modules: Iterable[torch.nn.Module], env: DistEnv) -> None:
     within its mesh, a sharded one (each rank's own part) left alone."""
     if not env.distributed:
         return
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
     for module in modules:

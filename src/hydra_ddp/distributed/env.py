@@ -24,7 +24,6 @@ class DistEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    local_world_size: int = 1
     device: torch.device = torch.device("cpu")
     # A launcher (torchrun, the elastic agent, SLURM) started this process: it gets a process
     # group and a DDP wrap even when it is the only rank, so one GPU runs the same code as 64.
@@ -70,12 +69,10 @@ def env_from_environ(cfg: DistConfig) -> DistEnv:
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return DistEnv(
         rank=rank,
         local_rank=local_rank,
         world_size=world,
-        local_world_size=local_world,
         device=_pick_device(cfg, local_rank),
         launched=True,
     )

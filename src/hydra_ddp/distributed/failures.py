@@ -9,6 +9,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import traceback
 from pathlib import Path
 from typing import Iterator
@@ -203,8 +204,6 @@ def worker_failed(
 
 def _exit_reason(code: int) -> str:
     if code < 0:
-        import signal
-
         try:
             name = signal.Signals(-code).name
         except ValueError:

@@ -172,14 +172,7 @@ def state_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimiz
     """This rank's bytes of parameters + gradients + optimizer state (local shards only).
     Gradients are counted at the size they take during a step (one per trainable parameter,
     sharded like it): between steps they are freed."""
-    params = [local(p) for p in reshard(model).parameters()]
-    total = sum(p.numel() * p.element_size() for p in params)
-    total += sum(
-        local(p).numel() * local(p).element_size() for p in model.parameters() if p.requires_grad
-    )
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    total += local(value).numel() * local(value).element_size()
-    return int(total)
+    params = list(reshard(model).parameters())
+    tensors = params + [p for p in params if p.requires_grad]  # again: its gradient
+    tensors += [v for o in optimizers for state in o.state.values() for v in state.values()]
+    return sum(local(t).nbytes for t in tensors if torch.is_tensor(t))
