@@ -14,8 +14,7 @@ from hydra_ddp.batches import IGNORE_INDEX
 
 
 class Metric:
-    """A base with defaults: `gathers` off, and `compute` the first total over the second (a
-    sum over a count)."""
+    """A base with the default `gathers`."""
 
     gathers = False  # True: sums() gathers every rank's rows
 
@@ -25,7 +24,7 @@ class Metric:
         raise NotImplementedError
 
     def compute(self, totals: list[float]) -> float:
-        return totals[0] / max(totals[1], 1)
+        raise NotImplementedError
 
 
 def _count(target: torch.Tensor) -> torch.Tensor:
@@ -49,6 +48,9 @@ class Accuracy(Metric):
         right = ((logits_of(output).argmax(-1) == target) & valid).sum()
         return torch.stack([right.double(), valid.sum().double()])
 
+    def compute(self, totals: list[float]) -> float:
+        return totals[0] / max(totals[1], 1)
+
 
 class Perplexity(Metric):
     """exp of the mean next-token negative log-likelihood (without label smoothing), over the
@@ -66,20 +68,23 @@ class Perplexity(Metric):
         return torch.stack([nll.double(), valid.double()])
 
     def compute(self, totals: list[float]) -> float:
-        return math.exp(min(super().compute(totals), 700.0))
+        return math.exp(min(totals[0] / max(totals[1], 1), 700.0))
 
 
 class BitsPerToken(Perplexity):
     """Mean negative log-likelihood in bits: bits per character on a character-level corpus."""
 
     def compute(self, totals: list[float]) -> float:
-        return Metric.compute(self, totals) / math.log(2)
+        return totals[0] / max(totals[1], 1) / math.log(2)
 
 
 class MeanSquaredError(Metric):
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         err = (output.double() - target.double().view_as(output)) ** 2
         return torch.stack([err.sum(), _count(target)])
+
+    def compute(self, totals: list[float]) -> float:
+        return totals[0] / max(totals[1], 1)
 
 
 class R2Score(Metric):
