@@ -181,6 +181,21 @@ def test_checkpoints_that_is_a_file_fails_before_training(tmp_path: Path) -> Non
     assert (run_dir / "checkpoints").read_text() == "not a folder\n"
 
 
+def test_a_killed_writers_half_written_checkpoints_go_at_the_next_save(tmp_path: Path) -> None:
+    """A rank 0 killed while writing a step checkpoint or best.pt leaves its temporary file (as
+    large as a checkpoint); the next run's first save removes both, and nothing else."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    dead_pid = 2**22 + 1  # above Linux's pid_max: no live writer has it
+    left = [folder / f".step_00000002.pt.{dead_pid}.tmp", folder / f".best.pt.{dead_pid}.tmp"]
+    for p in left:
+        p.write_bytes(b"half a checkpoint")
+    (folder / "notes.txt").write_text("mine\n")
+    checkpoint.save({"model": {}, "step": 4}, tmp_path, 4, keep=3)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "step_00000004.pt"]
+    assert checkpoint.load(folder / "step_00000004.pt")["step"] == 4
+
+
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO)
     run_dir = tmp_path / "run"

@@ -31,7 +31,8 @@ from hydra_ddp.errors import UserError
 
 log = logging.getLogger(__name__)
 
-_TMP = re.compile(r"^\.step_\d{8}\.pt\.(\d+)\.tmp$")
+# What `save` and `keep_as_best` write before the rename, with the writer's pid.
+_TMP = re.compile(r"^\.(?:step_\d{8}|best)\.pt\.(\d+)\.tmp$")
 
 
 class Checkpointer:
