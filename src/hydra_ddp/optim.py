@@ -25,20 +25,19 @@ def param_groups(model: torch.nn.Module, groups: Sequence[Mapping[str, Any]] = (
     Each of `groups` (`{params: pattern(s), **settings}`) first takes the parameters whose names
     match, with its settings."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return _grouped(named, groups, "optim.param_groups")
+    return _grouped(named, groups, "optim.param_groups", [])
 
 
 def _grouped(
     named: list[tuple[str, torch.Tensor]],
     groups: Sequence[Mapping[str, Any]],
     key: str,
-    labels: list[str] | None = None,
+    labels: list[str],
 ) -> list[dict]:
-    """The optimizer's `params`; `labels`, when given, gets each group's name in the logged
-    learning rates: the index of its `param_groups` entry, or `rest` for the parameters in none
-    (the decay split of one entry shares its label)."""
+    """The optimizer's `params`; `labels` gets each group's name in the logged learning rates:
+    the index of its `param_groups` entry, or `rest` for the parameters in none (the decay split
+    of one entry shares its label)."""
     out: list[dict] = []
-    labels = [] if labels is None else labels
     left = list(named)
     for i, group in enumerate(groups):
         settings = {k: v for k, v in group.items() if k != "params"}
