@@ -61,7 +61,7 @@ class Loop:
     stopper: StopOnSignal
     profiler: profile | None  # trainer.profile_steps
     ctx: Context
-    meter: PeakMeter | None = None  # this rank's peak memory, from fit's start
+    meter: PeakMeter  # this rank's peak memory, over a window of fit's first steps
 
 
 def build_loop(
@@ -104,6 +104,7 @@ def build_loop(
         tracker=tracker, health=NonFiniteCheck(env, tcfg.nan_policy),
         stopper=StopOnSignal(env, cfg.dist.timeout_s),
         profiler=profiler,
+        meter=PeakMeter(env.device, memory.window_steps(cfg, env.device)),
         ctx=Context(env.rank, env.world_size, model, run.output_dir, _sink=tracker.log_values),
     )  # fmt: skip
     scope.callback(loop.stopper.restore)  # the signal handlers as they were before
@@ -123,7 +124,6 @@ def fit(loop: Loop) -> float:
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
-    loop.meter = PeakMeter(env.device, memory.window_steps(job.cfg, env.device))
     held = functools.partial(held_bytes, loop.raw_model, components.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
@@ -223,11 +223,11 @@ def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
     val, test = loop.evaluator.finish(pos)  # collective
     summary = _summary(loop, start_step, wall, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
-    if loop.meter is not None:  # the memory plan, checked by this run
-        planned = memory.of_this_run(
-            job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
-        )
-        summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
+    # The memory plan, checked by this run.
+    planned = memory.of_this_run(
+        job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
+    )
+    summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     if env.is_main:
         jsonfile.write(run.output_dir / "summary.json", json_safe(summary))
