@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hydra_ddp.batches import to_device
 from hydra_ddp.components import build
-from hydra_ddp.config import COMM_HOOKS, DType, Precision, TrainConfig, Wrapper
+from hydra_ddp.config import COMM_HOOKS, DType, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
@@ -127,9 +127,9 @@ def plan_memory(
     """One rank's plan under `wrapper` on `world_size` ranks (wrapped when more than one), at
     trainer.batch_size, on `device` (cpu or cuda)."""
     (b1, a1), (b2, a2) = sorted(counted.activations.items())
-    half = cfg.trainer.precision in (Precision.bf16, Precision.fp16)
-    if wrapper == Wrapper.fsdp2:
-        half = half or cfg.ddp.param_dtype in _HALF
+    half = cfg.trainer.precision in _HALF or (
+        wrapper == Wrapper.fsdp2 and cfg.ddp.param_dtype in _HALF
+    )
     scale = 0.5 if half else 1.0  # 16-bit autocast: the saved floats take half the bytes
     wrapped = world_size > 1
     shard = world_size if wrapper == Wrapper.fsdp2 and wrapped else 1
