@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hydra_ddp.batches import to_device
 from hydra_ddp.components import build
-from hydra_ddp.config import COMM_HOOKS, DType, Precision, TrainConfig, Wrapper
+from hydra_ddp.config import COMM_HOOKS, DType, TrainConfig, Wrapper
 from hydra_ddp.data import DataSource, TrainData
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
@@ -111,7 +111,7 @@ def count(cfg: TrainConfig, source: DataSource) -> Counted:
     the CPU for a model of up to `_CPU_LIMIT` bytes, else on the meta device, and on the CPU
     after all when the model cannot run on the meta device."""
     with torch.device("meta"):
-        size = sum(_nbytes(p) for p in build(cfg.model, "model", **source.spec).parameters())
+        size = sum(p.nbytes for p in build(cfg.model, "model", **source.spec).parameters())
     if size <= _CPU_LIMIT:
         return _count(cfg, source, torch.device("cpu"))
     try:
@@ -127,9 +127,9 @@ def plan_memory(
     """One rank's plan under `wrapper` on `world_size` ranks (wrapped when more than one), at
     trainer.batch_size, on `device` (cpu or cuda)."""
     (b1, a1), (b2, a2) = sorted(counted.activations.items())
-    half = cfg.trainer.precision in (Precision.bf16, Precision.fp16)
-    if wrapper == Wrapper.fsdp2:
-        half = half or cfg.ddp.param_dtype in _HALF
+    half = cfg.trainer.precision in _HALF or (
+        wrapper == Wrapper.fsdp2 and cfg.ddp.param_dtype in _HALF
+    )
     scale = 0.5 if half else 1.0  # 16-bit autocast: the saved floats take half the bytes
     wrapped = world_size > 1
     shard = world_size if wrapper == Wrapper.fsdp2 and wrapped else 1
@@ -198,18 +198,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
                 components.step_fn(tools, model, [batch], components.loss, optimizers)
             acts[rows] = sum(saved.values())
     units = find_units(model, cfg.ddp)
-    unit_bytes = [_own_bytes(unit, units) for _, unit in units]
-    return Counted(
-        params=sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())),
-        values=sum(p.numel() for p in model.parameters()),
-        trainable=sum(_nbytes(p) for p in model.parameters() if p.requires_grad),
-        optimizer=sum(_state_bytes(o) for o in optimizers.values()),
-        root_unit=sum(_nbytes(p) for p in model.parameters()) - sum(unit_bytes),
-        units=unit_bytes,
-        activations=acts,
-        where=device.type,
-        hook_state=powersgd_bytes([*model.parameters()], cfg),
-    )
+    return _held(model, optimizers.values(), units, cfg, device.type, activations=acts)
 
 
 def _unfused(optim: Any) -> Any:
@@ -223,23 +212,36 @@ def _unfused(optim: Any) -> Any:
     }
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _held(
+    model: torch.nn.Module,
+    optimizers: Any,
+    units: list[tuple[str, torch.nn.Module]],
+    cfg: TrainConfig,
+    where: str,
+    activations: dict[int, int],
+) -> Counted:
+    """What `model` and `optimizers` hold on this rank (a DTensor's local shard), the `units`
+    (fsdp2's) and the root counted whole."""
+    params = [*model.parameters()]
+    unit_bytes = [_own_bytes(unit, units) for _, unit in units]
+    states = [v for o in optimizers for s in o.state.values() for v in s.values()]
+    return Counted(
+        params=sum(local(t).nbytes for t in (*params, *model.buffers())),
+        values=sum(p.numel() for p in params),
+        trainable=sum(local(p).nbytes for p in params if p.requires_grad),
+        optimizer=sum(local(v).nbytes for v in states if torch.is_tensor(v)),
+        root_unit=sum(p.nbytes for p in params) - sum(unit_bytes),
+        units=unit_bytes,
+        activations=activations,
+        where=where,
+        hook_state=powersgd_bytes(params, cfg),
+    )
 
 
 def _own_bytes(unit: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> int:
     """A unit's parameters that no unit inside it holds."""
     inner = {id(p) for _, u in units if u is not unit for p in u.parameters()}
-    return sum(_nbytes(p) for p in unit.parameters() if id(p) not in inner)
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        _nbytes(local(v))
-        for s in optimizer.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
-    )
+    return sum(p.nbytes for p in unit.parameters() if id(p) not in inner)
 
 
 def of_this_run(
@@ -252,21 +254,9 @@ def of_this_run(
     if meter.activations is None:
         return None
     try:
-        params = [*model.parameters()]
         # The units as fully_shard made them (their classes renamed FSDP<name>), if it did.
         units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
-        unit_bytes = [_own_bytes(unit, units) for _, unit in units]
-        held = Counted(
-            params=sum(_nbytes(local(t)) for t in (*params, *model.buffers())),
-            values=0,
-            trainable=sum(_nbytes(local(p)) for p in params if p.requires_grad),
-            optimizer=sum(_state_bytes(o) for o in optimizers),
-            root_unit=sum(_nbytes(p) for p in params) - sum(unit_bytes),
-            units=unit_bytes,
-            activations={},
-            where="run",
-            hook_state=powersgd_bytes(params, cfg),
-        )
+        held = _held(model, optimizers, units, cfg, "run", activations={})
         return _plan(
             held, cfg, env.world_size, cfg.ddp.wrapper, env.device.type, env.distributed, 1,
             cfg.trainer.batch_size, meter.activations, meter.activations / max(meter.rows, 1),
@@ -329,7 +319,7 @@ def powersgd_bytes(parameters: list[torch.Tensor], cfg: TrainConfig) -> int:
     if found is None:
         return 0
     grads = [p for p in parameters if p.requires_grad]
-    errors = sum(_nbytes(p) for p in grads)
+    errors = sum(p.nbytes for p in grads)
     factors = 0
     for p in grads:
         n = p.shape[0] if p.dim() else 1

@@ -25,20 +25,19 @@ def param_groups(model: torch.nn.Module, groups: Sequence[Mapping[str, Any]] = (
     Each of `groups` (`{params: pattern(s), **settings}`) first takes the parameters whose names
     match, with its settings."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return _grouped(named, groups, "optim.param_groups")
+    return _grouped(named, groups, "optim.param_groups", [])
 
 
 def _grouped(
     named: list[tuple[str, torch.Tensor]],
     groups: Sequence[Mapping[str, Any]],
     key: str,
-    labels: list[str] | None = None,
+    labels: list[str],
 ) -> list[dict]:
-    """The optimizer's `params`; `labels`, when given, gets each group's name in the logged
-    learning rates: the index of its `param_groups` entry, or `rest` for the parameters in none
-    (the decay split of one entry shares its label)."""
+    """The optimizer's `params`; `labels` gets each group's name in the logged learning rates:
+    the index of its `param_groups` entry, or `rest` for the parameters in none (the decay split
+    of one entry shares its label)."""
     out: list[dict] = []
-    labels = [] if labels is None else labels
     left = list(named)
     for i, group in enumerate(groups):
         settings = {k: v for k, v in group.items() if k != "params"}
@@ -82,7 +81,7 @@ def _match(
     return hit, [(n, p) for n, p in named if not any(fnmatch.fnmatchcase(n, q) for q in pats)]
 
 
-def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> str:
+def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str]) -> str:
     """When a schedule steps: `step`, `epoch`, or `val/<metric>` (after each validation, with
     that metric's value). Takes the template's keys `interval` and `monitor` out of the
     scheduler's config `sched` (the rest builds the schedule), checked."""
@@ -99,13 +98,19 @@ def _timing(sched: dict[str, Any], key: str, metrics: Sequence[str] | None) -> s
             f"{key}: give interval or monitor, not both: a schedule with a monitor steps after "
             "each validation"
         )
+    return f"val/{val_metric(monitor, f'{key}.monitor', metrics)}"
+
+
+def val_metric(monitor: Any, key: str, metrics: Sequence[str]) -> str:
+    """The metric that `monitor` (`val/<name>`, set at `key`) names, one of `metrics`: a name
+    the job does not compute fails before training, not after it."""
     name = str(monitor).removeprefix("val/")
-    if metrics is not None and (not str(monitor).startswith("val/") or name not in metrics):
+    if not str(monitor).startswith("val/") or name not in metrics:
         raise UserError(
-            f"{key}.monitor={monitor} is not a validation metric of this job: use one of "
+            f"{key}={monitor} is not a validation metric of this job: use one of "
             f"{', '.join('val/' + m for m in metrics)} (the loss and the metrics config group)"
         )
-    return f"val/{name}"
+    return name
 
 
 class Optimizers:
@@ -130,9 +135,9 @@ class Optimizers:
     @classmethod
     def build(cls, cfg: Mapping[str, Any], scheduler_cfg: Any, model: torch.nn.Module,
               total_steps: int, total_epochs: int | None = None,
-              metrics: Sequence[str] | None = None) -> Optimizers:  # fmt: skip
+              metrics: Sequence[str] = ("loss",)) -> Optimizers:  # fmt: skip
         """`total_epochs`: an epoch-stepped schedule's `total_steps` (default: total_steps);
-        `metrics`: the validation metrics a `monitor` may name (default: not checked)."""
+        `metrics`: the validation metrics a `monitor` may name (default: the loss)."""
         from hydra_ddp.components import build
 
         labels: dict[str, list[str]] = {}

@@ -27,7 +27,6 @@ from hydra_ddp.tracking.console import Console
 class Components:
     """The user's components, built from their config groups before any process group."""
 
-    source: DataSource
     model: torch.nn.Module
     loss: BatchLoss  # the loss, called as its parameters ask (hydra_ddp/batches.py)
     metrics: dict[str, Any]
@@ -51,7 +50,6 @@ def build_components(cfg: TrainConfig, source: DataSource, device: torch.device,
     else:
         step_fn = getattr(model, "training_step", None) or default_step
     return Components(
-        source=source,
         model=model,
         loss=BatchLoss(build(cfg.loss, "loss", _as_function=True)),
         metrics={name: build(m, f"metrics.{name}") for name, m in cfg.metrics.items()},

@@ -27,13 +27,13 @@ from hydra_ddp.data import EvalData
 from hydra_ddp.distributed import DistEnv, all_gather_objects, process_group, use_device
 from hydra_ddp.distributed.ddp import sync_buffers
 from hydra_ddp.distributed.failures import translated
-from hydra_ddp.errors import UserError
 from hydra_ddp.launcher_env import OPTUNA_STORAGE_ENV as STORAGE_ENV
 from hydra_ddp.launcher_env import OPTUNA_STUDY_ENV as STUDY_ENV
 from hydra_ddp.launcher_env import OPTUNA_TRIAL_ENV as TRIAL_ENV
 from hydra_ddp.loop import PRUNED_ATTR, PRUNER_ATTR
 from hydra_ddp.loop.scoring import evaluate, predict
 from hydra_ddp.metrics import Metric
+from hydra_ddp.optim import val_metric
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.step import autocast_for
 from hydra_ddp.tracking import RunInfo, Tracker
@@ -43,17 +43,8 @@ log = logging.getLogger(__name__)
 
 
 def monitor_key(cfg: TrainConfig) -> str:
-    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`); a
-    name the job does not compute fails before training, not after it."""
-    available = ["loss", *cfg.metrics]
-    key = cfg.trainer.monitor[len("val/") :]
-    if key not in available:
-        raise UserError(
-            f"trainer.monitor={cfg.trainer.monitor} is not a validation metric of this job: "
-            f"use one of {', '.join('val/' + name for name in available)} (the loss and the "
-            "metrics config group)"
-        )
-    return key
+    """The key of the validation metrics that `trainer.monitor` names (`val/acc` -> `acc`)."""
+    return val_metric(cfg.trainer.monitor, "trainer.monitor", ["loss", *cfg.metrics])
 
 
 class Monitor:
@@ -196,11 +187,6 @@ class Evaluator:
         """Every `interval` steps (0: never); the end of the run validates anyway."""
         return bool(self.interval) and step % self.interval == 0 and step < self.total_steps
 
-    @property
-    def stopped(self) -> bool:
-        """Early stopping (or a pruning sweep's pruner) has stopped the run."""
-        return self.monitor.stopped_early
-
     def evaluate(self, split: str) -> dict[str, float]:
         """Collective: the loss and metrics of `split`, exact over all ranks, every rank with
         rank 0's buffers (BatchNorm statistics): those the checkpoint saves."""
@@ -212,7 +198,7 @@ class Evaluator:
         """Collective: validate at `position`; keep its checkpoint as best.pt if the monitor
         improved; stop early after too many evaluations without."""
         val = self.last = self.evaluate("val")
-        self.tracker.log_eval(position.step, {f"val/{k}": v for k, v in val.items()})
+        self.tracker.log_eval(position.step, prefixed("val", val))
         shown = " ".join(f"{k} {v:.4f}" for k, v in val.items())
         self.console.info_main("step %d | val %s", position.step, shown)
         if self.monitor.update(position.step, val, self.env):  # collective
@@ -243,13 +229,13 @@ class Evaluator:
             self.checkpointer.keep_as_best(position.step)
         test = self.evaluate("test")
         self.tracker.log_eval(
-            position.step,
-            {
-                **{f"val/{k}": v for k, v in self.last.items()},
-                **{f"test/{k}": v for k, v in test.items()},
-            },
+            position.step, {**prefixed("val", self.last), **prefixed("test", test)}
         )
         return self.last, test
+
+
+def prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
+    return {f"{split}/{k}": v for k, v in metrics.items()}
 
 
 # --------------------------------------------------------------------------------------------

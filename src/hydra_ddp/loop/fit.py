@@ -28,7 +28,7 @@ from hydra_ddp.config import NanPolicy, TrainerConfig
 from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import state_bytes
 from hydra_ddp.distributed.preemption import Preempted, StopOnSignal, signal_name, stop_message
-from hydra_ddp.loop.evaluation import Evaluator, Pruning
+from hydra_ddp.loop.evaluation import Evaluator, Pruning, prefixed
 from hydra_ddp.loop.position import Position, batches
 from hydra_ddp.loop.wrapping import EMA, Wrapped
 from hydra_ddp.rank_job import RankJob
@@ -61,7 +61,7 @@ class Loop:
     stopper: StopOnSignal
     profiler: profile | None  # trainer.profile_steps
     ctx: Context
-    meter: PeakMeter | None = None  # this rank's peak memory, from fit's start
+    meter: PeakMeter  # this rank's peak memory, over a window of fit's first steps
 
 
 def build_loop(
@@ -87,8 +87,8 @@ def build_loop(
     # This rank's stats: its own file, the console (rank 0) and the tracker's sinks.
     stats = StepStats(
         env=env, tracker=tracker, console=job.console, log_interval=tcfg.log_interval,
-        total_steps=job.total_steps, start_step=pos.step, unit=job.components.source.unit,
-        items_per_row=job.components.source.items_per_row,
+        total_steps=job.total_steps, start_step=pos.step, unit=job.train_data.source.unit,
+        items_per_row=job.train_data.source.items_per_row,
     )  # fmt: skip
     tools = StepTools(
         scaler=objects.scaler, autocast=autocast, max_norm=tcfg.grad_clip,
@@ -104,6 +104,7 @@ def build_loop(
         tracker=tracker, health=NonFiniteCheck(env, tcfg.nan_policy),
         stopper=StopOnSignal(env, cfg.dist.timeout_s),
         profiler=profiler,
+        meter=PeakMeter(env.device, memory.window_steps(cfg, env.device)),
         ctx=Context(env.rank, env.world_size, model, run.output_dir, _sink=tracker.log_values),
     )  # fmt: skip
     scope.callback(loop.stopper.restore)  # the signal handlers as they were before
@@ -123,7 +124,6 @@ def fit(loop: Loop) -> float:
     loop.stopper.start()
     loop.tools.before_step = callbacks.before_step(loop.ctx, lambda: (pos.step + 1, pos.epoch))
     loop.tools.keep_outputs = callbacks.has("on_step_end")  # ctx.outputs
-    loop.meter = PeakMeter(env.device, memory.window_steps(job.cfg, env.device))
     held = functools.partial(held_bytes, loop.raw_model, components.optimizers.optimizers.values())
     while pos.step < job.total_steps:
         signum = loop.stopper.agreed()  # collective
@@ -171,8 +171,8 @@ def fit(loop: Loop) -> float:
         if loop.evaluator.due(pos.step):
             metrics = loop.evaluator.validate(pos)  # collective (+ best.pt)
             components.optimizers.after_validation(metrics)  # scheduler.monitor
-            callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=_prefixed("val", metrics)))
-            if loop.evaluator.stopped:
+            callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=prefixed("val", metrics)))
+            if loop.evaluator.monitor.stopped_early:  # or a pruning sweep's pruner
                 break
         loop.checkpointer.maybe_save()  # collective
     if loop.stats.steps:  # an early stop between two log intervals: its last steps' stats
@@ -214,27 +214,27 @@ def finish_run(loop: Loop, start_step: int, wall: float) -> dict[str, Any]:
             signal_name(loop.stopper.received),
         )
     loop.health.check()  # collective
-    validated = not loop.evaluator.stopped  # else the loop validated this very step
+    validated = not loop.evaluator.monitor.stopped_early  # else the loop validated this very step
     val = loop.evaluator.final_validation(pos)  # collective
     if validated:
-        job.callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=_prefixed("val", val)))
+        job.callbacks("on_eval_end", _context_at(loop.ctx, pos, metrics=prefixed("val", val)))
     # The last checkpoint after the last on_eval_end: it holds the callbacks' final state, so
     # a finished run extended with a larger trainer.max_steps continues their counters.
     val, test = loop.evaluator.finish(pos)  # collective
     summary = _summary(loop, start_step, wall, val, test)  # collective
     summary.update(loop.evaluator.monitor.summary())
-    if loop.meter is not None:  # the memory plan, checked by this run
-        planned = memory.of_this_run(
-            job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
-        )
-        summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
+    # The memory plan, checked by this run.
+    planned = memory.of_this_run(
+        job.cfg, env, loop.raw_model, job.components.optimizers.optimizers.values(), loop.meter
+    )
+    summary.update(memory.memory_summary(planned, env, loop.meter))  # collective
     loop.tracker.summary({k: v for k, v in summary.items() if isinstance(v, (int, float))})
     if env.is_main:
         jsonfile.write(run.output_dir / "summary.json", json_safe(summary))
         # An earlier attempt of this job that failed (a sweep job re-run here) is over.
         (run.output_dir / "failure.json").unlink(missing_ok=True)
     job.console.show_summary(summary, run.output_dir)
-    metrics = {**_prefixed("val", val), **_prefixed("test", test)}
+    metrics = {**prefixed("val", val), **prefixed("test", test)}
     job.callbacks("on_train_end", _context_at(loop.ctx, pos, metrics=metrics))
     # Every rank is past its last collective before rank 0 waits on W&B's uploads.
     loop.tracker.close_all()  # collective
@@ -277,7 +277,7 @@ def _context_at(ctx: Context, pos: Position, **fields_: Any) -> Context:
 def _summary(loop: Loop, start_step: int, wall: float, val: dict, test: dict) -> dict[str, Any]:
     """Collective: the job's summary.json, the same on every rank."""
     job, env, pos, stats = loop.job, loop.env, loop.pos, loop.stats
-    unit = job.components.source.unit
+    unit = job.train_data.source.unit
     # Parameters + gradients + optimizer state each rank holds (ddp=fsdp2: its shards).
     state = state_bytes(job.components.model, job.components.optimizers.optimizers.values())
     data = job.train_data
@@ -310,10 +310,6 @@ def json_safe(summary: dict[str, Any]) -> dict[str, Any]:
     if bad:
         log.warning("not finite, written as null in summary.json: %s", ", ".join(bad))
     return {k: jsonfile.finite_or_none(v) for k, v in summary.items()}
-
-
-def _prefixed(split: str, metrics: dict[str, float]) -> dict[str, float]:
-    return {f"{split}/{k}": v for k, v in metrics.items()}
 
 
 def step_profiler(tcfg: TrainerConfig, env: DistEnv, output_dir: Path) -> profile:
