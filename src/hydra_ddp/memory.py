@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp import FSDPModule
 
 from hydra_ddp.batches import to_device
@@ -32,7 +31,7 @@ from hydra_ddp.distributed import DistEnv, all_gather_floats
 from hydra_ddp.distributed.fsdp import find_units, local
 from hydra_ddp.rank_job import build_components
 from hydra_ddp.step import StepTools
-from hydra_ddp.tracking.peak import PeakMeter
+from hydra_ddp.tracking.peak import PeakMeter, saved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +185,7 @@ def _count(cfg: TrainConfig, source: DataSource, device: torch.device) -> Counte
         for rows in _PROBE_ROWS:
             data = TrainData(source, cfg.sampler, DistEnv(), rows, cfg.sampler_seed, 0)
             batch = to_device(next(iter(data.epoch(0))), device)
-            saved: dict[int, int] = {}
-
-            def pack(t: torch.Tensor, saved: dict = saved) -> torch.Tensor:
-                storage = t.untyped_storage()
-                if id(storage) not in own:
-                    saved[id(storage)] = storage.nbytes()
-                return t
-
-            with saved_tensors_hooks(pack, lambda t: t):
+            with saved_bytes(skip=lambda storage: id(storage) in own) as saved:
                 components.step_fn(tools, model, [batch], components.loss, optimizers)
             acts[rows] = sum(saved.values())
     units = find_units(model, cfg.ddp)

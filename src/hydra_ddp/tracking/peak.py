@@ -20,6 +20,22 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's m
 _cuda_peak: dict[str, int] = {}  # device -> the run's peak before the stats reset it
 
 
+@contextlib.contextmanager
+def saved_bytes(skip: Callable[[torch.UntypedStorage], bool]) -> Iterator[dict[int, int]]:
+    """What autograd saves for the backward inside, each storage once unless `skip`s it:
+    storage id -> bytes."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if not skip(storage):
+            saved[id(storage)] = storage.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
 def keep_cuda_peak(device: torch.device) -> None:
     """Call before resetting CUDA's peak statistics: the run's peak survives the reset."""
     key = str(device)
@@ -61,19 +77,15 @@ class PeakMeter:
         """Around the step that opens the window: count what autograd saves for the backward,
         each storage once and not the parameters' (under fsdp2 the ones a unit gathered), per
         micro-batch of `rows` (each micro-batch's backward frees what its forward saved)."""
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            # The module's parameters as they are now: fsdp2 swaps in the gathered ones.
-            if all(id(local(p).untyped_storage()) != id(storage) for p in model.parameters()):
-                saved[id(storage)] = storage.nbytes()
-            return t
-
         if self.steps != 1:
             yield
             return
-        with saved_tensors_hooks(pack, lambda t: t):
+
+        def parameter(storage: torch.UntypedStorage) -> bool:
+            # The module's parameters as they are now: fsdp2 swaps in the gathered ones.
+            return any(id(local(p).untyped_storage()) == id(storage) for p in model.parameters())
+
+        with saved_bytes(skip=parameter) as saved:
             yield
         self.rows = rows
         self.activations = sum(saved.values()) // max(micro_batches, 1)
