@@ -155,7 +155,8 @@ class WandbSink(Sink):
         config = redact.config(info.config)
         if info.swept:  # a sweep's job: W&B groups the sweep's runs by these keys
             config["swept"] = info.swept
-        out = Path(info.output_dir)  # made with the stats files, before this sink
+        out = Path(info.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
         # W&B records sys.argv as the run's command: the same, with secrets blanked.
         argv, sys.argv = sys.argv, [sys.argv[0], *redact.overrides(sys.argv[1:])]
         try:
