@@ -1,7 +1,9 @@
-"""The callback the checker adds to each of its runs (docs/check.md says what it records),
-writing into the checker's dir; it has no `state_dict`: no checkpoint holds anything of it.
-Then comparing what two runs left: checkpoints entry by entry, tensors and numbers exactly or
-within a tolerance `tol` relative to one plus their magnitude.
+"""What the checker's runs record, and how two records compare.
+
+`Probe` is the callback the checker adds to each of its runs (docs/check.md says what it
+records), writing into the checker's dir; it has no `state_dict`: no checkpoint holds anything
+of it. The functions below it compare what two runs left: checkpoints entry by entry, tensors
+and numbers exactly or within a tolerance `tol` relative to one plus their magnitude.
 """
 
 from __future__ import annotations
