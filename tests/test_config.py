@@ -280,6 +280,8 @@ def test_compose_time_errors(override: str) -> None:
         ("trainer.epochs=0", "trainer.epochs"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("trainer.grad_accum=0", "trainer.grad_accum"),
+        ("trainer.seed=-1", "trainer.seed"),
+        ("trainer.seed=99999999999999999999999", "trainer.seed"),  # torch's seed overflows
         ("trainer.log_interval=0", "trainer.log_interval"),
         ("ddp.bucket_cap_mb=0", "ddp.bucket_cap_mb"),
         ("ddp.bucket_cap_mb=-1", "ddp.bucket_cap_mb"),

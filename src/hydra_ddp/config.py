@@ -124,6 +124,8 @@ class TrainerConfig:
                 "> 0, or -1 to run trainer.epochs",
             ),
             ("epochs", self.epochs > 0, "> 0"),
+            # Every seeded generator here takes it (NumPy's wants >= 0), with room for `+ rank`.
+            ("seed", 0 <= self.seed < 2**31, "in [0, 2**31)"),
             ("batch_size", self.batch_size > 0, "> 0 (samples per rank)"),
             ("grad_accum", self.grad_accum > 0, "> 0"),
             (
