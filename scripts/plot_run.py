@@ -371,6 +371,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     title = str(args.output_dir)
     if len(title) > 60:
         title = "..." + title[-57:]
+    report = read_sweep_report(args.output_dir) if jobs else None
+    if report is not None:
+        # Job dirs an earlier sweep into the same dir left are not this sweep's.
+        listed = {j["job"] for j in report[0]}
+        jobs = {n: r for n, r in jobs.items() if Path(n).name in listed} or jobs
     everything = list(ranks.values()) or [s for job in jobs.values() for s in job.values()]
     written = []
     for stat in [s.strip() for s in args.stats.split(",") if s.strip()]:
@@ -386,7 +391,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             logger.info("no %s in the stats; skipped", stat)
         else:
             written.append(path)
-    report = read_sweep_report(args.output_dir) if jobs else None
     if report is not None:
         sweep_jobs, groups, seed_keys = report
         path = plot_groups_over_steps(args.output_dir, sweep_jobs, groups, out)

@@ -367,6 +367,36 @@ def test_plot_run_draws_a_sweep_by_configuration(
         assert pixels.std() > 0.05, name  # lines and text, not a blank canvas
 
 
+def test_plot_run_draws_only_the_reports_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job dir an earlier sweep left in the same dir has stats too, but is not this sweep's:
+    the per-job lines are the report's jobs only."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import plot_run
+
+    sweep = tmp_path / "sweep"
+    task = ["optim.lr=0.1,0.2"]
+    old = _job(sweep / "earlier", "0_x=1", ["x=1"], {"objective": 0.9})
+    an_hour_ago = time.time() - 3600
+    os.utime(old / ".hydra", (an_hour_ago, an_hour_ago))
+    sweeps.SweepReport().on_multirun_start(_sweep_config(sweep, task))
+    for num, lr in enumerate(("0.1", "0.2")):
+        _job(sweep, f"{num}_optim.lr={lr}", [f"optim.lr={lr}"], {"objective": 0.5})
+    for job in (old, sweep / "0_optim.lr=0.1", sweep / "1_optim.lr=0.2"):
+        (job / "stats").mkdir()
+        (job / "stats" / "rank0.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+    sweeps.SweepReport().on_multirun_end(_sweep_config(sweep, task))
+    drawn: list[list[str]] = []
+    real = plot_run.plot_sweep_stat
+    monkeypatch.setattr(
+        plot_run, "plot_sweep_stat", lambda jobs, *a: drawn.append(list(jobs)) or real(jobs, *a)
+    )
+    assert plot_run.main([str(sweep), "--stats", "loss"]) == 0
+    assert drawn == [["0_optim.lr=0.1", "1_optim.lr=0.2"]]
+    assert (sweep / "plots" / "loss.png").is_file()
+
+
 def test_seeds_needed_is_the_two_sample_t_test_power_calculation() -> None:
     """The textbook figures (Cohen's tables, G*Power): at a difference of d standard deviations,
     two-sided 5 %, 80 % power: 64 per group for d = 0.5, 26 for 0.8, 17 for 1."""
@@ -396,6 +426,112 @@ def test_seed_keys_name_the_seeds_and_a_seedless_sweep_keeps_its_list(tmp_path: 
         ("model.hidden=8", 2, ["1", "2"]), ("model.hidden=16", 2, ["1", "2"])
     ]  # fmt: skip
     assert result["seed_keys"] == ["data.seed"]
+
+
+def test_a_failed_job_is_neither_starred_nor_shown_with_an_earlier_runs_figures(
+    tmp_path: Path, caplog
+) -> None:
+    """Job 4 (seed 2 of the best group) failed in a dir where an earlier run had finished: its
+    row takes nothing from that run's summary.json, it has no star, and its group's figures
+    come from the two seeds left. The two groups then differ in n: the seeds-needed figure
+    pools their spreads by degrees of freedom."""
+    sweep = tmp_path / "sweep"
+    good, bad = [0.50, 0.52, 0.55], [0.60, 0.63, 0.61, 0.66]
+    task = _seed_sweep(sweep, {"0.1": good, "0.2": bad})
+    sweeps.record_failure(sweep / "4_trainer.seed=2,optim.lr=0.1", "RuntimeError: boom")
+    caplog.set_level("INFO")
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
+    result = json.loads((sweep / "sweep_report.json").read_text())
+    failed = next(j for j in result["jobs"] if j["num"] == 4)
+    assert (failed["status"], failed["best"], failed["steps"], failed["metrics"]) == (
+        "FAILED", False, None, {}
+    )  # fmt: skip
+    assert [j["num"] for j in result["jobs"] if j["best"]] == [0, 2]
+    first, second = result["groups"]
+    assert (first["group"], first["n"], first["unscored"], second["n"]) == (
+        "optim.lr=0.1", 2, 1, 3
+    )  # fmt: skip
+    pooled = math.sqrt((1 * statistics.variance(good[:2]) + 2 * statistics.variance(bad[:3])) / 3)
+    difference = abs(statistics.mean(good[:2]) - statistics.mean(bad[:3]))
+    assert result["comparison"]["seeds_needed"] == seed_groups.seeds_needed(difference, pooled)
+    row = next(r.getMessage() for r in caplog.records if "4_trainer.seed=2" in r.getMessage())
+    assert not row.lstrip().startswith("*") and "FAILED" in row and "boom" in row
+
+
+def test_two_groups_alike_at_every_seed_say_so_in_the_line_and_the_json(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    task = _seed_sweep(sweep, {"0.1": [0.5, 0.6, 0.7], "0.2": [0.5, 0.6, 0.7]})
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
+    compared = json.loads((sweep / "sweep_report.json").read_text())["comparison"]
+    assert compared["test"] == "paired t-test" and compared["paired_p"] is None
+    assert compared["distinguishable"] is False
+    line = seed_groups.comparison_line({**compared, "paired_p": math.nan})
+    assert "paired t-test over the same seeds p undefined (no difference)" in line, line
+    assert "nan" not in line
+
+
+def test_jobs_that_monitor_different_metrics_are_listed_not_ranked(tmp_path: Path, caplog) -> None:
+    """`trainer.monitor=val/loss,val/acc`: a loss and an accuracy are no one objective."""
+    sweep = tmp_path / "sweep"
+    task = ["trainer.seed=0,1", "trainer.monitor=val/loss,val/acc"]
+    for num, (seed, monitor) in enumerate([(0, "val/loss"), (0, "val/acc"), (1, "val/loss"),
+                                           (1, "val/acc")]):  # fmt: skip
+        value = 0.3 if monitor == "val/loss" else 0.9
+        _job(sweep, f"{num}_{seed}_{monitor[4:]}", [f"trainer.seed={seed}",
+             f"trainer.monitor={monitor}"], {"objective": value, "monitor": monitor})  # fmt: skip
+    caplog.set_level("INFO")
+    configured_report().on_multirun_end(_sweep_config(sweep, task))
+    jobs = report(sweep)
+    assert isinstance(jobs, list) and not any(j["best"] for j in jobs)
+    assert [j["monitor"] for j in jobs] == ["val/loss", "val/acc"] * 2
+    messages = [r.getMessage() for r in caplog.records]
+    head = next(m for m in messages if m.startswith("sweep done:"))
+    assert "not ranked: the jobs monitor different metrics (val/acc, val/loss)" in head, head
+    assert not any(m.startswith("seed groups") for m in messages)
+    assert "trainer.monitor (per job)" in next(m for m in messages if "status" in m)
+
+
+def test_a_sweep_run_again_in_its_dir_keeps_the_earlier_report(tmp_path: Path) -> None:
+    """The second sweep writes its own report; the first one's, with its journal and swept
+    keys, moves to sweep.before-1/ (and a third run's to sweep.before-2/)."""
+    sweep = tmp_path / "sweep"
+    first = ["trainer.seed=0,1,2", "optim.lr=0.1,0.2", "trainer.max_steps=3"]
+    _seed_sweep(sweep, {"0.1": [0.5, 0.52, 0.55], "0.2": [0.6, 0.63, 0.61]})
+    sweeps.SweepReport(seed_keys=["trainer.seed"]).on_multirun_start(_sweep_config(sweep, first))
+    configured_report().on_multirun_end(_sweep_config(sweep, first))
+    earlier = (sweep / "sweep_report.json").read_text()
+    assert "groups" in json.loads(earlier)
+    for n in (1, 2):
+        an_hour_ago = time.time() - 3600
+        for dump in sweep.glob("*/.hydra"):  # the earlier sweeps' jobs
+            os.utime(dump, (an_hour_ago, an_hour_ago))
+        config = _sweep_config(sweep, [f"optim.lr={n}"])
+        sweeps.SweepReport().on_multirun_start(config)
+        aside = sweep / f"sweep.before-{n}"
+        assert sorted(p.name for p in aside.iterdir()) == [
+            "sweep_jobs.jsonl", "sweep_keys.json", "sweep_report.json"
+        ]  # fmt: skip
+        _job(sweep, f"0_optim.lr={n}", [f"optim.lr={n}"], {"objective": 0.4})
+        sweeps.SweepReport().on_multirun_end(config)
+    assert (sweep / "sweep.before-1" / "sweep_report.json").read_text() == earlier
+    assert [j["job"] for j in report(sweep)] == ["0_optim.lr=2"]
+
+
+def test_a_sweep_jobs_stop_line_says_to_re_run_the_sweep(tmp_path: Path) -> None:
+    """Under -m Hydra ignores hydra.run.dir: a sweep's stopped job says how to resume through
+    its sweep; a single run keeps its hydra.run.dir advice (quoted where Hydra needs it)."""
+    from hydra_ddp.distributed.preemption import stop_message
+    from hydra_ddp.tracking import RunInfo
+
+    job = tmp_path / "multirun" / "0_optim.lr=0.1"
+    alone = RunInfo(output_dir=job, job_name="train", group="g", config={})
+    line = stop_message(2, 47, 400, alone)
+    assert line.startswith("stopped on SIGINT at step 47 of 400 with a checkpoint: re-run the")
+    assert f"re-run the same command with \"hydra.run.dir='{job}'\" to resume" in line
+    swept = RunInfo(job, "0_optim.lr=0.1", "g", {}, sweep_dir=tmp_path / "multirun")
+    line = stop_message(15, 47, 400, swept)
+    assert "hydra.run.dir" not in line, line
+    assert f"re-run the sweep with hydra.sweep.dir={tmp_path / 'multirun'} (each job" in line
 
 
 def test_a_secret_value_with_blanks_or_in_a_printed_dict_is_blanked_whole() -> None:

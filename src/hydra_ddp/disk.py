@@ -143,3 +143,12 @@ def remove_quietly(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def before(path: Path) -> Path:
+    """The first free `<name>.before-<n>` beside `path`: where what an earlier run left there
+    goes (nothing made earlier is deleted or overwritten)."""
+    n = 1
+    while (aside := path.with_name(f"{path.name}.before-{n}")).exists():
+        n += 1
+    return aside

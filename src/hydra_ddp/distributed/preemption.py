@@ -53,13 +53,22 @@ def stop_exit_codes() -> set[int]:
     return {128 + getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)}
 
 
-def run_dir_override(output_dir: object) -> str:
+def run_dir_override(output_dir: object, key: str = "hydra.run.dir") -> str:
     """`hydra.run.dir=<dir>` as it must be typed: quoted when the dir's name holds characters
     of Hydra's override grammar (a sweep job's `0_model=mlp,optim.lr=0.01`)."""
     text = str(output_dir)
     if any(c in text for c in "=,:'\"()[]{} "):
-        return f"\"hydra.run.dir='{text}'\""
-    return f"hydra.run.dir={text}"
+        return f"\"{key}='{text}'\""
+    return f"{key}={text}"
+
+
+def rerun(output_dir: object, sweep_dir: object | None) -> str:
+    """How to run a stopped job again in its dir: a sweep's job through its sweep (under -m,
+    Hydra ignores hydra.run.dir)."""
+    if sweep_dir is not None:
+        where = run_dir_override(sweep_dir, "hydra.sweep.dir")
+        return f"re-run the sweep with {where} (each job continues in its own dir)"
+    return f"re-run the same command with {run_dir_override(output_dir)}"
 
 
 def signal_name(signum: int) -> str:
@@ -69,7 +78,7 @@ def signal_name(signum: int) -> str:
 def stop_message(signum: int, step: int, total_steps: int, run: Any) -> str:
     return (
         f"stopped on {signal_name(signum)} at step {step} of {total_steps} with a checkpoint: "
-        f"re-run the same command with {run_dir_override(run.output_dir)} to resume (a SLURM "
+        f"{rerun(run.output_dir, run.sweep_dir)} to resume (a SLURM "
         "or submitit requeue does so by itself)"
     )
 

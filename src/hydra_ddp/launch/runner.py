@@ -33,7 +33,7 @@ from hydra_ddp.data import check_sampling, check_source
 from hydra_ddp.distributed import comm_hooks
 from hydra_ddp.distributed.env import env_from_environ, share_cpus_in_submitit_task
 from hydra_ddp.distributed.failures import one_line, worker_failed, write_rank_error
-from hydra_ddp.distributed.preemption import Preempted, run_dir_override, signal_name
+from hydra_ddp.distributed.preemption import Preempted, rerun, signal_name
 from hydra_ddp.distributed.torchrun import AGENT_LOGS, drop_stop_notes, stop_status
 from hydra_ddp.errors import UserError, config_error, exit_code
 from hydra_ddp.launch import interrupt
@@ -100,7 +100,8 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
             raise
         interrupt.ignore_more()
         if launcher_rank() == 0:  # said once: before start_rank, other ranks' consoles speak
-            log.warning("%s", stopped_line("stopped on SIGINT", output_dir))
+            sweep_dir = HydraConfig.get().sweep.dir if multirun else None
+            log.warning("%s", stopped_line("stopped on SIGINT", output_dir, sweep_dir))
         sys.exit(interrupt.EXIT_CODE)
     except Exception as e:
         e = config_error(e) or e
@@ -208,7 +209,8 @@ def run_info(dict_cfg: DictConfig) -> RunInfo:
         found = OmegaConf.select(dict_cfg, key, default=None) if "@" not in key else None
         plain = isinstance(found, (bool, int, float, str)) and value != redact.REDACTED
         swept[key] = found if plain else value
-    return RunInfo(output_dir, name, group, config, overrides=overrides, swept=swept)
+    sweep_dir = Path(hc.sweep.dir).absolute() if multirun else None
+    return RunInfo(output_dir, name, group, config, overrides, swept, sweep_dir)
 
 
 def spawn(
@@ -268,16 +270,18 @@ def spawn(
             results = elastic_launch(config, worker)(target, cfg, run, args, log_stem)
     except SignalException as e:
         how = f"stopped on {signal_name(e.sigval)}"
-        raise Preempted(e.sigval, stopped_line(how, run.output_dir)) from None
+        raise Preempted(e.sigval, stopped_line(how, run.output_dir, run.sweep_dir)) from None
     except KeyboardInterrupt:
         # Ctrl-C before the agent handles signals: it stops its workers on its way out.
-        raise Preempted(signal.SIGINT, stopped_line("stopped on SIGINT", run.output_dir)) from None
+        raise Preempted(
+            signal.SIGINT, stopped_line("stopped on SIGINT", run.output_dir, run.sweep_dir)
+        ) from None
     except ChildFailedError as e:
         status = stop_status(f.exitcode for f in e.failures.values())
         if status is not None:  # the workers themselves were signalled and stopped cleanly
             signum = status - 128
             how = f"the workers stopped on {signal_name(signum)}"
-            raise Preempted(signum, stopped_line(how, run.output_dir)) from None
+            raise Preempted(signum, stopped_line(how, run.output_dir, run.sweep_dir)) from None
         exit_codes = {rank: f.exitcode for rank, f in e.failures.items()}
         raise worker_failed(exit_codes, errors, Path(run.output_dir), log_stem) from None
     finally:
@@ -290,7 +294,7 @@ def spawn(
     return results[0]
 
 
-def stopped_line(how: str, output_dir: Any) -> str:
+def stopped_line(how: str, output_dir: Any, sweep_dir: Any = None) -> str:
     """The line for a job stopped by a signal outside the loop: how to resume, if it can."""
     newest = checkpoint.latest(Path(output_dir))
     if newest is None:
@@ -299,8 +303,8 @@ def stopped_line(how: str, output_dir: Any) -> str:
             "command starts again from step 0"
         )
     return (
-        f"{how}: re-run the same command with {run_dir_override(output_dir)} to resume "
-        f"from its newest checkpoint ({newest.name})"
+        f"{how}: {rerun(output_dir, sweep_dir)} to resume from its newest checkpoint "
+        f"({newest.name})"
     )
 
 

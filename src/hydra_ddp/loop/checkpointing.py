@@ -15,6 +15,7 @@ from hydra_ddp.checkpoint import Checkpointer, checkpoint_dir, resolve_resume, s
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
+from hydra_ddp.disk import before
 from hydra_ddp.distributed import DistEnv, all_gather_objects
 from hydra_ddp.errors import UserError
 from hydra_ddp.loop.evaluation import Monitor, monitor_key
@@ -51,9 +52,7 @@ def set_aside_checkpoints(folder: Path) -> None:
     is deleted), so the new run's rotation and a later resume see only its own."""
     if not folder.is_dir() or not any(folder.iterdir()):
         return
-    n = 1
-    while (aside := folder.with_name(f"checkpoints.before-{n}")).exists():
-        n += 1
+    aside = before(folder)
     folder.rename(aside)
     log.warning(
         "trainer.resume=never: the checkpoints already in %s were moved to %s", folder, aside

@@ -9,7 +9,7 @@ import statistics
 import warnings
 from typing import Any, Sequence
 
-from hydra_ddp.rundir.sweep_jobs import aligned, cell
+from hydra_ddp.rundir.sweep_jobs import aligned, cell, scored
 
 LEVEL = 0.95  # the confidence of each interval
 ALPHA = 0.05  # the tests' level, two-sided
@@ -29,7 +29,8 @@ def summarise(
     entries = groups(jobs, seed_keys, mode)
     best = entries[0] if entries and entries[0]["best"] else None
     for job in jobs:
-        job["best"] = best is not None and job["job"] in best["jobs"]
+        # Of the best group, the jobs its figures come from: not a failed or pruned one.
+        job["best"] = best is not None and job["job"] in best["jobs"] and scored(job)
     comparison = compare(*entries[:2]) if best is not None and len(entries) > 1 else None
     report = {"monitor": monitor, "mode": mode, "seed_keys": seed_keys, "groups": entries,
               "comparison": comparison, "jobs": jobs}  # fmt: skip
@@ -48,26 +49,28 @@ def groups(jobs: list[dict[str, Any]], seed_keys: Sequence[str], mode: str) -> l
         members.setdefault(config, []).append(job)
     entries = []
     for config, group in members.items():
-        # Only finished jobs count: a pruned job's value is from an earlier step.
-        scored = [j for j in group if j["status"] == "ok" and j["objective"] is not None]
-        names = sorted({n for j in scored for n in j["metrics"]})
+        scored_jobs = [j for j in group if scored(j)]
+        names = sorted({n for j in scored_jobs for n in j["metrics"]})
         entries.append(
             {
                 "group": " ".join(f"{k}={v}" for k, v in config) or "(one configuration)",
                 "overrides": dict(config),
-                **describe([j["objective"] for j in scored]),
+                **describe([j["objective"] for j in scored_jobs]),
                 # `0`; `0,1` for two seed keys.
                 "seeds": [
                     ",".join(str(j["overrides"][k]) for k in seed_keys if k in j["overrides"])
-                    for j in scored
+                    for j in scored_jobs
                 ],
                 "jobs": [j["job"] for j in group],
-                "unscored": len(group) - len(scored),  # failed, stopped or pruned
+                # failed, stopped, pruned, or no finite objective (diverged)
+                "unscored": len(group) - len(scored_jobs),
                 "metrics": {
-                    name: describe([j["metrics"][name] for j in scored if name in j["metrics"]])
+                    name: describe(
+                        [j["metrics"][name] for j in scored_jobs if name in j["metrics"]]
+                    )
                     for name in names
                 },
-                "objectives": [j["objective"] for j in scored],
+                "objectives": [j["objective"] for j in scored_jobs],
             }
         )
     sign = 1 if mode == "min" else -1
@@ -122,7 +125,10 @@ def compare(best: dict[str, Any], runner_up: dict[str, Any]) -> dict[str, Any]:
     result["test"] = "paired t-test" if paired else "Welch's t-test"
     p = result["paired_p"] if paired else result["welch_p"]
     result["distinguishable"] = bool(p < ALPHA)  # NaN (no difference, no spread): False
-    pooled = math.sqrt((best["std"] ** 2 + runner_up["std"] ** 2) / 2)
+    n_a, n_b = len(a), len(b)
+    pooled = math.sqrt(
+        ((n_a - 1) * best["std"] ** 2 + (n_b - 1) * runner_up["std"] ** 2) / (n_a + n_b - 2)
+    )
     result["seeds_needed"] = seeds_needed(abs(best["mean"] - runner_up["mean"]), pooled)
     result["power_calculation"] = POWER_CALCULATION
     return result
@@ -152,9 +158,9 @@ def comparison_line(comparison: dict[str, Any]) -> str:
     head = f"best vs next: {comparison['best']} vs {comparison['next']}: "
     if "verdict" in comparison:
         return head + comparison["verdict"]
-    tests = [f"Welch's t-test p={comparison['welch_p']:.3g}"]
-    if comparison["paired_p"] is not None:
-        tests.insert(0, f"paired t-test over the same seeds p={comparison['paired_p']:.3g}")
+    tests = [f"Welch's t-test {_p(comparison['welch_p'])}"]
+    if comparison["test"] == "paired t-test":
+        tests.insert(0, f"paired t-test over the same seeds {_p(comparison['paired_p'])}")
     overlap = "overlap" if comparison["intervals_overlap"] else "do not overlap"
     needed = comparison["seeds_needed"]
     seeds = (
@@ -168,6 +174,11 @@ def comparison_line(comparison: dict[str, Any]) -> str:
         + f" at the {ALPHA:.0%} level ({'; '.join(tests)}; the {LEVEL:.0%} intervals {overlap});"
         + f" at the spread seen, {seeds} ({POWER_CALCULATION})"
     )
+
+
+def _p(p: float | None) -> str:
+    # NaN (null in the JSON): both groups gave the same value at every seed.
+    return f"p={p:.3g}" if p is not None and math.isfinite(p) else "p undefined (no difference)"
 
 
 def group_table(entries: list[dict[str, Any]], monitor: str, mode: str) -> list[str]:

@@ -32,9 +32,14 @@ def collect(sweep_dir: Path, keys: list[str], monitor: str, mode: str) -> list[d
     return [job_entry(job, keys, monitor, mode) for job in find_jobs(sweep_dir, journal, started)]
 
 
+def scored(job: dict[str, Any]) -> bool:
+    """Only a finished job's objective counts: a pruned job's value is from an earlier step."""
+    return job["status"] == "ok" and job["objective"] is not None
+
+
 def mark_best(jobs: list[dict[str, Any]], mode: str) -> str:
-    scored = [j for j in jobs if j["status"] == "ok" and j["objective"] is not None]
-    top = (min if mode == "min" else max)(scored, key=lambda j: j["objective"], default=None)
+    ranked = [j for j in jobs if scored(j)]
+    top = (min if mode == "min" else max)(ranked, key=lambda j: j["objective"], default=None)
     for j in jobs:
         j["best"] = j is top
     return f"best {top['objective']:.6g} ({top['job']})" if top else "no job has one"
@@ -139,6 +144,8 @@ def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) 
         except UserError as e:  # a FIFO, say, where the job's record should be
             failure, summary = {"error": str(e)}, {}
         if failure is not None:
+            # A summary.json beside it is an earlier run's in this dir, not this job's figures.
+            summary = {}
             status = str(failure.get("status", "FAILED"))
             detail = str(failure.get("error", failure))
             for value in sorted(secrets, key=len, reverse=True):
@@ -163,7 +170,7 @@ def job_entry(record: dict[str, Any], keys: list[str], monitor: str, mode: str) 
         "overrides": swept,
         "status": status,
         "steps": summary.get("steps"),
-        "monitor": monitor,
+        "monitor": str(summary.get("monitor", monitor)),  # its own, where a swept key set it
         "mode": mode,
         "objective": objective,
         "metrics": {k: v for k, v in summary.items() if k.startswith("val_")},

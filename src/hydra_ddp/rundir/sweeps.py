@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_ddp import redact
-from hydra_ddp.disk import check_regular, open_regular
+from hydra_ddp.disk import before, check_regular, open_regular
 from hydra_ddp.errors import UserError
 from hydra_ddp.launcher_env import JOB_STARTED_ENV, STOP_SIGNALS, launcher_rank
 from hydra_ddp.rundir import claim, jsonfile, seed_groups, sweep_jobs
@@ -98,15 +98,15 @@ class SweepReport(Callback):
         _check_sweep_files(sweep_dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         claim.claim_sweep(sweep_dir)
-        keys = _swept_keys(config)
-        jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, keys, indent=None)
         # A rerun into the same dir starts the journal afresh, with its start time: job dirs
         # not written since are another run's. Not an Optuna sweep: it continues its study.
         journal = sweep_dir / sweep_jobs.JOURNAL
         optuna = "hydra_ddp_optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_"))
         if not (optuna and sweep_jobs.read_journal(journal)[1] is not None):
+            _set_aside_report(sweep_dir)
             start = {"event": "sweep_start", "time": round(time.time(), 3)}
             journal.write_text(json.dumps(start) + "\n")
+        jsonfile.write(sweep_dir / SWEPT_KEYS_FILE, _swept_keys(config), indent=None)
         global _running
         _running = (self, config)
         if "submitit" in str(OmegaConf.select(config, "hydra.launcher._target_", default="")):
@@ -166,7 +166,14 @@ class SweepReport(Callback):
         keys = _swept_keys(config)
         jobs = sweep_jobs.collect(sweep_dir, keys, monitor, mode)
         seeds = [k for k in self.seed_keys if k in keys]
-        if seeds:
+        monitors = sorted({j["monitor"] for j in jobs if sweep_jobs.scored(j)})
+        if len(monitors) > 1:  # e.g. trainer.monitor swept: a loss against an accuracy
+            for job in jobs:
+                job["best"] = False
+            report, more = jobs, []
+            best = f"not ranked: the jobs monitor different metrics ({', '.join(monitors)})"
+            monitor, mode = "trainer.monitor", "per job"
+        elif seeds:
             report, best, more = seed_groups.summarise(jobs, seeds, monitor, mode)
         else:
             report, best, more = jobs, sweep_jobs.mark_best(jobs, mode), []
@@ -191,6 +198,19 @@ class SweepReport(Callback):
             sweep_dir,
             sweep_dir / "plots",
         )
+
+
+def _set_aside_report(sweep_dir: Path) -> None:
+    """An earlier sweep's report in this dir (a stopped one resumed, or another sweep) moves
+    with its journal to sweep.before-<n>/: this sweep writes its own."""
+    if not (sweep_dir / _REPORT).exists():
+        return
+    aside = before(sweep_dir / "sweep")
+    aside.mkdir()
+    for name in (_REPORT, sweep_jobs.JOURNAL, SWEPT_KEYS_FILE):
+        if (sweep_dir / name).exists():
+            (sweep_dir / name).rename(aside / name)
+    log.info("the earlier sweep's report in %s was moved to %s", sweep_dir, aside)
 
 
 def _check_sweep_files(sweep_dir: Path) -> None:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Optional, TextIO
 
-from hydra_ddp.disk import check_regular, open_regular, read_regular
+from hydra_ddp.disk import before, check_regular, open_regular, read_regular
 from hydra_ddp.distributed import DistEnv
 from hydra_ddp.rundir import jsonfile
 from hydra_ddp.tracking import names
@@ -34,9 +34,7 @@ def set_aside_stats(output_dir: Path) -> Optional[Path]:
     folder, summary = Path(output_dir) / "stats", Path(output_dir) / "summary.json"
     if not summary.is_file() and not (folder.is_dir() and any(folder.iterdir())):
         return None
-    n = 1
-    while (aside := folder.with_name(f"stats.before-{n}")).exists():
-        n += 1
+    aside = before(folder)
     if folder.is_dir():
         folder.rename(aside)
     aside.mkdir(exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ class RunInfo:
     overrides: List[str] = field(default_factory=list)  # the job's command-line overrides
     # A sweep's job: each key its sweep varies, with this job's value (a secret's blanked).
     swept: Dict[str, Any] = field(default_factory=dict)
+    sweep_dir: Optional[Path] = None  # a sweep's job: its sweep's dir (a re-run resumes it)
 
 
 class Sink:

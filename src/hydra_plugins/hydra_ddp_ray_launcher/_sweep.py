@@ -301,9 +301,10 @@ def _stopped(launcher: Any, jobs: list[RayJob], returns: dict[int, JobReturn], s
     launcher.hydra_context.callbacks.on_multirun_end(config=launcher.config)
     _stop_ray()
     log.warning(
-        "sweep stopped on %s: re-run each stopped job with its hydra.run.dir (see its log) to "
-        "resume from its checkpoint",
+        "sweep stopped on %s: re-run it with the same hydra.sweep.dir (%s) to resume each "
+        "stopped job from its checkpoint",
         signal.Signals(signum).name,
+        os.path.abspath(str(launcher.config.hydra.sweep.dir)),
     )
     sys.exit(128 + signum)
 
