@@ -239,3 +239,77 @@ def test_a_resume_that_changes_which_rows_are_training_rows_says_how_many(
     assert "step_00000003.pt was trained on another split" in line
     assert "data.split_seed=0 then, 5 now" in line, line
     assert f": {trained} of its val/test rows are training rows now and {held} of its " in line
+
+
+def test_a_run_started_from_a_file_continues_from_its_own_checkpoints(
+    tmp_path: Path, caplog
+) -> None:
+    """`trainer.resume=<another run's file> hydra.run.dir=b`, stopped, then the same command
+    again (the stop line's advice, a requeue): it continues b, where it went back to the file,
+    retrained, and the rotation (highest steps kept) deleted b's new checkpoints as written."""
+    first = tmp_path / "a"
+    train_here(first, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
+    start = f"trainer.resume={first / 'checkpoints' / 'step_00000004.pt'}"
+    run = tmp_path / "b"
+    train_here(run, *FAST, start, "trainer.max_steps=8", "trainer.ckpt_interval=2")
+    with caplog.at_level(logging.INFO):
+        done = train_here(run, *FAST, start, "trainer.max_steps=12", "trainer.ckpt_interval=2")
+    assert done["steps_this_run"] == 4, done  # steps 9-12 only
+    assert any("starts this run only" in r.message and "step_00000008" in r.message
+               for r in caplog.records)  # fmt: skip
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_00000010.pt", "step_00000012.pt"
+    ]  # fmt: skip
+
+
+def test_going_back_to_an_earlier_checkpoint_of_the_run_keeps_the_later_ones(
+    tmp_path: Path, caplog
+) -> None:
+    """`trainer.resume=<this run's step 4>` in a run that reached step 8: the later ones move
+    to checkpoints.before-1/, or the rotation would delete each new checkpoint as written."""
+    run = tmp_path / "run"
+    train_here(run, *FAST, "trainer.max_steps=8", "trainer.ckpt_interval=2", "trainer.keep_ckpts=3")
+    back = f"trainer.resume={run / 'checkpoints' / 'step_00000004.pt'}"
+    with caplog.at_level(logging.WARNING):
+        done = train_here(run, *FAST, back, "trainer.max_steps=10", "trainer.ckpt_interval=2",
+                          "trainer.keep_ckpts=3")  # fmt: skip
+    assert done["steps_this_run"] == 6, done
+    assert sorted(p.name for p in (run / "checkpoints.before-1").iterdir()) == [
+        "step_00000006.pt", "step_00000008.pt"
+    ]  # fmt: skip
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [
+        "step_00000006.pt", "step_00000008.pt", "step_00000010.pt"
+    ]  # fmt: skip
+    assert any("2 later checkpoint(s) of this run were moved" in r.message for r in caplog.records)
+
+
+def test_weights_from_the_runs_own_checkpoints_with_resume_never_are_refused_first(
+    tmp_path: Path,
+) -> None:
+    """resume=never moves the run's checkpoints aside, so init_from could no longer read the
+    file it names (the run dir was left with its checkpoints moved and no new run)."""
+    from hydra_ddp.errors import UserError
+
+    run = tmp_path / "run"
+    train_here(run, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    for weights in (run / "checkpoints" / "step_00000004.pt", run):
+        with pytest.raises(UserError, match="is in this run's checkpoints, which trainer.resume"):
+            train_here(run, *FAST, "trainer.resume=never", f"trainer.init_from={weights}")
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+
+
+def test_a_re_run_that_only_evaluates_writes_no_made_up_loss(tmp_path: Path, caplog) -> None:
+    """Killed after its last checkpoint and before summary.json: the re-run evaluates and
+    writes the summary; it trained no step, so its loss and rate are null, with no
+    'not finite' warning that would say the run diverged."""
+    run = tmp_path / "run"
+    first = train_here(run, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
+    (run / "summary.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        again = train_here(run, *FAST, "trainer.max_steps=4", "trainer.ckpt_interval=2")
+    assert (again["steps"], again["steps_this_run"]) == (4, 0)
+    assert again["train_loss"] is None and again["samples_per_s"] is None
+    assert again["val_loss"] == pytest.approx(first["val_loss"])
+    assert not any("not finite" in r.message for r in caplog.records)
+    assert json.loads((run / "summary.json").read_text())["train_loss"] is None

@@ -128,7 +128,8 @@ class Checkpointer:
             )
             raise UserError(
                 f"{path} is a checkpoint of {made_by} run: resume it with ddp={wrapper}, or start "
-                f"from its weights with trainer.init_from={path} and trainer.resume=never"
+                f"a run from its weights in a new dir: trainer.init_from={path} "
+                "hydra.run.dir=<a new dir>"
             )
         self._restore(Path(path))
 

@@ -95,7 +95,20 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
     if resume == "never":
         return None
     if resume != "auto":
-        return named(resume, "trainer.resume")
+        path = named(resume, "trainer.resume")
+        own = checkpoint_dir(output_dir).resolve()
+        if path.resolve().parent != own and (newest := latest(output_dir)) is not None:
+            # The same command run again (the stop line's advice, a requeue) continues this
+            # run: going back to its start would retrain, and rotate the run's own away.
+            log.info(
+                "trainer.resume=%s starts this run only: %s has checkpoints of its own, "
+                "resuming from its newest (%s)",
+                resume,
+                output_dir,
+                newest.name,
+            )
+            return newest
+        return path
     found, damaged = latest(output_dir), [p for _, p in steps(checkpoint_dir(output_dir))]
     if found is None and damaged:
         raise refuse(

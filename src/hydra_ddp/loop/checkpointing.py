@@ -13,6 +13,7 @@ import torch
 from hydra_ddp import tracking
 from hydra_ddp.checkpoint import Checkpointer, checkpoint_dir, resolve_resume, state
 from hydra_ddp.checkpoint.dcp import DCPCheckpointer
+from hydra_ddp.checkpoint.reader import steps
 from hydra_ddp.config import TrainConfig
 from hydra_ddp.data import epoch_rows
 from hydra_ddp.disk import before
@@ -39,11 +40,25 @@ def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console)
             f"{folder} exists but is not a directory, so no checkpoint could be "
             "saved: move it away, or choose another hydra.run.dir"
         )
+    init_from = Path(cfg.trainer.init_from or "").resolve()
+    inside = init_from == Path(run.output_dir).resolve() or folder.resolve() in (
+        init_from,
+        *init_from.parents,
+    )
+    if cfg.trainer.resume == "never" and cfg.trainer.init_from and inside:
+        raise UserError(  # before anything moves: its weights would move away with the rest
+            f"trainer.init_from={cfg.trainer.init_from} is in this run's checkpoints, which "
+            "trainer.resume=never moves to checkpoints.before-<n>/: start the new run in another "
+            "hydra.run.dir"
+        )
     with console.said_by_main("hydra_ddp.checkpoint.reader"):  # "skipping <damaged>": once
         found = resolve_resume(cfg.trainer.resume, run.output_dir)
     if cfg.trainer.resume == "never" and env.is_main:
         set_aside_checkpoints(folder)
         tracking.set_aside_stats(run.output_dir)  # the stats files and summary.json
+    elif cfg.trainer.resume != "auto" and found is not None and env.is_main:
+        if found.parent.resolve() == folder.resolve():  # one of its own, named: going back
+            set_aside_later_checkpoints(folder, found)
     return found
 
 
@@ -56,6 +71,26 @@ def set_aside_checkpoints(folder: Path) -> None:
     folder.rename(aside)
     log.warning(
         "trainer.resume=never: the checkpoints already in %s were moved to %s", folder, aside
+    )
+
+
+def set_aside_later_checkpoints(folder: Path, found: Path) -> None:
+    """Resuming from an earlier checkpoint of this run (trainer.resume=<one of its own>): its
+    later ones move to checkpoints.before-<n>/, or the rotation, which keeps the highest steps,
+    would delete each new checkpoint as it is written."""
+    taken = next((step for step, path in steps(folder) if path.resolve() == found.resolve()), None)
+    later = [path for step, path in steps(folder) if taken is not None and step > taken]
+    if not later:
+        return
+    aside = before(folder)
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    log.warning(
+        "resuming from %s: the %d later checkpoint(s) of this run were moved to %s",
+        found.name,
+        len(later),
+        aside,
     )
 
 

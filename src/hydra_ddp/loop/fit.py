@@ -284,13 +284,16 @@ def _summary(loop: Loop, start_step: int, wall: float, val: dict, test: dict) ->
     ranks = all_gather_floats(
         [stats.total_samples, stats.last_loss, data.rows_held, data.bytes_held, state], env
     )
+    # A re-run that only evaluated (killed after its last checkpoint, before its summary) has
+    # no training loss or rate of its own: null, not a NaN that reads as a diverged run.
+    trained = pos.step > start_step
     summary: dict[str, Any] = {
         "world_size": env.world_size,
         "steps": pos.step,
         "steps_this_run": pos.step - start_step,
         "epochs": pos.epoch + (pos.batch_in_epoch / max(job.micro_batches_per_epoch, 1)),
-        "train_loss": sum(r[1] for r in ranks) / env.world_size,
-        f"{unit}_per_s": sum(r[0] for r in ranks) / max(wall, 1e-9),
+        "train_loss": sum(r[1] for r in ranks) / env.world_size if trained else None,
+        f"{unit}_per_s": sum(r[0] for r in ranks) / max(wall, 1e-9) if trained else None,
         "wall_time_s": wall,
         "rows_held_per_rank": [int(r[2]) for r in ranks],
         "state_bytes_per_rank": [int(r[4]) for r in ranks],
