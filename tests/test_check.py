@@ -66,6 +66,7 @@ def test_refusals_and_a_failed_check_in_process(
     for argv, said in (
         (["--only", "rows,speed"], "error: --only speed: no such check; the checks: "),
         (["--steps", "1"], "error: --steps 1: at least 2"),
+        (["--only", "resume", "--skip", "resume"], "error: --only resume --skip resume leaves no"),
         (["trainer.batch_sise=3"], "error: "),
     ):
         assert _main(monkeypatch, *argv) == 2, argv

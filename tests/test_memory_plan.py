@@ -176,6 +176,25 @@ def test_device_memory_sizes():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
 
 
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--ranks", "0"], "error: --ranks 0: give the number of ranks, 1 or more"),
+        (["--ranks", "-3"], "error: --ranks -3: give the number of ranks, 1 or more"),
+        (["--device-mem", "0"], "error: --device-mem '0' is no memory: give e.g. 16GiB"),
+        (["--device-memory", "16GiB"], "error: --device-memory is not an option: the options"),
+    ],
+)
+def test_the_plans_options_refuse_what_plans_nothing(args, line, capsys):
+    """A plan for no ranks or no memory printed a table (exit 0); a misspelt option reached
+    Hydra as an override it could not parse."""
+    from hydra_ddp.plan import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
+
+
 # The ranks' jobs: text_gpt without its SampleText (under fsdp2 its rank-0-only forward is a
 # collective that rank 1 never joins: gloo aborts at the end of the run).
 ON_TWO_RANKS = {

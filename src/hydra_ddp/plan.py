@@ -44,7 +44,10 @@ def parse_bytes(text: str) -> int:
         raise UserError(
             f"--device-mem {text!r} is not a size: give e.g. 16GiB, 80G or 512MiB"
         )  # fmt: skip
-    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+    size = int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+    if size <= 0:
+        raise UserError(f"--device-mem {text!r} is no memory: give e.g. 16GiB, 80G or 512MiB")
+    return size
 
 
 def device_memory(given: str | None) -> tuple[int | None, str]:
@@ -103,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, help="ranks to plan for (default: the config's)")
     args, overrides = parser.parse_known_args(argv)
     try:
+        unknown = [o for o in overrides if o.startswith("-")]
+        if unknown:  # Hydra would read it as an override it cannot parse
+            raise UserError(f"{unknown[0]} is not an option: the options are --device-mem, --ranks")
+        if args.ranks is not None and args.ranks < 1:
+            raise UserError(f"--ranks {args.ranks}: give the number of ranks, 1 or more")
         mem, mem_from = device_memory(args.device_mem)
         cfg = compose_typed(None, "train", overrides)
         ranks = args.ranks

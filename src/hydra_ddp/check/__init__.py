@@ -179,7 +179,10 @@ def _wanted(only: str | None, skip: str | None) -> list[str]:
         if set(names) - set(CHECKS):
             wrong = sorted(set(names) - set(CHECKS))[0]
             raise UserError(f"{flag} {wrong}: no such check; the checks: {', '.join(CHECKS)}")
-    return [n for n in CHECKS if (not only or n in lists[0]) and n not in lists[1]]
+    wanted = [n for n in CHECKS if (not only or n in lists[0]) and n not in lists[1]]
+    if not wanted:  # an empty table and exit 0 would read as a pass
+        raise UserError(f"--only {only} --skip {skip} leaves no check to run")
+    return wanted
 
 
 def _plan(args: argparse.Namespace, config_path: str | Path | None, config_name: str) -> CheckPlan:
