@@ -324,6 +324,9 @@ def _build_job(*overrides: str) -> None:
             ],
         ),
         (["+optim.momentum=0.9"], ["optim.momentum is not an argument of torch.optim.AdamW"]),
+        # Another kind than the annotation says: the key and the type, not torch's words.
+        (["model.hidden=abc"], ["model.hidden='abc' is not allowed", "takes hidden: int"]),
+        (["model.dropout=true"], ["model.dropout=True is not allowed", "dropout: float"]),
         # A model that does not fit the data: what it needs, and what the data provides.
         (
             ["model=gpt"],

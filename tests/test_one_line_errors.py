@@ -80,3 +80,22 @@ def test_a_component_whose_library_is_missing_says_what_to_install() -> None:
         ("transformers", "transformers"),
     ]:
         assert f'pip install -e ".[{extra}]"' in str(needs_package("x", module))
+
+
+def test_a_sweep_under_torchrun_is_refused_before_any_rank_takes_the_sweep_dir(
+    tmp_path: Path,
+) -> None:
+    """Every rank would start the sweep and race for its dir (the loser said the dir was in
+    use, the winner left a half-made job): the command line is refused on every rank first."""
+    sweep = f"hydra.sweep.dir={tmp_path / 'sw'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "hydra_ddp.train", "-m", "model=mlp,cnn", sweep]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=user_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    refusals = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert refusals == ["error: a sweep (-m) under torchrun would run the whole sweep on every "
+                        "rank: run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` "
+                        "instead"] * 2, proc.stderr[-3000:]  # fmt: skip
+    assert "in use" not in proc.stderr and not (tmp_path / "sw").exists()

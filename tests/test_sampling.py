@@ -542,6 +542,25 @@ def test_a_policy_argument_out_of_range_is_refused_naming_its_key() -> None:
         check_sampling(source, cfg.sampler, 2, 64)
 
 
+@pytest.mark.parametrize(
+    "override", ["sampler.shuffle=no", "sampler.drop_last=off", "sampler.rotate=yes"]
+)
+def test_a_switch_given_as_text_is_refused_not_read_as_on(override: str) -> None:
+    """Hydra reads `no`, `off` and `yes` as text, and `bool("no")` is True: the switch would
+    have been on whatever was meant."""
+    from helpers.inproc import typed
+
+    from hydra_ddp.data import Digits, check_sampling
+    from hydra_ddp.errors import UserError
+
+    key, value = override.split("=")
+    cfg = typed("sampler=sharded", override)
+    with pytest.raises(UserError) as info:
+        check_sampling(Digits(0.15, 0.15, 0), cfg.sampler, 2, 64)
+    assert str(info.value).startswith(f"{key}='{value}' is not allowed: ")
+    assert str(info.value).endswith(f"takes {key.split('.')[1]}: bool (give true or false)")
+
+
 def test_a_target_that_is_no_policy_is_refused_in_one_line() -> None:
     from hydra_ddp.data.policies import build_policy
     from hydra_ddp.errors import UserError

@@ -13,13 +13,14 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import logging
 import re
 from typing import Any, Mapping
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 
-from hydra_ddp.errors import UserError, needs_package
+from hydra_ddp.errors import UserError, check, needs_package  # noqa: F401 (check: a component's own)
 
 
 def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtime: Any) -> Any:
@@ -32,6 +33,8 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
             f"(conf/{key.split('.')[0]}/*.yaml), or set {key}._target_=<class>"
         )
     target = cfg["_target_"]
+    hydra_log = logging.getLogger("hydra.utils")
+    quiet, hydra_log.disabled = hydra_log.disabled, True  # it logs the error it then raises
     try:
         obj = get_object(target)
     except Exception as e:
@@ -40,6 +43,8 @@ def build(cfg: Mapping[str, Any], key: str, _as_function: bool = False, **runtim
             f"{key}._target_={target!r} cannot be imported: "
             + " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         ) from None
+    finally:
+        hydra_log.disabled = quiet
     given = {k for k in cfg if not (k.startswith("_") and k.endswith("_"))}
     if _as_function and (inspect.isfunction(obj) or inspect.isbuiltin(obj)):
         return functools.partial(obj, **{k: cfg[k] for k in given}) if given else obj
@@ -99,6 +104,9 @@ def _arguments(
             f"{key}.{unknown[0]} is not an argument of {target}: it accepts {accepted}"
             + _merged_hint(key, unknown, names)
         )
+    for p in params:
+        if p.name in given:
+            _check_kind(key, target, p, cfg[p.name])
     passed = {k: v for k, v in runtime.items() if k in names and k not in given}
     missing = [
         p.name
@@ -110,11 +118,12 @@ def _arguments(
     ]
     if missing:
         offered = ", ".join(sorted(runtime)) or "nothing"
+        group = key.split(".")[0]
+        other = "a model that fits this data" if group == "model" else f"another {group} choice"
         raise UserError(
             f"{key} ({target}) needs {', '.join(missing)}, which neither the "
             f"config nor the template provides here (it provides {offered}): "
-            f"set {key}.{missing[0]}=..., or pick a {key.split('.')[0]} that "
-            "fits this data"
+            f"set {key}.{missing[0]}=..., or pick {other}"
         )
     return passed
 
@@ -131,6 +140,27 @@ def _merged_hint(key: str, unknown: list[str], names: list[str]) -> str:
         f"defaults, or a conf/{key}/<name>.yaml of its own chosen with {key}=<name>, or drop "
         f"each on the command line: ~{key}.{unknown[0]}"
     )
+
+
+# What a value given for an argument annotated with one of these must be (bool is an int).
+_KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _check_kind(key: str, target: str, p: inspect.Parameter, value: Any) -> None:
+    """A value of another kind than the argument's annotation says (`rotate=no`, `width=abc`:
+    Hydra reads both as text) refused before the call, where `bool("no")` is True and a text
+    width fails deep in torch without the key."""
+    hint = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+    hint = hint.removesuffix(" | None").removeprefix("Optional[").removesuffix("]")
+    kinds = _KINDS.get(hint)
+    if value is None or kinds is None or (isinstance(value, str) and "${" in value):
+        return
+    if not isinstance(value, kinds) or (isinstance(value, bool) and hint != "bool"):
+        example = "true or false" if hint == "bool" else f"a {hint}"
+        raise UserError(
+            f"{key}.{p.name}={value!r} is not allowed: {target} takes {p.name}: {hint} "
+            f"(give {example})"
+        )
 
 
 def _text_for_a_number(key: str, target: str, cfg: Mapping[str, Any], obj: Any) -> None:
@@ -163,10 +193,3 @@ def _name_keys(message: str, key: str, names: set[str]) -> str:
             rf"(?<![\w.]){re.escape(name)}(?=\s*[=+<>]|\s+must)", f"{key}.{name}", message
         )
     return message
-
-
-def check(ok: bool, name: str, allowed: str, value: object) -> None:
-    """For a component's own argument checks: `check(hidden > 0, "hidden", "> 0", hidden)`
-    raises a ValueError that `build` reports under the argument's config key."""
-    if not ok:
-        raise ValueError(f"{name}={value!r} is not allowed: {name} must be {allowed}")

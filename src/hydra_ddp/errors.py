@@ -89,6 +89,13 @@ def exit_code(e: Exception, log: logging.Logger) -> int:
     return 1
 
 
+def sweep_under_torchrun() -> UserError:
+    return UserError(
+        "a sweep (-m) under torchrun would run the whole sweep on every rank: "
+        "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead"
+    )
+
+
 def too_big_for_cluster(
     kind: str, need: float, most: float, job_num: int, nproc: int, where: str
 ) -> UserError:
@@ -100,3 +107,11 @@ def too_big_for_cluster(
         f"hydra.launcher.{key}) but no node of {where} has more than {most:g}: lower "
         f"dist.nproc_per_node or hydra.launcher.{key}, or add a node with {need:g} {kind}(s)"
     )
+
+
+def check(ok: bool, name: str, allowed: str, value: object) -> None:
+    """For a component's own argument checks: `check(hidden > 0, "hidden", "> 0", hidden)`
+    raises a ValueError that `build` reports under the argument's config key. Here, not in
+    components.py, as an exported model's module imports it: loading an export needs no Hydra."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: {name} must be {allowed}")

@@ -9,8 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hydra_ddp.components import check
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check
 
 
 class CrossEntropy(nn.Module):

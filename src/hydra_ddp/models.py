@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hydra_ddp.components import check
+from hydra_ddp.errors import check
 
 
 class MLP(nn.Module):

@@ -13,8 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from hydra_ddp.components import check
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from hydra_ddp.components import build, check
+from hydra_ddp.components import build
 from hydra_ddp.data.sampling import EpochSampler, ShardedSampler, StridedSampler, _check_int
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check
 from hydra_ddp.protocols import Ranges
 
 

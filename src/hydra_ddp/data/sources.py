@@ -12,11 +12,10 @@ from typing import Any, Sequence
 import numpy as np
 from torch.utils.data import Dataset, Subset
 
-from hydra_ddp.components import check
 from hydra_ddp.data.datasets import SPLITS, Origin, Rows, TokenWindows, _describe
 from hydra_ddp.data.split_record import ranges_of
 from hydra_ddp.disk import check_regular
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check
 from hydra_ddp.protocols import Ranges
 
 

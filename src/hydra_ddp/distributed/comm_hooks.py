@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from hydra_ddp.components import build, check
+from hydra_ddp.components import build
 from hydra_ddp.config import COMM_HOOKS
-from hydra_ddp.errors import UserError
+from hydra_ddp.errors import UserError, check
 
 
 class CommHook:

@@ -74,6 +74,12 @@ def export(
             (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=str) + "\n")
         if tokens:
             (tmp / VOCAB).write_text(json.dumps({"tokens": tokens}, ensure_ascii=False) + "\n")
+        # safetensors writes its file for its owner only: an export is for others to load too.
+        umask = os.umask(0)
+        os.umask(umask)
+        for made in tmp.iterdir():
+            if made.is_file():
+                made.chmod(0o666 & ~umask)
         swap_into_place(tmp, out)
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)

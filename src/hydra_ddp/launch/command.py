@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hydra_ddp import redact
 from hydra_ddp.config import TrainConfig, register_configs
-from hydra_ddp.errors import UserError, first_line, no_such_key
+from hydra_ddp.errors import UserError, first_line, no_such_key, sweep_under_torchrun
 from hydra_ddp.launch import interrupt
 from hydra_ddp.launcher_env import launcher_rank, torchrun_worker, under_launcher
 from hydra_ddp.rundir import claim, sweeps
@@ -139,6 +139,9 @@ def check_command_line(argv: list[str], conf_dirs: list[Path], choices: bool = T
     """Exit 2 with one line at the first override refused. `conf_dirs`: the config dirs the
     job composes from; `choices`: they are all (no `pkg://`), so choices can be checked."""
     try:
+        if torchrun_worker() and any(a in ("-m", "--multirun") for a in argv):
+            # Every rank would start the sweep and race for its dir: refused before that.
+            raise sweep_under_torchrun()
         _check_run_dir(argv)
         parsed = _parse([a for a in argv if not a.startswith("-") and ("=" in a or a[:1] == "~")])
         groups = _groups(conf_dirs)

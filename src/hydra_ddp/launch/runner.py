@@ -35,7 +35,7 @@ from hydra_ddp.distributed.env import env_from_environ, share_cpus_in_submitit_t
 from hydra_ddp.distributed.failures import one_line, worker_failed, write_rank_error
 from hydra_ddp.distributed.preemption import Preempted, rerun, signal_name
 from hydra_ddp.distributed.torchrun import AGENT_LOGS, drop_stop_notes, stop_status
-from hydra_ddp.errors import UserError, config_error, exit_code
+from hydra_ddp.errors import UserError, config_error, exit_code, sweep_under_torchrun
 from hydra_ddp.launch import interrupt
 from hydra_ddp.launcher_env import (
     AGENT_SIGNALS,
@@ -72,11 +72,8 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
         interrupt.let_through()  # a Ctrl-C held while this module imported (command.hydra_entry)
         run = run_info(dict_cfg)
         cfg = to_typed(dict_cfg)
-        if multirun and torchrun_worker():
-            raise UserError(
-                "a sweep (-m) under torchrun would run the whole sweep on every rank: "
-                "run `python -m hydra_ddp.train -m dist.nproc_per_node=N ...` instead"
-            )
+        if multirun and torchrun_worker():  # set in a YAML (hydra.mode): the command line's
+            raise sweep_under_torchrun()  # -m is refused before Hydra starts
         if cfg.dist.nproc_per_node > 1 and not under_launcher():
             preflight(cfg, cfg.dist.nproc_per_node)
             summary = spawn(cfg, run, train_fn)
