@@ -108,3 +108,22 @@ def test_a_bad_comm_hook_of_the_users_fails_once_in_the_launching_process() -> N
     with pytest.raises(UserError, match=r"^ddp\.comm_hook\._target_=collections\.Counter built"):
         preflight(cfg, world_size=2)
     preflight(typed("ddp=powersgd", "ddp.powersgd_start_iter=2"), world_size=2)
+
+
+def test_a_one_process_run_checks_the_hook_it_does_not_use(tmp_path: Path) -> None:
+    """One process trains unwrapped, so a typo'd hook passed unseen until the first run on
+    several ranks: it is refused where it is typed, in one line."""
+    import subprocess
+    import sys
+
+    from conftest import user_env
+
+    run = f"hydra.run.dir={tmp_path / 'run'}"
+    cmd = [sys.executable, "-m", "hydra_ddp.train", *FAST, "trainer.max_steps=1",
+           "ddp.comm_hook={_target_:nowhere.Hook}", run]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=user_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "error: " in line]
+    assert len(errors) == 1 and "ddp.comm_hook._target_='nowhere.Hook' cannot be" in errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()

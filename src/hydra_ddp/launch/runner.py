@@ -78,6 +78,11 @@ def run_composed(dict_cfg: DictConfig, train_fn: TrainFn) -> float:
             preflight(cfg, cfg.dist.nproc_per_node)
             summary = spawn(cfg, run, train_fn)
         else:
+            if cfg.ddp.wrapper == Wrapper.ddp and not under_launcher():
+                # One process trains unwrapped: a hook's typo is said now, not first on N ranks.
+                comm_hooks.build_comm_hook(
+                    cfg.ddp.comm_hook, cfg.ddp.powersgd_rank, cfg.ddp.powersgd_start_iter, "cpu"
+                )
             export_submitit_env()
             share_cpus_in_submitit_task(HydraConfig.get().launcher.get("cpus_per_task"))
             summary = train_fn(cfg, env_from_environ(cfg.dist), run)
