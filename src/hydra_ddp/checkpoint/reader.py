@@ -95,11 +95,12 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
     if resume == "never":
         return None
     if resume != "auto":
-        path = named(resume, "trainer.resume")
-        own = checkpoint_dir(output_dir).resolve()
-        if path.resolve().parent != own and (newest := latest(output_dir)) is not None:
+        given = Path(resume).resolve()
+        own = Path(output_dir).resolve() in (given, *given.parents)
+        if not own and (newest := latest(output_dir)) is not None:
             # The same command run again (the stop line's advice, a requeue) continues this
-            # run: going back to its start would retrain, and rotate the run's own away.
+            # run: going back to its start would retrain, and rotate the run's own away. The
+            # file it started from is not read again (it may be gone by then).
             log.info(
                 "trainer.resume=%s starts this run only: %s has checkpoints of its own, "
                 "resuming from its newest (%s)",
@@ -108,7 +109,7 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
                 newest.name,
             )
             return newest
-        return path
+        return named(resume, "trainer.resume")
     found, damaged = latest(output_dir), [p for _, p in steps(checkpoint_dir(output_dir))]
     if found is None and damaged:
         raise refuse(

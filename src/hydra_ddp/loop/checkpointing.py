@@ -40,17 +40,15 @@ def resume_point(cfg: TrainConfig, env: DistEnv, run: RunInfo, console: Console)
             f"{folder} exists but is not a directory, so no checkpoint could be "
             "saved: move it away, or choose another hydra.run.dir"
         )
-    init_from = Path(cfg.trainer.init_from or "").resolve()
-    inside = init_from == Path(run.output_dir).resolve() or folder.resolve() in (
-        init_from,
-        *init_from.parents,
-    )
-    if cfg.trainer.resume == "never" and cfg.trainer.init_from and inside:
-        raise UserError(  # before anything moves: its weights would move away with the rest
-            f"trainer.init_from={cfg.trainer.init_from} is in this run's checkpoints, which "
-            "trainer.resume=never moves to checkpoints.before-<n>/: start the new run in another "
-            "hydra.run.dir"
-        )
+    if cfg.trainer.resume == "never" and cfg.trainer.init_from:
+        weights = Path(cfg.trainer.init_from).resolve()
+        run_dir, ckpts = Path(run.output_dir).resolve(), folder.resolve()
+        if weights in (run_dir, ckpts) or ckpts in weights.parents:
+            raise UserError(  # before anything moves: its weights would move away with the rest
+                f"trainer.init_from={cfg.trainer.init_from} is in this run's checkpoints, which "
+                "trainer.resume=never moves to checkpoints.before-<n>/: start the new run in "
+                "another hydra.run.dir"
+            )
     with console.said_by_main("hydra_ddp.checkpoint.reader"):  # "skipping <damaged>": once
         found = resolve_resume(cfg.trainer.resume, run.output_dir)
     if cfg.trainer.resume == "never" and env.is_main:
@@ -78,8 +76,9 @@ def set_aside_later_checkpoints(folder: Path, found: Path) -> None:
     """Resuming from an earlier checkpoint of this run (trainer.resume=<one of its own>): its
     later ones move to checkpoints.before-<n>/, or the rotation, which keeps the highest steps,
     would delete each new checkpoint as it is written."""
-    taken = next((step for step, path in steps(folder) if path.resolve() == found.resolve()), None)
-    later = [path for step, path in steps(folder) if taken is not None and step > taken]
+    listed = steps(folder)
+    taken = next((step for step, path in listed if path.resolve() == found.resolve()), None)
+    later = [path for step, path in listed if taken is not None and step > taken]
     if not later:
         return
     aside = before(folder)
